@@ -1,0 +1,107 @@
+"""Every error torpor raises on purpose. All derive from :class:`TorporError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentParked",
+    "Busy",
+    "ConfigError",
+    "ConflictError",
+    "CorruptEvent",
+    "EventTooLarge",
+    "ModelError",
+    "RuntimeClosed",
+    "StoreError",
+    "TorporError",
+    "TurnAborted",
+    "UnknownCall",
+    "UnknownConversation",
+]
+
+
+class TorporError(Exception):
+    """Base class of every error torpor raises on purpose."""
+
+
+class ConfigError(TorporError, ValueError):
+    """A configuration value is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class StoreError(TorporError):
+    """The event store failed or was given something it cannot hold."""
+
+
+class CorruptEvent(StoreError):
+    """A stored row does not decode as an event. Never skipped."""
+
+    def __init__(self, conversation_id: str, position: int, detail: str = "") -> None:
+        super().__init__(
+            f"corrupt event at conversation {conversation_id!r} position {position}: {detail}"
+        )
+        self.conversation_id = conversation_id
+        self.position = position
+        self.detail = detail
+
+
+class ConflictError(StoreError):
+    """An append expected a head the conversation no longer has (a second writer won)."""
+
+    def __init__(self, conversation_id: str, expected: int | None, actual: int | None) -> None:
+        super().__init__(
+            f"conversation {conversation_id!r}: expected head {expected}, found {actual}"
+        )
+        self.conversation_id = conversation_id
+        self.expected = expected
+        self.actual = actual
+
+
+class EventTooLarge(StoreError, ValueError):
+    """An event body is larger than the store accepts; nothing was written."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"event body of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class UnknownConversation(TorporError, LookupError):
+    """The conversation has no events."""
+
+
+class UnknownCall(TorporError, LookupError):
+    """``resolve`` named a tool call the agent is not waiting for."""
+
+
+class Busy(TorporError):
+    """The agent's mailbox is full: input was refused, nothing was written."""
+
+
+class AgentParked(TorporError):
+    """The supervisor parked this agent after repeated crashes; an operator must unpark it."""
+
+    def __init__(self, conversation_id: str, cause: str) -> None:
+        super().__init__(f"agent {conversation_id!r} is parked: {cause}")
+        self.conversation_id = conversation_id
+        self.cause = cause
+
+
+class RuntimeClosed(TorporError):
+    """The runtime is not running (not entered yet, or already left)."""
+
+
+class ModelError(TorporError):
+    """The model failed while producing a turn."""
+
+
+class TurnAborted(TorporError):
+    """A turn ended without a final answer; ``reason`` is the logged abort reason."""
+
+    def __init__(self, reason: str, partial_text: str = "", detail: str = "") -> None:
+        super().__init__(f"turn aborted ({reason}){': ' + detail if detail else ''}")
+        self.reason = reason
+        self.partial_text = partial_text
+        self.detail = detail

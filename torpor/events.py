@@ -1,0 +1,173 @@
+"""The log's vocabulary: a msgspec tagged union of conversation events, and its codec.
+
+Bodies are lean on purpose: no usage, latency or audit fields (those go to the
+``model_calls`` table). A body is what the user, the model or a tool said; the
+envelope (:class:`Event`) is where the store put it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+from torpor.errors import CorruptEvent
+
+__all__ = [
+    "AbortReason",
+    "Aborted",
+    "AssistantMessage",
+    "Body",
+    "Event",
+    "Parked",
+    "Resolved",
+    "Suspended",
+    "ToolCall",
+    "ToolResult",
+    "Unparked",
+    "UserMessage",
+    "decode_body",
+    "encode_body",
+    "searchable_text",
+]
+
+
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
+    """One call the model asked for; ``arguments`` is the decoded JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False):
+    text: str
+
+
+class AssistantMessage(msgspec.Struct, tag="assistant", frozen=True, gc=False):
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+class ToolResult(msgspec.Struct, tag="tool_result", frozen=True, gc=False):
+    """The real result of a tool call.
+
+    When the content was too large it was clipped on entry: ``content`` holds a
+    preview and ``artifact`` names the stored full bytes (recall can expand it).
+    """
+
+    call_id: str
+    tool: str
+    content: str
+    is_error: bool = False
+    artifact: str | None = None
+    full_size: int | None = None
+
+
+class Suspended(msgspec.Struct, tag="suspended", frozen=True, gc=False):
+    """The agent waits for outside answers to these tool calls."""
+
+    call_ids: tuple[str, ...]
+    reason: str = ""
+
+
+class Resolved(msgspec.Struct, tag="resolved", frozen=True, gc=False):
+    """An outside answer arrived for ``call_id`` (its ToolResult is logged with it)."""
+
+    call_id: str
+
+
+AbortReason: TypeAlias = Literal["cancelled", "crashed", "model_error", "interrupted", "shutdown"]
+
+
+class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False):
+    """A turn that did not finish, and any text the model had streamed before it died."""
+
+    reason: AbortReason
+    partial_text: str = ""
+    detail: str = ""
+
+
+class Parked(msgspec.Struct, tag="parked", frozen=True, gc=False):
+    """The supervisor gave up restarting this agent; ``cause`` says why."""
+
+    cause: str
+    restarts: int = 0
+
+
+class Unparked(msgspec.Struct, tag="unparked", frozen=True, gc=False):
+    """An operator allowed a parked agent to run again."""
+
+    by: str = "operator"
+
+
+Body: TypeAlias = (
+    UserMessage | AssistantMessage | ToolResult | Suspended | Resolved | Aborted | Parked | Unparked
+)
+
+
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """A body as stored: where (conversation, position), when, in which turn, how big."""
+
+    conversation_id: str
+    position: int
+    turn: int
+    tokens: int
+    created_at: int  # epoch milliseconds
+    body: Body
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.body)
+
+
+_KINDS: dict[type, str] = {
+    cls: cls.__struct_config__.tag  # type: ignore[misc]
+    for cls in (
+        UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked
+    )
+}
+KINDS: frozenset[str] = frozenset(_KINDS.values())
+
+
+def kind_of(body: Body) -> str:
+    """The ``kind`` tag of a body (``user``, ``assistant``, ``tool_result``, …)."""
+    return _KINDS[type(body)]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Body] = msgspec.msgpack.Decoder(Body)
+
+
+def encode_body(body: Body) -> bytes:
+    return _encoder.encode(body)
+
+
+def decode_body(data: bytes, *, conversation_id: str, position: int) -> Body:
+    """Decode one stored body; anything that is not a valid event raises CorruptEvent."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as exc:
+        raise CorruptEvent(conversation_id, position, str(exc)) from exc
+
+
+def searchable_text(body: Body) -> str:
+    """The text full-text search indexes for an event (tool names and arguments included)."""
+    if isinstance(body, UserMessage):
+        return body.text
+    if isinstance(body, AssistantMessage):
+        if not body.tool_calls:
+            return body.text
+        calls = " ".join(
+            f"{c.name} {msgspec.json.encode(c.arguments).decode()}" for c in body.tool_calls
+        )
+        return f"{body.text} {calls}" if body.text else calls
+    if isinstance(body, ToolResult):
+        return f"{body.tool} {body.content}"
+    if isinstance(body, Suspended):
+        return body.reason
+    if isinstance(body, Aborted):
+        return body.partial_text
+    if isinstance(body, Parked):
+        return body.cause
+    return ""

@@ -1,0 +1,75 @@
+"""The Model protocol: a stateless function from a rendered context to a stream.
+
+The runtime re-sends the whole projection every call. A context is a list of
+message structs (never one concatenated string) so the text objects are shared
+with the working set instead of copied. The shape fits OpenAI- and
+Anthropic-style streaming: text deltas, whole tool calls, a final usage report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+import msgspec
+
+from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
+
+__all__ = [
+    "ContextMessage",
+    "Model",
+    "StreamEvent",
+    "SystemMessage",
+    "TextDelta",
+    "ToolCallDelta",
+    "ToolSpec",
+    "Usage",
+]
+
+
+class SystemMessage(msgspec.Struct, tag="system", frozen=True, gc=False):
+    """Instructions and pointer markers: never part of the log, never evicted."""
+
+    text: str
+
+
+ContextMessage: TypeAlias = SystemMessage | UserMessage | AssistantMessage | ToolResult
+
+
+class ToolSpec(msgspec.Struct, frozen=True):
+    """What the model is told about a tool: a name, a description, a JSON schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+class TextDelta(msgspec.Struct, tag="text", frozen=True, gc=False):
+    text: str
+
+
+class ToolCallDelta(msgspec.Struct, tag="tool_call", frozen=True, gc=False):
+    """A complete tool call (adapters assemble provider fragments before yielding)."""
+
+    call: ToolCall
+
+
+class Usage(msgspec.Struct, tag="usage", frozen=True, gc=False):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+StreamEvent: TypeAlias = TextDelta | ToolCallDelta | Usage
+
+
+@runtime_checkable
+class Model(Protocol):
+    """Anything that streams an answer to a rendered context."""
+
+    name: str
+
+    def stream(
+        self, context: Sequence[ContextMessage], tools: Sequence[ToolSpec]
+    ) -> AsyncIterator[StreamEvent]:
+        """Yield text deltas and tool calls, then at most one Usage. Raise to fail the turn."""
+        ...

@@ -1,0 +1,168 @@
+"""The EventStore protocol and the records it returns.
+
+The log is append-only: rows are written once and never updated or deleted.
+Every backend implements this protocol; the runtime, the actors and compaction
+only ever see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from torpor.events import Body, Event
+
+__all__ = [
+    "Checkpoint",
+    "ConversationInfo",
+    "EventStore",
+    "Marker",
+    "ModelCall",
+    "Resume",
+    "SearchHit",
+    "TokenCounter",
+]
+
+TokenCounter = Callable[[Body], int]
+"""Counts the tokens of one event body (role framing included). Called once, at append."""
+
+
+class Marker(msgspec.Struct, frozen=True, gc=False):
+    """A pointer to a folded span of the log: where it was, when, and what it was about."""
+
+    start: int  # first folded position
+    end: int  # last folded position (inclusive)
+    start_ms: int
+    end_ms: int
+    topics: tuple[str, ...] = ()
+    level: int = 0  # how many merges built it (hierarchical merging)
+
+
+class Checkpoint(msgspec.Struct, frozen=True, gc=False):
+    """A fold: covers every position before ``position``. Deletes nothing."""
+
+    conversation_id: str
+    position: int
+    created_at: int
+    cycle: int  # compaction cycle number, 1 for the first fold
+    markers: tuple[Marker, ...] = ()
+    summary: str = ""  # optional narrative handoff (Summarizer strategy)
+    tokens: int = 0  # tokens the handoff costs when rendered
+
+
+class Resume(msgspec.Struct, frozen=True, gc=False):
+    """What revival needs, read in one hop: the latest checkpoint and every event after it."""
+
+    conversation_id: str
+    head: int | None  # last position, None for an empty conversation
+    checkpoint: Checkpoint | None
+    events: tuple[Event, ...]
+
+
+class SearchHit(msgspec.Struct, frozen=True, gc=False):
+    position: int
+    kind: str
+    turn: int
+    created_at: int
+    snippet: str
+    score: float  # higher is better (bm25 negated on SQLite)
+
+
+class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
+    conversation_id: str
+    head: int | None
+    event_count: int
+    checkpoint_position: int | None
+    bytes: int  # stored body bytes
+    created_at: int
+    updated_at: int
+
+
+class ModelCall(msgspec.Struct, frozen=True, gc=False):
+    """One row of the model-call audit: what was rendered (as a recipe) and what it cost."""
+
+    conversation_id: str
+    turn: int
+    call_index: int
+    compaction_cycle: int
+    recipe: bytes  # msgpack recipe that rebuilds the rendered context from the log
+    rendered_hash: str
+    sections: dict[str, int]  # tokens per section: system, markers, tail, tool_results, user
+    estimated_prompt_tokens: int
+    utilization: float  # estimated prompt tokens / input budget
+    reported_prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+    ttft_ms: float | None = None
+    created_at: int = 0
+    model: str = ""
+    error: str | None = None
+
+
+@runtime_checkable
+class EventStore(Protocol):
+    """The append-only log. All methods are coroutines; every one is one trip to the backend."""
+
+    async def append(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[int]:
+        """Append events atomically; return their positions (0, 1, 2, … per conversation).
+
+        ``expect_head``: the caller's idea of the current head (-1 for an empty
+        conversation); a mismatch raises ConflictError and writes nothing.
+        ``key``: idempotency key; a key seen before returns the first positions and
+        writes nothing.
+        """
+        ...
+
+    async def head(self, conversation_id: str) -> int | None: ...
+
+    async def read_since(self, conversation_id: str, position: int) -> list[Event]:
+        """Events with position >= ``position``, oldest first."""
+        ...
+
+    async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
+        """Events with start <= position <= end, oldest first."""
+        ...
+
+    async def page_backward(
+        self, conversation_id: str, before: int | None = None, limit: int = 50
+    ) -> list[Event]:
+        """Newest first, positions < ``before`` (keyset pagination)."""
+        ...
+
+    async def resume(self, conversation_id: str) -> Resume:
+        """Latest checkpoint plus the events since it, in one trip."""
+        ...
+
+    async def put_checkpoint(self, checkpoint: Checkpoint) -> None: ...
+
+    async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None: ...
+
+    async def checkpoints(self, conversation_id: str) -> list[Checkpoint]: ...
+
+    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]: ...
+
+    async def put_artifact(self, conversation_id: str, data: bytes) -> str: ...
+
+    async def get_artifact(self, artifact_id: str) -> bytes: ...
+
+    async def record_model_call(self, call: ModelCall) -> None: ...
+
+    async def model_calls(
+        self, conversation_id: str, *, turn: int | None = None, limit: int = 100
+    ) -> list[ModelCall]: ...
+
+    async def conversations(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[ConversationInfo]: ...
+
+    async def conversation(self, conversation_id: str) -> ConversationInfo | None: ...
