@@ -12,6 +12,7 @@ __all__ = [
     "ModelError",
     "RuntimeClosed",
     "StoreError",
+    "ToolArgumentError",
     "TorporError",
     "TurnAborted",
     "UnknownCall",
@@ -91,6 +92,15 @@ class AgentParked(TorporError):
 
 class RuntimeClosed(TorporError):
     """The runtime is not running (not entered yet, or already left)."""
+
+
+class ToolArgumentError(TorporError, ValueError):
+    """A tool call's arguments do not fit the tool's schema; the model gets ``str(self)`` back."""
+
+    def __init__(self, tool: str, detail: str) -> None:
+        super().__init__(f"invalid arguments for tool {tool!r}: {detail}")
+        self.tool = tool
+        self.detail = detail
 
 
 class ModelError(TorporError):

@@ -77,7 +77,14 @@ class Resolved(msgspec.Struct, tag="resolved", frozen=True, gc=False):
     call_id: str
 
 
-AbortReason: TypeAlias = Literal["cancelled", "crashed", "model_error", "interrupted", "shutdown"]
+AbortReason: TypeAlias = Literal[
+    "cancelled",  # the caller cancelled the turn
+    "crashed",  # an unexpected error in the agent (it is restarted from the log)
+    "model_error",  # the model failed mid-turn
+    "interrupted",  # found unfinished on revival (the process died mid-turn)
+    "shutdown",  # the runtime stopped while the turn ran
+    "step_limit",  # the model kept calling tools past AgentConfig.max_steps
+]
 
 
 class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False):

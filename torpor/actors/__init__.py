@@ -1,1 +1,19 @@
-"""actors"""
+"""The conversation actor: state machine, mailbox, turn loop, streaming fan-out, tools."""
+
+from torpor.actors.config import AgentConfig
+from torpor.actors.state import AgentState
+from torpor.actors.stream import StreamItem, Subscriber
+from torpor.actors.tools import ExternalTool, LocalTool, Toolbox, tool
+from torpor.actors.turn import Turn
+
+__all__ = [
+    "AgentConfig",
+    "AgentState",
+    "ExternalTool",
+    "LocalTool",
+    "StreamItem",
+    "Subscriber",
+    "Toolbox",
+    "Turn",
+    "tool",
+]

@@ -1,1 +1,16 @@
-"""runtime"""
+"""The runtime: hosts agents, supervises them, hibernates and evicts them, and answers admin."""
+
+from torpor.runtime.admin import Admin, AgentInfo, RenderedCall, RuntimeStats
+from torpor.runtime.config import RuntimeConfig
+from torpor.runtime.host import Runtime
+from torpor.runtime.stats import Transition
+
+__all__ = [
+    "Admin",
+    "AgentInfo",
+    "RenderedCall",
+    "Runtime",
+    "RuntimeConfig",
+    "RuntimeStats",
+    "Transition",
+]

@@ -1,1 +1,63 @@
-"""store"""
+"""The log: the EventStore protocol, its records, and :func:`open_store`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from torpor.store.prepare import estimate_tokens
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    EventStore,
+    Marker,
+    ModelCall,
+    Resume,
+    SearchHit,
+    TokenCounter,
+)
+from torpor.store.sqlite import SQLiteStore
+from torpor.store.sqlite.schema import Durability
+from torpor.store.url import UnsupportedStoreURL, parse_store_url
+
+__all__ = [
+    "Checkpoint",
+    "ConversationInfo",
+    "Durability",
+    "EventStore",
+    "Marker",
+    "ModelCall",
+    "Resume",
+    "SQLiteStore",
+    "SearchHit",
+    "TokenCounter",
+    "UnsupportedStoreURL",
+    "estimate_tokens",
+    "open_store",
+]
+
+
+@asynccontextmanager
+async def open_store(
+    url: str,
+    *,
+    token_counter: TokenCounter | None = None,
+    durability: Durability = "normal",
+    artifact_threshold: int = 16 * 1024,
+    max_event_bytes: int = 1024 * 1024,
+) -> AsyncIterator[EventStore]:
+    """Open the store a URL names; close it (committing queued writes) on exit.
+
+    ``sqlite://`` is a private in-memory database, ``sqlite:///rel.db`` a path
+    relative to the working directory, ``sqlite:////abs.db`` an absolute path.
+    Other schemes raise :class:`UnsupportedStoreURL` (a StoreError and ValueError).
+    """
+    location = parse_store_url(url)
+    async with SQLiteStore(
+        location.path,
+        token_counter=token_counter,
+        durability=durability,
+        artifact_threshold=artifact_threshold,
+        max_event_bytes=max_event_bytes,
+    ) as store:
+        yield store

@@ -123,6 +123,19 @@ class EventStore(Protocol):
         """
         ...
 
+    async def append_events(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[Event]:
+        """Like ``append``, but returns the events as stored: positions, token counts,
+        created_at, and bodies after clipping (what a working set must hold)."""
+        ...
+
     async def head(self, conversation_id: str) -> int | None: ...
 
     async def read_since(self, conversation_id: str, position: int) -> list[Event]:

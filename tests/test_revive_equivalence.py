@@ -1,0 +1,90 @@
+"""Revive after eviction equals the state before it: the model sees byte-identical contexts."""
+
+from __future__ import annotations
+
+import re
+
+import anyio
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torpor
+from torpor import AgentConfig, Runtime, ScriptedModel
+from torpor.llm import Call, Text
+
+Action = tuple[str, int]  # ("say" | "tool", size) ; ("evict", 0)
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("say"), st.integers(1, 60)),
+        st.tuples(st.just("tool"), st.integers(1, 400)),
+        st.tuples(st.just("evict"), st.just(0)),
+        st.tuples(st.just("hibernate"), st.just(0)),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@torpor.tool
+async def lookup(size: int) -> str:
+    """Returns a result of roughly ``size`` words."""
+    return " ".join(f"row{i}:{i * 7919 % 1000}" for i in range(size))
+
+
+def script(plan: list[Action]) -> ScriptedModel:
+    steps: list[list[object]] = []
+    for n, (kind, size) in enumerate(plan):
+        if kind == "say":
+            steps.append([Text(f"reply {n} " + "word " * size)])
+        elif kind == "tool":
+            steps.append([Text("looking"), Call("lookup", {"size": size}, id=f"call{n}")])
+            steps.append([Text(f"found {n}")])
+    return ScriptedModel(steps)  # type: ignore[arg-type]
+
+
+CONFIG = AgentConfig(tools=[lookup], working_budget=600, tail_turns=2, keep_tool_results=1,
+                     context_window=8_000, max_output_tokens=500, safety_margin=100)
+
+
+async def run(plan: list[Action], *, evicting: bool) -> tuple[list[object], list[str]]:
+    model = script(plan)
+    async with Runtime("sqlite://", model=model, agent=CONFIG) as rt:
+        for n, (kind, size) in enumerate(plan):
+            if kind in ("evict", "hibernate"):
+                if evicting:
+                    await anyio.wait_all_tasks_blocked()
+                    if kind == "evict":
+                        rt.admin.evict("c")
+                    else:
+                        rt.admin.hibernate("c")
+                continue
+            text = f"user {n} " + "talk " * (size // 3)
+            await (await rt.send("c", text)).result()
+        audits = await rt.store.model_calls("c")
+        for call in audits:  # every recorded context rebuilds from the log to the same hash
+            assert (await rt.admin.rendered("c", call)).matches
+        return [_normalised(context) for context in model.calls], [a.call_index for a in audits]
+
+
+_CLOCK = re.compile(r"\d{4}-\d\d-\d\d[ T]?[\d:]*|\d\d:\d\d(:\d\d)?")
+
+
+def _normalised(context: object) -> bytes:
+    """Wall-clock times in markers differ between two runs by construction; nothing else may."""
+    return _CLOCK.sub("<time>", msgspec.json.encode(context).decode()).encode()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions)
+def test_contexts_after_evict_and_revive_equal_those_of_an_agent_never_evicted(
+    plan: list[Action],
+) -> None:
+    async def both() -> None:
+        kept_calls, kept_index = await run(plan, evicting=False)
+        evicted_calls, evicted_index = await run(plan, evicting=True)
+        assert evicted_calls == kept_calls
+        assert evicted_index == kept_index
+
+    anyio.run(both)

@@ -1,0 +1,262 @@
+"""Hibernate, evict, revive, suspend across all of them, activation storms, admin that never wakes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+import torpor
+from torpor import (
+    Aborted,
+    AgentConfig,
+    EchoModel,
+    ExternalTool,
+    Resolved,
+    Runtime,
+    RuntimeConfig,
+    ScriptedModel,
+    Suspended,
+    ToolResult,
+    UnknownCall,
+    UserMessage,
+)
+from torpor.llm import Call, Text
+
+APPROVE = ExternalTool("approve", "Ask a human to approve", {
+    "type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]})
+
+
+def approval_model() -> ScriptedModel:
+    return ScriptedModel([[Text("asking"), Call("approve", {"what": "deploy"}, id="c1")],
+                          [Text("deployed")]])
+
+
+async def settle() -> None:
+    await anyio.wait_all_tasks_blocked()
+
+
+async def test_hibernate_drops_the_working_set_and_the_next_message_reloads_it() -> None:
+    async with Runtime("sqlite://", model=EchoModel()) as rt:
+        await (await rt.send("c", "one")).result()
+        await settle()
+        before = rt.admin.stats()
+        assert before.with_working_set == 1 and before.tasks == 1
+        assert rt.admin.hibernate("c") is True
+        await settle()
+        info = await rt.admin.inspect("c")
+        assert info.hibernated and info.working_set_bytes == 0 and info.live
+        assert rt.admin.stats().tasks == 0  # a hibernated agent keeps no task
+        revivals = rt.admin.stats().revivals
+        assert (await (await rt.send("c", "two")).result()).text == "echo: two"
+        assert rt.admin.stats().revivals == revivals + 1
+
+
+async def test_sweep_hibernates_then_evicts_by_idle_time_without_sleeping() -> None:
+    config = RuntimeConfig(hibernate_after=10, evict_after=20, sweep_interval=3600)
+    async with Runtime("sqlite://", model=EchoModel(), config=config) as rt:
+        for conv in ("a", "b", "c"):
+            await (await rt.send(conv, "hi")).result()
+        await settle()
+        now = time.monotonic()
+        assert rt.lifecycle.sweep(now) == (0, 0)
+        assert rt.lifecycle.sweep(now + 15) == (3, 0)
+        await settle()
+        assert rt.admin.stats().hibernated == 3
+        assert rt.lifecycle.sweep(now + 25) == (0, 3)
+        assert rt.admin.stats().live == 0
+        assert rt.admin.stats().evictions == 3
+        # Evicted, yet nothing is lost: the next message revives from the log.
+        assert (await (await rt.send("b", "back")).result()).text == "echo: back"
+        assert len(await rt.history("b")) == 4
+
+
+async def test_a_streaming_agent_is_never_hibernated_or_evicted() -> None:
+    go = anyio.Event()
+    from torpor.llm import Wait
+
+    model = ScriptedModel([[Wait(go), Text("done")]])
+    config = RuntimeConfig(hibernate_after=1, evict_after=1, sweep_interval=3600)
+    async with Runtime("sqlite://", model=model, config=config) as rt:
+        turn = await rt.send("c", "long")
+        await settle()
+        assert rt.lifecycle.sweep(time.monotonic() + 100) == (0, 0)
+        assert rt.admin.evict("c") is False
+        go.set()
+        assert (await turn.result()).text == "done"
+
+
+async def test_suspended_survives_evict_and_revive_then_resolves() -> None:
+    async with Runtime("sqlite://", model=approval_model(),
+                       agent=AgentConfig(tools=[APPROVE])) as rt:
+        turn = await rt.send("c", "deploy please")
+        items = [item async for item in _until_suspended(turn)]
+        assert isinstance(items[-1].body, Suspended)
+        await settle()
+        info = await rt.admin.inspect("c")
+        assert info.state == "suspended" and info.pending_calls == ("c1",)
+        assert rt.admin.evict("c") is True
+        await settle()
+        evicted = await rt.admin.inspect("c")
+        assert evicted.state == "evicted" and evicted.pending_calls == ("c1",)
+        with pytest.raises(UnknownCall):
+            await rt.resolve("c", "other", "yes")
+        resumed = await rt.resolve("c", "c1", "approved")
+        assert resumed is not None
+        assert (await resumed.result()).text == "deployed"
+        bodies = [e.body for e in reversed(await rt.history("c"))]
+        assert isinstance(bodies[-3], ToolResult) and bodies[-3].content == "approved"
+        assert isinstance(bodies[-2], Resolved)
+        assert (await rt.admin.inspect("c")).state == "awaiting_input"
+
+
+async def _until_suspended(turn: torpor.Turn):  # type: ignore[no-untyped-def]
+    async for item in turn:
+        if isinstance(item, torpor.Event):
+            yield item
+            if isinstance(item.body, Suspended):
+                return
+
+
+async def test_suspension_survives_a_full_runtime_restart(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/s.db"
+    agent = AgentConfig(tools=[APPROVE])
+    model = approval_model()
+    async with Runtime(url, model=model, agent=agent) as rt:
+        turn = await rt.send("c", "deploy")
+        async for _ in _until_suspended(turn):
+            pass
+    async with Runtime(url, model=model, agent=agent) as rt2:
+        info = await rt2.admin.inspect("c")
+        assert info.state == "evicted" and info.pending_calls == ("c1",)
+        assert rt2.admin.stats().revivals == 0  # inspect did not wake it
+        resumed = await rt2.resolve("c", "c1", "ok")
+        assert resumed is not None and (await resumed.result()).text == "deployed"
+        # new input while suspended is postponed, not refused, and lands after the answer
+        users = [e.body.text for e in reversed(await rt2.history("c"))
+                 if isinstance(e.body, UserMessage)]
+        assert users == ["deploy"]
+
+
+async def test_input_while_suspended_is_postponed_until_resolution() -> None:
+    model = ScriptedModel([[Call("approve", {"what": "x"}, id="c1")], [Text("ok done")],
+                           [Text("next answer")]])
+    async with Runtime("sqlite://", model=model, agent=AgentConfig(tools=[APPROVE])) as rt:
+        turn = await rt.send("c", "start")
+        async for _ in _until_suspended(turn):
+            pass
+        later: list[torpor.Turn] = []
+        async with anyio.create_task_group() as tg:
+            async def send_later() -> None:
+                later.append(await rt.send("c", "are you there?"))
+
+            tg.start_soon(send_later)
+            await settle()
+            assert later == []  # postponed: not in the log while suspended
+            assert (await rt.admin.inspect("c")).mailbox_depth == 1
+            resumed = await rt.resolve("c", "c1", "yes")
+            assert resumed is not None
+            assert (await resumed.result()).text == "ok done"
+        assert (await later[0].result()).text == "next answer"
+        kinds = [type(e.body).__name__ for e in reversed(await rt.history("c"))]
+        assert kinds == ["UserMessage", "AssistantMessage", "Suspended", "ToolResult",
+                         "Resolved", "AssistantMessage", "UserMessage", "AssistantMessage"]
+
+
+async def test_cancel_a_suspended_turn() -> None:
+    async with Runtime("sqlite://", model=approval_model(),
+                       agent=AgentConfig(tools=[APPROVE])) as rt:
+        async for _ in _until_suspended(await rt.send("c", "deploy")):
+            pass
+        await settle()
+        assert await rt.cancel("c") is True
+        last = (await rt.history("c", limit=1))[0].body
+        assert isinstance(last, Aborted) and last.reason == "cancelled"
+        assert (await rt.admin.inspect("c")).state == "awaiting_input"
+
+
+async def test_unfinished_turn_found_on_revival_gets_its_aborted_event(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/u.db"
+    async with torpor.open_store(url) as store:  # a process that died right after the append
+        await store.append("c", [UserMessage("lost in the crash")], turn=1)
+    async with Runtime(url, model=EchoModel()) as rt:
+        final = await (await rt.send("c", "hello again")).result()
+        assert final.text == "echo: hello again"
+        bodies = [e.body for e in reversed(await rt.history("c"))]
+        assert isinstance(bodies[1], Aborted) and bodies[1].reason == "interrupted"
+        assert [e.turn for e in reversed(await rt.history("c"))] == [1, 1, 2, 2]
+
+
+async def test_many_concurrent_first_messages_activate_each_conversation_once() -> None:
+    async with Runtime("sqlite://", model=EchoModel(),
+                       config=RuntimeConfig(mailbox_bound=64)) as rt:
+        turns: list[torpor.Turn] = []
+
+        async def send(conv: str, i: int) -> None:
+            turns.append(await rt.send(conv, f"m{i}"))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(1000):
+                tg.start_soon(send, f"conv-{i % 100}", i)
+        for turn in turns:
+            await turn.result()
+        stats = rt.admin.stats()
+        assert stats.activations == 100
+        assert stats.revivals == 100
+        for n in (0, 57, 99):
+            users = [e for e in await rt.history(f"conv-{n}", limit=100)
+                     if isinstance(e.body, UserMessage)]
+            assert len(users) == 10
+
+
+async def test_admin_on_an_evicted_conversation_does_not_revive_it() -> None:
+    async with Runtime("sqlite://", model=EchoModel()) as rt:
+        await (await rt.send("c", "x")).result()
+        await settle()
+        assert rt.admin.evict("c")
+        await settle()
+        revivals, activations = rt.admin.stats().revivals, rt.admin.stats().activations
+        info = await rt.admin.inspect("c")
+        assert info.state == "evicted" and not info.live and info.head == 1
+        assert await rt.history("c")
+        assert rt.admin.agents() == []
+        assert rt.admin.stats().revivals == revivals
+        assert rt.admin.stats().activations == activations
+        with pytest.raises(torpor.UnknownConversation):
+            await rt.admin.inspect("never-seen")
+
+
+async def test_watch_reports_lifecycle_transitions() -> None:
+    async with Runtime("sqlite://", model=EchoModel()) as rt:
+        seen: list[tuple[str, str]] = []
+
+        async def watch() -> None:
+            async for t in rt.admin.watch():
+                seen.append((t.old, t.new))
+                if t.new == "evicted":
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await settle()
+            await (await rt.send("c", "x")).result()
+            await settle()
+            rt.admin.evict("c")
+        assert ("evicted", "reviving") in seen
+        assert ("reviving", "awaiting_input") in seen
+        assert ("awaiting_input", "streaming") in seen
+        assert ("streaming", "awaiting_input") in seen
+        assert seen[-1][1] == "evicted"
+
+
+async def test_live_agent_cap_evicts_least_recently_used() -> None:
+    config = RuntimeConfig(max_live_agents=3)
+    async with Runtime("sqlite://", model=EchoModel(), config=config) as rt:
+        for conv in ("a", "b", "c", "d", "e"):
+            await (await rt.send(conv, "hi")).result()
+            await settle()
+        live = {a.conversation_id for a in rt.admin.agents()}
+        assert live == {"c", "d", "e"}
+        assert rt.admin.stats().evictions == 2

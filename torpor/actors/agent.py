@@ -1,0 +1,184 @@
+"""The agent record: everything one conversation keeps in memory, and nothing more.
+
+A hibernated agent keeps only this record (ids, positions, counters, no task,
+no working set, no mailbox), so it must stay small: ``__slots__``, lazily
+created parts, and no per-agent timers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torpor.actors.mailbox import Mailbox, Message
+from torpor.actors.state import TRANSITIONS, AgentState, InvalidTransition
+
+if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
+
+    import anyio
+
+    from torpor.actors.config import AgentConfig
+    from torpor.actors.stream import StreamHub, Subscriber
+    from torpor.actors.tools import Toolbox
+    from torpor.actors.turn import Turn
+    from torpor.compaction.policy import CompactionPolicy
+    from torpor.compaction.working_set import WorkingSet
+    from torpor.llm.protocol import Model, ToolSpec
+    from torpor.store.protocol import EventStore
+
+__all__ = ["Agent", "Host", "Profile"]
+
+
+class Profile:
+    """An AgentConfig made ready to run: its policy, toolbox and tool specs (shared by agents)."""
+
+    __slots__ = ("config", "policy", "specs", "toolbox")
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        policy: CompactionPolicy,
+        toolbox: Toolbox,
+        specs: tuple[ToolSpec, ...],
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.toolbox = toolbox
+        self.specs = specs
+
+
+class Host(Protocol):
+    """What an agent needs from the runtime that owns it (implemented in torpor.runtime)."""
+
+    model: Model
+    log: Any
+
+    @property
+    def store(self) -> EventStore: ...
+
+    def revival_slot(self) -> AbstractAsyncContextManager[None]: ...
+
+    def on_state(self, agent: Agent, old: AgentState, new: AgentState) -> None: ...
+
+    def on_revived(self, agent: Agent, seconds: float) -> None: ...
+
+    def on_idle(self, agent: Agent) -> None: ...
+
+    def take_subscribers(self, agent: Agent) -> list[Subscriber]: ...
+
+
+class Agent:
+    """One conversation's actor state. Owned by the runtime's registry and supervisor."""
+
+    __slots__ = (
+        "accounted",
+        "crash_times",
+        "current",
+        "cycle",
+        "head",
+        "hibernate_requested",
+        "hub",
+        "id",
+        "last_active",
+        "last_error",
+        "mailbox",
+        "parked_cause",
+        "pending",
+        "profile",
+        "compact_requested",
+        "calls",
+        "restarts",
+        "scope",
+        "state",
+        "task",
+        "turn",
+        "waiter",
+        "ws",
+        "ws_bytes",
+        "ws_tokens",
+    )
+
+    def __init__(self, conversation_id: str, profile: Profile) -> None:
+        self.id = conversation_id
+        self.profile = profile
+        self.state = AgentState.REVIVING
+        self.ws: WorkingSet | None = None
+        self.mailbox: Mailbox | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.hub: StreamHub | None = None
+        self.current: Turn | None = None
+        self.scope: anyio.CancelScope | None = None
+        self.last_active = time.monotonic()
+        self.head = -1  # last logged position; -1: empty conversation
+        self.turn = 0
+        self.cycle = 0  # compaction cycles so far (checkpoints written)
+        self.calls = 0  # model calls in the current turn
+        self.pending: tuple[str, ...] = ()  # tool call ids awaiting an outside answer
+        self.restarts = 0
+        self.crash_times: tuple[float, ...] = ()
+        self.last_error: str | None = None
+        self.parked_cause: str | None = None
+        self.hibernate_requested = False
+        self.compact_requested = False
+        self.ws_tokens = 0
+        self.ws_bytes = 0
+        self.accounted = 0  # ws_bytes as last counted into the runtime's memory total
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def hibernated(self) -> bool:
+        return self.ws is None and self.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED)
+
+    def set_state(self, host: Host, new: AgentState) -> None:
+        old = self.state
+        if new is old and new is not AgentState.STREAMING:
+            return
+        if new not in TRANSITIONS[old]:
+            raise InvalidTransition(f"{self.id}: {old} -> {new}")
+        self.state = new
+        host.on_state(self, old, new)
+
+    @property
+    def busy(self) -> bool:
+        """Mid-turn or with input waiting: never hibernated or evicted in this condition."""
+        if self.state in (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING):
+            return True
+        mailbox = self.mailbox
+        return mailbox is not None and len(mailbox) > 0
+
+    # -- mailbox ---------------------------------------------------------------
+    def post(self, message: Message) -> None:
+        if self.mailbox is None:
+            self.mailbox = Mailbox()
+        self.mailbox.put(message)
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def next_message(self) -> Message | None:
+        mailbox = self.mailbox
+        if mailbox is None:
+            return None
+        message = mailbox.take(control_only=self.state is AgentState.SUSPENDED)
+        if message is not None and not len(mailbox):
+            self.mailbox = None  # an empty deque is ~600 bytes: not kept while idle
+        return message
+
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def mailbox_depth(self) -> int:
+        return 0 if self.mailbox is None else len(self.mailbox)
+
+    def queued_sends(self) -> int:
+        return 0 if self.mailbox is None else self.mailbox.sends

@@ -1,0 +1,110 @@
+"""What can be posted to an agent, and the bounded, ordered mailbox that holds it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from torpor.actors.turn import Turn
+
+__all__ = ["CancelRequest", "Mailbox", "Message", "ResolveRequest", "SendRequest"]
+
+
+class SendRequest:
+    """A user message. ``accepted`` resolves to the Turn once the message is in the log."""
+
+    __slots__ = ("accepted", "key", "text")
+
+    def __init__(self, text: str, key: str | None, accepted: asyncio.Future[Turn]) -> None:
+        self.text = text
+        self.key = key
+        self.accepted = accepted
+
+
+class ResolveRequest:
+    """An outside answer to a suspended tool call."""
+
+    __slots__ = ("call_id", "content", "done", "is_error")
+
+    def __init__(
+        self, call_id: str, content: str, is_error: bool, done: asyncio.Future[Turn | None]
+    ) -> None:
+        self.call_id = call_id
+        self.content = content
+        self.is_error = is_error
+        self.done = done
+
+
+class CancelRequest:
+    """Abandon a suspended turn (a streaming turn is cancelled through its scope instead)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: asyncio.Future[bool]) -> None:
+        self.done = done
+
+
+Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest
+
+
+class Mailbox:
+    """Ordered; user messages bounded, control messages (resolve, cancel) always accepted.
+
+    While the agent is suspended only control messages are taken out; user
+    messages wait behind them in order (postponed, not reordered among
+    themselves).
+    """
+
+    __slots__ = ("_items", "sends")
+
+    def __init__(self) -> None:
+        self._items: deque[Message] = deque()
+        self.sends = 0  # user messages waiting
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, message: Message) -> None:
+        if isinstance(message, SendRequest):
+            self.sends += 1
+        self._items.append(message)
+
+    def take(self, *, control_only: bool) -> Message | None:
+        items = self._items
+        if not items:
+            return None
+        if not control_only:
+            message = items.popleft()
+        else:
+            for i, candidate in enumerate(items):
+                if not isinstance(candidate, SendRequest):
+                    message = candidate
+                    del items[i]
+                    break
+            else:
+                return None
+        if isinstance(message, SendRequest):
+            self.sends -= 1
+        return message
+
+    def has_work(self, *, control_only: bool) -> bool:
+        if control_only:
+            return self.sends < len(self._items)
+        return bool(self._items)
+
+    def remove(self, message: Message) -> bool:
+        try:
+            self._items.remove(message)
+        except ValueError:
+            return False
+        if isinstance(message, SendRequest):
+            self.sends -= 1
+        return True
+
+    def drain(self) -> list[Message]:
+        items = list(self._items)
+        self._items.clear()
+        self.sends = 0
+        return items

@@ -1,0 +1,86 @@
+"""Reading an agent's state back out of the log: the log is its memory.
+
+Everything an agent must know on revival follows from the latest checkpoint
+and the events after it: the last turn number, whether it is suspended (and
+on which calls), parked (and why), or died mid-turn (then an ``Aborted`` is
+owed to the log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from torpor.actors.state import AgentState
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    Parked,
+    Suspended,
+    ToolResult,
+    Unparked,
+    UserMessage,
+)
+
+__all__ = ["Restored", "restore"]
+
+
+class Restored(msgspec.Struct, frozen=True):
+    state: AgentState
+    turn: int
+    pending: tuple[str, ...] = ()  # suspended: the call ids still unanswered
+    parked_cause: str | None = None
+    unfinished: bool = False  # the last turn neither finished, aborted nor suspended
+
+
+def restore(events: Sequence[Event]) -> Restored:
+    """Derive the agent's state from the events since its latest checkpoint."""
+    turn = 0
+    parked: str | None = None
+    last_assistant: AssistantMessage | None = None
+    answered: set[str] = set()
+    suspended_on: frozenset[str] = frozenset()
+    finished = True
+    for event in events:
+        body = event.body
+        turn = max(turn, event.turn)
+        if isinstance(body, Parked):
+            parked = body.cause
+        elif isinstance(body, Unparked):
+            parked = None
+        elif isinstance(body, UserMessage):
+            finished = False
+            last_assistant = None
+            answered = set()
+            suspended_on = frozenset()
+        elif isinstance(body, AssistantMessage):
+            last_assistant = body
+            answered = set()
+            suspended_on = frozenset()
+            finished = not body.tool_calls
+        elif isinstance(body, ToolResult):
+            answered.add(body.call_id)
+        elif isinstance(body, Suspended):
+            suspended_on = frozenset(body.call_ids)
+        elif isinstance(body, Aborted):
+            finished = True
+            last_assistant = None
+            suspended_on = frozenset()
+    if parked is not None:
+        return Restored(AgentState.PARKED, turn, parked_cause=parked, unfinished=not finished)
+    if finished:
+        return Restored(AgentState.AWAITING_INPUT, turn)
+    if last_assistant is not None and suspended_on:
+        pending = tuple(
+            c.id for c in last_assistant.tool_calls if c.id not in answered and c.id in suspended_on
+        )
+        unanswered_local = [
+            c.id
+            for c in last_assistant.tool_calls
+            if c.id not in answered and c.id not in suspended_on
+        ]
+        if pending and not unanswered_local:
+            return Restored(AgentState.SUSPENDED, turn, pending=pending)
+    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True)

@@ -1,0 +1,238 @@
+"""One turn's steps: fold if over budget, render, stream the model, log, run tools, repeat.
+
+The user message is already durable when a turn starts. Every step ends with
+something logged, so a turn that dies at any point leaves a log that says how
+far it got (the caller then logs the ``Aborted``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from torpor.actors.state import AgentState
+from torpor.actors.tools import LocalTool, run_tool
+from torpor.compaction import build_checkpoint, encode_recipe, plan_fold
+from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
+from torpor.compaction.recall import recall as recall_hits
+from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
+from torpor.llm.protocol import TextDelta, ToolCallDelta, Usage
+from torpor.store.protocol import ModelCall
+
+if TYPE_CHECKING:
+    from torpor.actors.agent import Agent, Host
+
+__all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "run_steps"]
+
+BUILTIN_TOOLS = {RECALL_TOOL.name: RECALL_TOOL, EXPAND_TOOL.name: EXPAND_TOOL}
+
+
+class ModelFailed(Exception):
+    """The model raised mid-stream; ``partial`` is the text it had streamed."""
+
+    def __init__(self, cause: BaseException, partial: str) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.partial = partial
+
+
+class StepLimit(Exception):
+    """The model kept calling tools past ``max_steps``."""
+
+
+async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event]:
+    """Log bodies for the current turn, expecting our own head (a second writer conflicts)."""
+    events = await host.store.append_events(
+        agent.id, bodies, turn=agent.turn, expect_head=agent.head
+    )
+    ws = agent.ws
+    assert ws is not None
+    ws.append(events)
+    agent.head = events[-1].position
+    hub = agent.hub
+    if hub is not None:
+        for event in events:
+            hub.logged(event)
+    return events
+
+
+async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
+    """Run model calls until an answer without tool calls (returned) or a suspension (None)."""
+    profile = agent.profile
+    config = profile.config
+    while True:
+        if agent.calls >= config.max_steps:
+            raise StepLimit(f"more than {config.max_steps} model calls in one turn")
+        agent.calls += 1
+        await _maybe_fold(agent, host)
+        message = await _call_model(agent, host)
+        if not message.tool_calls:
+            return message
+        agent.set_state(host, AgentState.RUNNING_TOOLS)
+        external = await _run_tools(agent, host, message.tool_calls)
+        if external:
+            await append(agent, host, [Suspended(external, reason="awaiting outside answer")])
+            agent.pending = external
+            return None
+
+
+async def _maybe_fold(agent: Agent, host: Host) -> None:
+    ws = agent.ws
+    assert ws is not None
+    profile = agent.profile
+    plan = plan_fold(ws, profile.policy, force=agent.compact_requested)
+    agent.compact_requested = False
+    if plan is None:
+        return
+    summary = ""
+    summarizer = profile.config.summarizer
+    if summarizer is not None:
+        previous = ws.checkpoint.summary if ws.checkpoint is not None else ""
+        summary = await summarizer.summarize(previous, plan.events)
+    checkpoint = build_checkpoint(plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary)
+    await host.store.put_checkpoint(checkpoint)
+    ws.apply(checkpoint)
+    agent.cycle = checkpoint.cycle
+    host.log.debug("folded", conversation_id=agent.id, position=checkpoint.position,
+                   cycle=checkpoint.cycle)
+
+
+async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
+    ws = agent.ws
+    assert ws is not None
+    profile = agent.profile
+    specs = profile.specs
+    rendered = ws.render(profile.config.system_prompt, profile.policy, specs)
+    agent.set_state(host, AgentState.STREAMING)
+    hub = agent.hub
+    parts: list[str] = []
+    calls: list[ToolCall] = []
+    usage: Usage | None = None
+    started = time.perf_counter()
+    first: float | None = None
+    try:
+        async for item in host.model.stream(rendered.messages, specs):
+            if isinstance(item, TextDelta):
+                if first is None:
+                    first = time.perf_counter()
+                parts.append(item.text)
+                if hub is not None:
+                    hub.text(item.text)
+            elif isinstance(item, ToolCallDelta):
+                calls.append(item.call)
+            elif isinstance(item, Usage):
+                usage = item
+    except anyio.get_cancelled_exc_class():
+        raise
+    except Exception as exc:
+        await _audit(agent, host, rendered, started, first, None, error=repr(exc))
+        raise ModelFailed(exc, "".join(parts)) from exc
+    message = AssistantMessage("".join(parts), tuple(calls))
+    await append(agent, host, [message])
+    await _audit(agent, host, rendered, started, first, usage)
+    return message
+
+
+async def _audit(
+    agent: Agent,
+    host: Host,
+    rendered: object,
+    started: float,
+    first: float | None,
+    usage: Usage | None,
+    *,
+    error: str | None = None,
+) -> None:
+    from torpor.compaction.recipe import Rendered
+
+    assert isinstance(rendered, Rendered)
+    now = time.perf_counter()
+    policy = agent.profile.policy
+    reported = usage.prompt_tokens if usage is not None else None
+    if reported:
+        estimated = max(rendered.estimated_tokens, 1)
+        if reported > policy.compaction_trigger_ratio * policy.input_budget:
+            agent.compact_requested = True
+        if reported > estimated * 1.1 and rendered.estimated_tokens:
+            # Our estimate runs low for this model: fold as if the tail were that much larger.
+            agent.compact_requested = agent.compact_requested or (
+                agent.ws is not None
+                and agent.ws.tail_tokens * reported / estimated > policy.working_budget
+            )
+    call = ModelCall(
+        conversation_id=agent.id,
+        turn=agent.turn,
+        call_index=agent.calls,
+        compaction_cycle=agent.cycle,
+        recipe=encode_recipe(rendered.recipe),
+        rendered_hash=rendered.hash,
+        sections=dict(rendered.sections),
+        estimated_prompt_tokens=rendered.estimated_tokens,
+        utilization=rendered.estimated_tokens / policy.input_budget,
+        reported_prompt_tokens=reported,
+        completion_tokens=usage.completion_tokens if usage is not None else None,
+        latency_ms=(now - started) * 1000.0,
+        ttft_ms=(first - started) * 1000.0 if first is not None else None,
+        created_at=int(time.time() * 1000),
+        model=getattr(host.model, "name", type(host.model).__name__),
+        error=error,
+    )
+    await host.store.record_model_call(call)
+
+
+async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
+    """Run local calls concurrently, log their results in call order; return external ids."""
+    toolbox = agent.profile.toolbox
+    timeout = agent.profile.config.tool_timeout
+    results: dict[str, ToolResult] = {}
+    external: list[str] = []
+
+    async def one(call: ToolCall) -> None:
+        builtin = BUILTIN_TOOLS.get(call.name) if agent.profile.config.recall_tools else None
+        if builtin is not None and toolbox.get(call.name) is None:
+            results[call.id] = await _run_builtin(agent, host, call)
+            return
+        tool = toolbox.get(call.name)
+        if isinstance(tool, LocalTool):
+            results[call.id] = await run_tool(tool, call, timeout=timeout)
+        else:
+            results[call.id] = toolbox.unknown_tool_result(call)
+
+    async with anyio.create_task_group() as tg:
+        for call in calls:
+            if toolbox.is_external(call.name):
+                external.append(call.id)
+            else:
+                tg.start_soon(one, call)
+    done = [results[c.id] for c in calls if c.id in results]
+    if done:
+        await append(agent, host, done)
+    return tuple(external)
+
+
+async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
+    args = call.arguments
+    try:
+        if call.name == RECALL_TOOL.name:
+            query = args.get("query")
+            k = args.get("k", 10)
+            if not isinstance(query, str) or not query.strip():
+                raise ValueError("recall needs a non-empty string 'query'")
+            if not isinstance(k, int) or not 1 <= k <= 50:
+                raise ValueError("'k' must be an integer from 1 to 50")
+            hits = await recall_hits(host.store, agent.id, query, k)
+            content = format_hits(hits)
+        else:
+            start, end = args.get("start"), args.get("end", args.get("start"))
+            if not isinstance(start, int) or not isinstance(end, int) or end < start:
+                raise ValueError("expand needs integer 'start' <= 'end'")
+            if end - start > 200:
+                raise ValueError("expand returns at most 200 events at once")
+            content = format_events(await expand(host.store, agent.id, start, end))
+        return ToolResult(call.id, call.name, content)
+    except (ValueError, msgspec.ValidationError) as exc:
+        return ToolResult(call.id, call.name, f"error: {exc}", is_error=True)

@@ -1,0 +1,64 @@
+"""Rebuilding what a model call was sent, from the log and the call's recipe.
+
+The audit row keeps a recipe (positions and decisions) and a hash, not the
+text. Replaying the recipe against the log must reproduce the hash; if it
+does not, something rewrote history or the prompt/tools changed since.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+
+from torpor.compaction.policy import CompactionPolicy
+from torpor.compaction.recipe import Recipe, Rendered, text_hash
+from torpor.compaction.render import decisions_of, materialize
+from torpor.compaction.working_set import handoff_tokens
+from torpor.errors import StoreError
+from torpor.events import Event
+from torpor.llm.protocol import ToolSpec
+from torpor.store.protocol import Checkpoint, EventStore
+
+__all__ = ["rebuild_rendered"]
+
+log = structlog.get_logger(__name__)
+
+
+async def rebuild_rendered(
+    store: EventStore,
+    conversation_id: str,
+    recipe: Recipe,
+    system_prompt: str,
+    policy: CompactionPolicy,
+    tools: Sequence[ToolSpec] = (),
+) -> Rendered:
+    """The context a recipe describes, rebuilt from the log (compare ``.hash`` to the call's).
+
+    Reads the checkpoint the recipe names and the tail range; applies the
+    recorded stubs, clips and drops. ``policy`` is not re-applied: the recipe's
+    decisions are, so a later policy change does not alter the replay.
+    """
+    bound = log.bind(conversation_id=conversation_id)
+    checkpoint: Checkpoint | None = None
+    if recipe.checkpoint_position is not None:
+        for candidate in await store.checkpoints(conversation_id):
+            if candidate.position == recipe.checkpoint_position and candidate.cycle == recipe.cycle:
+                checkpoint = candidate
+        if checkpoint is None:
+            raise StoreError(
+                f"conversation {conversation_id!r} has no checkpoint at position "
+                f"{recipe.checkpoint_position} (cycle {recipe.cycle})"
+            )
+    events: list[Event] = []
+    if recipe.tail_start is not None and recipe.tail_end is not None:
+        events = await store.read_range(conversation_id, recipe.tail_start, recipe.tail_end)
+    if text_hash(system_prompt) != recipe.system_hash:
+        bound.warning("rebuild_system_prompt_differs")
+    if tuple(t.name for t in tools) != recipe.tools:
+        bound.warning("rebuild_tools_differ", recorded=recipe.tools)
+    encoding = recipe.encoding or policy.encoding
+    text, tokens = handoff_tokens(checkpoint, encoding)
+    return materialize(
+        events, checkpoint, text, tokens, system_prompt, tools, decisions_of(recipe), encoding
+    )

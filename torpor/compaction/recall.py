@@ -1,0 +1,167 @@
+"""Getting folded content back: search the whole log, or expand an exact range.
+
+Both are public API and tools the model can call. Search returns scores so a
+caller (or the model) can judge whether a hit is good enough or the query
+should be reformulated; expand returns the exact events, full artifacts
+included, so nothing a fold left out is ever out of reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+import msgspec
+
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    Parked,
+    Resolved,
+    Suspended,
+    ToolResult,
+    Unparked,
+    UserMessage,
+)
+from torpor.llm.protocol import ToolSpec
+from torpor.store.protocol import EventStore, SearchHit
+
+__all__ = ["EXPAND_TOOL", "RECALL_TOOL", "expand", "format_events", "format_hits", "recall"]
+
+RECALL_TOOL = ToolSpec(
+    name="recall",
+    description=(
+        "Search this conversation's full history, including parts folded out of your "
+        "context. Use exact strings when you have them (paths, hashes, identifiers). "
+        "Returns event positions, kinds, snippets and scores; read a hit in full with expand."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "description": "words or exact strings to find"},
+            "k": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+        },
+        "required": ["query"],
+        "additionalProperties": False,
+    },
+)
+
+EXPAND_TOOL = ToolSpec(
+    name="expand",
+    description=(
+        "Read events of this conversation's history exactly as logged, from position "
+        "start to end (inclusive; at most 200 at once), large tool results in full."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "start": {"type": "integer", "minimum": 0},
+            "end": {"type": "integer", "minimum": 0},
+        },
+        "required": ["start"],
+        "additionalProperties": False,
+    },
+)
+
+_json = msgspec.json.Encoder(order="deterministic")
+
+
+async def recall(
+    store: EventStore, conversation_id: str, query: str, k: int = 10
+) -> list[SearchHit]:
+    """Full-text search over every event of the conversation, best first, scores exposed."""
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    if not query.strip():
+        return []
+    return await store.search(conversation_id, query, k)
+
+
+async def expand(store: EventStore, conversation_id: str, start: int, end: int) -> list[Event]:
+    """The exact events start..end (inclusive); clipped tool results carry their full content."""
+    if end < start:
+        raise ValueError(f"end ({end}) is before start ({start})")
+    events = await store.read_range(conversation_id, start, end)
+    out: list[Event] = []
+    for event in events:
+        body = event.body
+        if isinstance(body, ToolResult) and body.artifact is not None:
+            data = await store.get_artifact(body.artifact)
+            full = msgspec.structs.replace(body, content=data.decode("utf-8", errors="replace"))
+            event = msgspec.structs.replace(event, body=full)
+        out.append(event)
+    return out
+
+
+def _when(ms: int) -> str:
+    return f"{datetime.fromtimestamp(ms / 1000.0, tz=UTC):%Y-%m-%d %H:%M:%S} UTC"
+
+
+def format_hits(hits: Sequence[SearchHit]) -> str:
+    """Search hits as tool-result text: one line each, position first."""
+    if not hits:
+        return "No matches in this conversation's log. Try other words or exact strings."
+    lines = [f"{len(hits)} match(es), best first (higher score is better):"]
+    for hit in hits:
+        snippet = " ".join(hit.snippet.split())
+        lines.append(
+            f"- event {hit.position} ({hit.kind}, turn {hit.turn}, {_when(hit.created_at)}, "
+            f"score {hit.score:.3f}): {snippet}"
+        )
+    lines.append("Use expand(start, end) to read events in full.")
+    return "\n".join(lines)
+
+
+def _body_text(body: object) -> str:
+    if isinstance(body, UserMessage):
+        return f"user: {body.text}"
+    if isinstance(body, AssistantMessage):
+        parts = [f"assistant: {body.text}"] if body.text else ["assistant:"]
+        for call in body.tool_calls:
+            parts.append(f"  calls {call.name} [{call.id}] {_json.encode(call.arguments).decode()}")
+        return "\n".join(parts)
+    if isinstance(body, ToolResult):
+        flag = " (error)" if body.is_error else ""
+        return f"result of {body.tool} [{body.call_id}]{flag}: {body.content}"
+    if isinstance(body, Suspended):
+        return f"suspended awaiting {', '.join(body.call_ids)}: {body.reason}".rstrip(": ")
+    if isinstance(body, Resolved):
+        return f"resolved {body.call_id}"
+    if isinstance(body, Aborted):
+        text = f"aborted ({body.reason})"
+        if body.detail:
+            text += f": {body.detail}"
+        if body.partial_text:
+            text += f"\npartial answer: {body.partial_text}"
+        return text
+    if isinstance(body, Parked):
+        return f"parked after {body.restarts} restarts: {body.cause}"
+    if isinstance(body, Unparked):
+        return f"unparked by {body.by}"
+    return repr(body)
+
+
+def format_events(events: Sequence[Event], max_chars: int = 24_000) -> str:
+    """Events as tool-result text, oldest first, cut at ``max_chars`` with a note."""
+    if not events:
+        return "No events in that range."
+    chunks: list[str] = []
+    used = 0
+    for event in events:
+        chunk = (
+            f"--- event {event.position} (turn {event.turn}, {_when(event.created_at)}) ---\n"
+            f"{_body_text(event.body)}"
+        )
+        if used + len(chunk) > max_chars:
+            room = max_chars - used
+            if room > 200:
+                chunks.append(chunk[:room])
+            chunks.append(
+                f"[output cut at {max_chars} characters before the end of event "
+                f"{event.position}; expand a smaller range]"
+            )
+            break
+        chunks.append(chunk)
+        used += len(chunk) + 1
+    return "\n".join(chunks)

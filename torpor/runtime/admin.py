@@ -1,0 +1,239 @@
+"""The admin surface: what every agent is doing, without waking the ones that sleep.
+
+Nothing here revives an evicted agent: questions about one are answered from
+the store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from torpor.actors.revive import restore
+from torpor.actors.state import AgentState
+from torpor.compaction.audit import rebuild_rendered
+from torpor.compaction.recipe import Rendered, decode_recipe
+from torpor.errors import UnknownConversation
+from torpor.events import Parked, Unparked
+from torpor.runtime.stats import Watcher, percentile
+from torpor.store.protocol import ModelCall
+
+if TYPE_CHECKING:
+    from torpor.actors.agent import Agent
+    from torpor.runtime.host import Runtime
+
+__all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
+
+
+class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    conversation_id: str
+    state: str
+    hibernated: bool
+    live: bool  # in memory (hibernated included)
+    idle_seconds: float | None
+    mailbox_depth: int
+    restarts: int
+    working_set_tokens: int
+    working_set_bytes: int
+    head: int | None = None
+    checkpoint_position: int | None = None
+    tail_length: int | None = None
+    turn: int | None = None
+    pending_calls: tuple[str, ...] = ()
+    last_error: str | None = None
+    parked_cause: str | None = None
+
+
+class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
+    states: dict[str, int]
+    live: int
+    hibernated: int
+    with_working_set: int
+    tasks: int
+    working_set_bytes: int
+    activations: int
+    revivals: int
+    hibernations: int
+    evictions: int
+    crashes: int
+    restarts: int
+    parks: int
+    revival_p50_ms: float | None
+    revival_p99_ms: float | None
+
+
+class RenderedCall(msgspec.Struct, frozen=True):
+    """A model call's context rebuilt from the log and its recipe; ``matches``: same hash."""
+
+    call: ModelCall
+    rendered: Rendered
+    matches: bool
+
+
+class Admin:
+    __slots__ = ("_rt",)
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+
+    def _info(self, agent: Agent, *, detail: bool) -> AgentInfo:
+        now = time.monotonic()
+        ws = agent.ws
+        return AgentInfo(
+            conversation_id=agent.id,
+            state=str(agent.state),
+            hibernated=agent.hibernated,
+            live=True,
+            idle_seconds=None if agent.busy else max(0.0, now - agent.last_active),
+            mailbox_depth=agent.mailbox_depth(),
+            restarts=agent.restarts,
+            working_set_tokens=agent.ws_tokens,
+            working_set_bytes=agent.ws_bytes,
+            head=agent.head if agent.head >= 0 else None,
+            checkpoint_position=(
+                ws.checkpoint.position if ws is not None and ws.checkpoint is not None else None
+            ) if detail else None,
+            tail_length=len(ws.tail) if ws is not None and detail else None,
+            turn=agent.turn,
+            pending_calls=agent.pending,
+            last_error=agent.last_error,
+            parked_cause=agent.parked_cause,
+        )
+
+    def agents(self, state: str | AgentState | None = None) -> list[AgentInfo]:
+        """Every agent in memory (optionally in one state), from memory only."""
+        wanted = None if state is None else str(state)
+        return [
+            self._info(agent, detail=False)
+            for agent in self._rt.registry
+            if wanted is None or str(agent.state) == wanted
+            or (wanted == "hibernated" and agent.hibernated)
+        ]
+
+    async def inspect(self, conversation_id: str) -> AgentInfo:
+        """One agent in detail; an evicted one is read from the store, not revived."""
+        agent = self._rt.registry.get(conversation_id)
+        if agent is not None:
+            return self._info(agent, detail=True)
+        resume = await self._rt.store.resume(conversation_id)
+        if resume.head is None:
+            raise UnknownConversation(conversation_id)
+        restored = restore(resume.events)
+        restarts = 0
+        for event in resume.events:
+            if isinstance(event.body, Parked):
+                restarts = event.body.restarts
+            elif isinstance(event.body, Unparked):
+                restarts = 0
+        return AgentInfo(
+            conversation_id=conversation_id,
+            state=str(AgentState.EVICTED),
+            hibernated=False,
+            live=False,
+            idle_seconds=None,
+            mailbox_depth=0,
+            restarts=restarts,
+            working_set_tokens=0,
+            working_set_bytes=0,
+            head=resume.head,
+            checkpoint_position=(
+                resume.checkpoint.position if resume.checkpoint is not None else None
+            ),
+            tail_length=len(resume.events),
+            turn=restored.turn,
+            pending_calls=restored.pending,
+            parked_cause=restored.parked_cause,
+        )
+
+    def stats(self) -> RuntimeStats:
+        rt = self._rt
+        states: dict[str, int] = {}
+        hibernated = with_ws = 0
+        for agent in rt.registry:
+            key = str(agent.state)
+            states[key] = states.get(key, 0) + 1
+            if agent.ws is not None:
+                with_ws += 1
+            elif agent.hibernated:
+                hibernated += 1
+        samples = list(rt.counters.revival_seconds)
+        p50 = percentile(samples, 50)
+        p99 = percentile(samples, 99)
+        c = rt.counters
+        return RuntimeStats(
+            states=states,
+            live=len(rt.registry),
+            hibernated=hibernated,
+            with_working_set=with_ws,
+            tasks=len(rt.supervisor.tasks),
+            working_set_bytes=rt.ws_total,
+            activations=c.activations,
+            revivals=c.revivals,
+            hibernations=c.hibernations,
+            evictions=c.evictions,
+            crashes=c.crashes,
+            restarts=c.restarts,
+            parks=c.parks,
+            revival_p50_ms=None if p50 is None else p50 * 1000,
+            revival_p99_ms=None if p99 is None else p99 * 1000,
+        )
+
+    def watch(self, bound: int = 10_000) -> Watcher:
+        """Lifecycle transitions from now on (a slow watcher drops the oldest).
+
+        Use as ``with rt.admin.watch() as w: async for t in w: ...``; it is
+        registered at once, so nothing between this call and the first read is lost.
+        """
+        return self._rt.watchers.watch(bound)
+
+    def hibernate(self, conversation_id: str) -> bool:
+        agent = self._rt.registry.get(conversation_id)
+        return agent is not None and self._rt.lifecycle.hibernate(agent)
+
+    def evict(self, conversation_id: str) -> bool:
+        agent = self._rt.registry.get(conversation_id)
+        if agent is None:
+            return False
+        if agent.ws is not None and not self._rt.lifecycle.hibernate(agent) and agent.busy:
+            return False
+        return self._rt.lifecycle.evict(agent)
+
+    async def unpark(self, conversation_id: str) -> bool:
+        """Let a parked agent run again (logged as ``Unparked``). False if it was not parked."""
+        rt = self._rt
+        agent = rt.registry.get(conversation_id)
+        if agent is not None and agent.state is not AgentState.PARKED:
+            return False
+        if agent is None:
+            resume = await rt.store.resume(conversation_id)
+            if restore(resume.events).state is not AgentState.PARKED:
+                return False
+        turn = agent.turn if agent is not None else 0
+        await rt.store.append_events(conversation_id, [Unparked()], turn=turn)
+        if agent is not None:
+            rt.registry.remove(agent)
+            rt.transition(agent, AgentState.PARKED, AgentState.EVICTED)
+        return True
+
+    async def rendered(self, conversation_id: str, call: int | ModelCall = -1) -> RenderedCall:
+        """Rebuild exactly what a model call was sent (from the log and its recipe)."""
+        rt = self._rt
+        if isinstance(call, int):
+            calls = await rt.store.model_calls(conversation_id, limit=1_000_000)
+            if not calls:
+                raise UnknownConversation(f"{conversation_id}: no model calls recorded")
+            record = calls[call]
+        else:
+            record = call
+        profile = rt.profile_for(conversation_id)
+        rendered = await rebuild_rendered(
+            rt.store,
+            conversation_id,
+            decode_recipe(record.recipe),
+            profile.config.system_prompt,
+            profile.policy,
+            profile.specs,
+        )
+        return RenderedCall(record, rendered, rendered.hash == record.rendered_hash)

@@ -1,0 +1,106 @@
+"""Lifecycle policy: hibernate idle agents, evict long-idle ones, shed load over the caps.
+
+No timer per agent: one sweep every ``sweep_every`` seconds walks the idle
+queues from their oldest end and stops at the first agent that has not been
+idle long enough, so each sweep costs O(agents it acts on).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from torpor.actors.state import AgentState
+
+if TYPE_CHECKING:
+    from torpor.actors.agent import Agent
+    from torpor.runtime.host import Runtime
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    __slots__ = ("_rt",)
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+
+    async def run(self) -> None:
+        every = self._rt.config.sweep_every
+        while True:
+            await anyio.sleep(every)
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> tuple[int, int]:
+        """Hibernate and evict what has idled long enough; returns (hibernated, evicted)."""
+        rt = self._rt
+        registry = rt.registry
+        hibernate_before = now - rt.config.hibernate_after
+        evict_before = now - rt.config.evict_after
+        hibernated = evicted = 0
+        while (agent := registry.oldest_idle()) is not None and agent.last_active <= hibernate_before:
+            self.hibernate(agent)
+            hibernated += 1
+        while (agent := registry.oldest_hibernated()) is not None and agent.last_active <= evict_before:
+            self.evict(agent)
+            evicted += 1
+        return hibernated, evicted
+
+    def hibernate(self, agent: Agent) -> bool:
+        """Drop the agent's working set and task; keep its ids and positions. Idle agents only."""
+        rt = self._rt
+        if agent.busy or agent.state not in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):
+            return False
+        rt.registry.queue_hibernated(agent)
+        if agent.ws is None and agent.task is None:
+            return False
+        agent.hibernate_requested = True
+        if agent.task is None:  # no task to do it: drop the caches here
+            agent.ws = None
+            agent.hub = None
+            agent.hibernate_requested = False
+        agent.wake()
+        rt.forget_bytes(agent)
+        agent.ws_bytes = 0
+        rt.counters.hibernations += 1
+        rt.transition(agent, agent.state, "hibernated")
+        return True
+
+    def evict(self, agent: Agent) -> bool:
+        """Forget the agent entirely (the log keeps everything). Never mid-turn."""
+        rt = self._rt
+        if agent.busy or agent.state not in (
+            AgentState.AWAITING_INPUT, AgentState.SUSPENDED, AgentState.PARKED
+        ):
+            rt.registry.unqueue(agent)
+            return False
+        rt.registry.remove(agent)
+        agent.hibernate_requested = True
+        agent.wake()
+        rt.forget_bytes(agent)
+        rt.counters.evictions += 1
+        rt.transition(agent, agent.state, AgentState.EVICTED)
+        return True
+
+    def shed_agents(self, *, keep: Agent) -> None:
+        """Over ``max_live_agents``: evict the least recently used idle agents."""
+        rt = self._rt
+        registry = rt.registry
+        while len(registry) > rt.config.max_live_agents:
+            victim = registry.oldest_hibernated() or registry.oldest_idle()
+            if victim is None or victim is keep:
+                return
+            if not self.evict(victim):
+                registry.unqueue(victim)
+
+    def shed_memory(self, *, keep: Agent) -> None:
+        """Over ``max_working_set_bytes``: hibernate the least recently used idle agents."""
+        rt = self._rt
+        while rt.ws_total > rt.config.max_working_set_bytes:
+            victim = rt.registry.oldest_idle()
+            if victim is None or victim is keep:
+                return
+            if not self.hibernate(victim):
+                rt.registry.unqueue(victim)

@@ -1,0 +1,297 @@
+"""One group-commit transaction on the writer thread: plan every operation, then write.
+
+Each operation is first *planned*: validated against the conversation heads as
+this batch sees them (expect_head, idempotency keys, checkpoint bounds) and
+turned into the rows it will write, without touching the database. An
+operation that is refused (a conflict, a bad checkpoint) fails alone, having
+written nothing, and the next operation plans against the heads without it.
+
+Then the rows of all planned operations are written together, one
+``executemany`` per statement: far fewer Python-to-SQLite calls than a
+statement per row, which is what brings group commit near raw ``executemany``
+speed. If that bulk write fails (it should not: the plans were validated), the
+whole transaction is rolled back and the batch is replayed in *isolated* mode:
+each operation planned and written inside its own SAVEPOINT, so the one that
+fails is rolled back alone and reported to its caller only.
+
+Full-text rows are inserted last and in rowid order: FTS5 flushes its pending
+in-memory index whenever a rowid goes backwards, and interleaved conversations
+would otherwise make it flush after almost every row.
+
+Heads live in :class:`HeadCache` on this thread. A batch sees them through its
+own overlay, and the cache learns the new heads only after COMMIT succeeds, so
+a rollback can never leave a wrong head behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from torpor.errors import StoreError
+from torpor.store.sqlite.schema import KEY_LIMIT
+
+__all__ = [
+    "Batch",
+    "ConvState",
+    "Deliver",
+    "Failed",
+    "HeadCache",
+    "Plan",
+    "WriteOp",
+    "run_batch",
+]
+
+Row = tuple[object, ...]
+
+
+class ConvState(msgspec.Struct, frozen=True, gc=False):
+    key: int  # integer surrogate stored in events.conversation_id
+    head: int  # last position, -1 when empty
+    stored: bool = True  # False: the key is allocated but the row not yet written
+
+
+class HeadCache:
+    """Committed conversation states, most recently used last; writer thread only."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._states: OrderedDict[str, ConvState] = OrderedDict()
+
+    def get(self, name: str) -> ConvState | None:
+        state = self._states.get(name)
+        if state is not None:
+            self._states.move_to_end(name)
+        return state
+
+    def absorb(self, states: dict[str, ConvState]) -> None:
+        for name, state in states.items():
+            self._states[name] = state
+            self._states.move_to_end(name)
+        while len(self._states) > self._capacity:
+            self._states.popitem(last=False)
+
+    def forget(self, name: str) -> None:
+        self._states.pop(name, None)
+
+
+class Plan(msgspec.Struct, gc=False):
+    """What one operation will write, and what its caller gets once that is committed."""
+
+    result: object
+    name: str | None = None  # the conversation whose head this operation moves
+    state: ConvState | None = None  # that conversation's state afterwards
+    writes: list[tuple[str, Row]] = msgspec.field(default_factory=list)
+    fts: list[tuple[int, str]] = msgspec.field(default_factory=list)
+    added_bytes: int = 0
+    # (conversation key, idempotency key) -> (first position, count, prepared events)
+    idempotency: tuple[tuple[int, str], tuple[int, int, object]] | None = None
+
+
+class WriteOp(Protocol):
+    @property
+    def conversation_id(self) -> str: ...
+
+    def plan(self, batch: Batch) -> Plan: ...
+
+
+_INSERT_CONVERSATION = (
+    "INSERT INTO conversations (key, external_id, created_at, updated_at) VALUES (?, ?, ?, ?)"
+)
+# On a cache miss the head comes from the events themselves (the truth), not from the
+# denormalised conversations.head, so a stale row can never make positions collide.
+_READ_STATE = (
+    "SELECT key, coalesce((SELECT max(position) FROM events WHERE conversation_id = key), -1)"
+    " FROM conversations WHERE external_id = ?"
+)
+_UPDATE_HEAD = "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ? WHERE key = ?"
+
+
+class Batch:
+    """One transaction's view of the conversations, and the rows planned so far."""
+
+    def __init__(self, conn: sqlite3.Connection, cache: HeadCache, now: int) -> None:
+        self.conn = conn
+        self.now = now
+        self._cache = cache
+        self.states: dict[str, ConvState] = {}  # as of the operations planned so far
+        self.keys: dict[tuple[int, str], tuple[int, int, object]] = {}  # idempotency keys
+        self._next_key: int | None = None
+        self._heads: dict[int, list[int]] = {}  # key -> [head, added bytes]
+        self.fts: list[tuple[int, str]] = []
+
+    def conversation(self, name: str) -> ConvState:
+        """The conversation as this batch sees it; a new one gets a key but no row yet."""
+        state = self.states.get(name) or self._cache.get(name)
+        if state is not None:
+            return state
+        row = self.conn.execute(_READ_STATE, (name,)).fetchone()
+        if row is not None:
+            state = ConvState(int(row[0]), int(row[1]))
+        else:
+            state = ConvState(self._allocate_key(), -1, stored=False)
+        self.states[name] = state
+        return state
+
+    def _allocate_key(self) -> int:
+        if self._next_key is None:
+            row = self.conn.execute("SELECT coalesce(max(key), 0) FROM conversations").fetchone()
+            self._next_key = int(row[0]) + 1
+        key = self._next_key
+        if key >= KEY_LIMIT:
+            raise StoreError(f"conversation key space exhausted (key {key})")
+        self._next_key += 1
+        return key
+
+    def creating(self, name: str, state: ConvState) -> list[tuple[str, Row]]:
+        """The row a plan must write first if its conversation does not exist yet."""
+        if state.stored:
+            return []
+        return [(_INSERT_CONVERSATION, (state.key, name, self.now, self.now))]
+
+    def keep(self, plan: Plan) -> None:
+        """Make a planned (isolated mode: written) operation visible to the next ones."""
+        if plan.name is not None and plan.state is not None:
+            self.states[plan.name] = plan.state
+            if plan.added_bytes or plan.fts:
+                entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0])
+                entry[0] = plan.state.head
+                entry[1] += plan.added_bytes
+        self.fts.extend(plan.fts)
+        if plan.idempotency is not None:
+            self.keys[plan.idempotency[0]] = plan.idempotency[1]
+
+    def forget(self, name: str) -> None:
+        """Our idea of this conversation may be wrong: read it from the database next time."""
+        self.states.pop(name, None)
+        self._cache.forget(name)
+
+    def head_updates(self) -> list[Row]:
+        return [(head, size, self.now, key) for key, (head, size) in self._heads.items()]
+
+    def committed(self) -> dict[str, ConvState]:
+        return {name: state for name, state in self.states.items() if state.stored}
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """An operation's exception, carried back to its caller."""
+
+    error: BaseException
+
+
+Deliver = Callable[[list[object]], None]
+
+
+def run_batch(
+    conn: sqlite3.Connection, cache: HeadCache, ops: Sequence[WriteOp], now: int, deliver: Deliver
+) -> int:
+    """Commit ``ops`` in one transaction; hand each its result or :class:`Failed` via ``deliver``.
+
+    ``deliver`` is called here, on the writer thread, right after COMMIT (it
+    schedules the futures' resolution on the event loop), so callers learn the
+    outcome even if the writer task was cancelled while the batch ran.
+    Returns how many operations failed.
+    """
+    try:
+        try:
+            batch, results = _attempt(conn, cache, ops, now, _write_bulk)
+        except Exception:  # the bulk write failed: find the culprit, one op at a time
+            _rollback(conn)
+            for op in ops:
+                cache.forget(op.conversation_id)
+            batch, results = _attempt(conn, cache, ops, now, None)
+    except BaseException as exc:
+        _rollback(conn)
+        for op in ops:
+            cache.forget(op.conversation_id)
+        deliver([Failed(_batch_error(len(ops), exc)) for _ in ops])
+        raise
+    cache.absorb(batch.committed())
+    deliver(results)
+    return sum(isinstance(result, Failed) for result in results)
+
+
+Writer = Callable[[sqlite3.Connection, list[Plan]], None]
+
+
+def _attempt(
+    conn: sqlite3.Connection,
+    cache: HeadCache,
+    ops: Sequence[WriteOp],
+    now: int,
+    bulk: Writer | None,
+) -> tuple[Batch, list[object]]:
+    """One try at the transaction: bulk (``bulk`` given) or isolated (each op in a SAVEPOINT)."""
+    batch = Batch(conn, cache, now)
+    results: list[object] = []
+    plans: list[Plan] = []
+    conn.execute("BEGIN IMMEDIATE")
+    for op in ops:
+        if bulk is None:
+            conn.execute("SAVEPOINT op")
+        try:
+            plan = op.plan(batch)
+            if bulk is None:
+                for sql, row in plan.writes:
+                    conn.execute(sql, row)
+        except Exception as exc:
+            if bulk is None:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+            if isinstance(exc, sqlite3.Error):
+                if bulk is not None:
+                    raise
+                batch.forget(op.conversation_id)
+                error = StoreError(f"write to {op.conversation_id!r} failed: {exc}")
+                error.__cause__ = exc
+                exc = error
+            results.append(Failed(exc))
+            continue
+        if bulk is None:
+            conn.execute("RELEASE op")
+        batch.keep(plan)
+        plans.append(plan)
+        results.append(plan.result)
+    if bulk is not None:
+        bulk(conn, plans)
+    conn.executemany(_UPDATE_HEAD, batch.head_updates())
+    if batch.fts:
+        batch.fts.sort()
+        conn.executemany("INSERT INTO events_fts (rowid, text) VALUES (?, ?)", batch.fts)
+    conn.execute("COMMIT")
+    return batch, results
+
+
+def _write_bulk(conn: sqlite3.Connection, plans: list[Plan]) -> None:
+    grouped: dict[str, list[Row]] = {}
+    for plan in plans:
+        for sql, row in plan.writes:
+            rows = grouped.get(sql)
+            if rows is None:
+                grouped[sql] = [row]
+            else:
+                rows.append(row)
+    for sql, rows in grouped.items():
+        if len(rows) == 1:
+            conn.execute(sql, rows[0])
+        else:
+            conn.executemany(sql, rows)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
+def _batch_error(size: int, cause: BaseException) -> StoreError:
+    error = StoreError(f"group commit of {size} operations failed: {cause!r}")
+    error.__cause__ = cause
+    return error

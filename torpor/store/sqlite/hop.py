@@ -1,0 +1,40 @@
+"""Run a whole Python function on an aiosqlite connection's thread: one hop.
+
+Why this module exists: aiosqlite's public API crosses from the event loop to
+the connection's thread once per ``execute``/``fetchall``/``commit``. A
+thread hop costs ~170 µs on the 2-core target machine, so resume (checkpoint +
+events since) or a group-commit batch (BEGIN, hundreds of inserts, COMMIT)
+would pay it dozens of times. aiosqlite's ``Connection._execute(fn, *args)`` is
+the primitive its own public methods are built on: it queues ``fn`` for the
+connection's worker thread and resolves a future with its result. It is private,
+so this is the only place in torpor that touches it (and ``_conn``, the
+underlying :class:`sqlite3.Connection`, which is only ever used from inside
+``fn``, i.e. on the connection's own thread). aiosqlite still owns the
+connection's lifecycle (thread start, connect, close).
+
+If aiosqlite ever drops ``_execute``, replace this with a single-thread
+executor per connection; nothing else in torpor needs to change.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import aiosqlite
+
+__all__ = ["hop"]
+
+T = TypeVar("T")
+
+
+async def hop(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(sqlite3_connection, *args)`` on ``conn``'s thread and await the result."""
+
+    def call() -> T:
+        raw: sqlite3.Connection = conn._conn
+        return fn(raw, *args)
+
+    execute: Callable[[Callable[[], T]], Awaitable[Any]] = conn._execute
+    return cast(T, await execute(call))

@@ -1,0 +1,209 @@
+"""The read side, as it runs on a reader connection's thread (one hop per public call).
+
+Reads that need more than one statement (resume, search, conversation info)
+wrap them in one deferred transaction so they see a single WAL snapshot: a
+checkpoint and the events after it always belong together.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import zlib
+from collections.abc import Callable
+from typing import TypeVar
+
+from torpor.errors import StoreError
+from torpor.events import Event, ToolResult, decode_body, kind_of, searchable_text
+from torpor.store.fulltext import first_match, snippet
+from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
+from torpor.store.sqlite.rows import (
+    EVENT_COLUMNS,
+    decode_checkpoint,
+    decode_model_call,
+    to_conversation_info,
+    to_events,
+)
+
+__all__ = [
+    "checkpoints",
+    "conversation",
+    "conversations",
+    "get_artifact",
+    "head",
+    "latest_checkpoint",
+    "model_calls",
+    "page_backward",
+    "read_range",
+    "read_since",
+    "resume",
+    "search",
+]
+
+T = TypeVar("T")
+
+_KEY = "(SELECT key FROM conversations WHERE external_id = ?)"
+_SINCE = (
+    f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
+    "AND position >= ? ORDER BY position"
+)
+_LATEST_CHECKPOINT = (
+    f"SELECT position, body FROM checkpoints WHERE conversation_id = {_KEY} "
+    "ORDER BY id DESC LIMIT 1"
+)
+
+
+def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
+    conn.execute("BEGIN")
+    try:
+        return fn()
+    finally:
+        conn.execute("COMMIT")
+
+
+def head(conn: sqlite3.Connection, name: str) -> int | None:
+    row = conn.execute("SELECT head FROM conversations WHERE external_id = ?", (name,)).fetchone()
+    return None if row is None or row[0] < 0 else int(row[0])
+
+
+def read_since(conn: sqlite3.Connection, name: str, position: int) -> list[Event]:
+    return to_events(name, conn.execute(_SINCE, (name, position)))
+
+
+def read_range(conn: sqlite3.Connection, name: str, start: int, end: int) -> list[Event]:
+    rows = conn.execute(
+        f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
+        "AND position BETWEEN ? AND ? ORDER BY position",
+        (name, start, end),
+    )
+    return to_events(name, rows)
+
+
+def page_backward(
+    conn: sqlite3.Connection, name: str, before: int | None, limit: int
+) -> list[Event]:
+    rows = conn.execute(
+        f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
+        "AND position < ? ORDER BY position DESC LIMIT ?",
+        (name, (1 << 62) if before is None else before, limit),
+    )
+    return to_events(name, rows)
+
+
+def latest_checkpoint(conn: sqlite3.Connection, name: str) -> Checkpoint | None:
+    row = conn.execute(_LATEST_CHECKPOINT, (name,)).fetchone()
+    return None if row is None else decode_checkpoint(name, row[0], row[1])
+
+
+def checkpoints(conn: sqlite3.Connection, name: str) -> list[Checkpoint]:
+    rows = conn.execute(
+        f"SELECT position, body FROM checkpoints WHERE conversation_id = {_KEY} ORDER BY id",
+        (name,),
+    )
+    return [decode_checkpoint(name, position, body) for position, body in rows]
+
+
+def resume(conn: sqlite3.Connection, name: str) -> Resume:
+    def read() -> Resume:
+        checkpoint = latest_checkpoint(conn, name)
+        events = read_since(conn, name, 0 if checkpoint is None else checkpoint.position)
+        return Resume(name, head(conn, name), checkpoint, tuple(events))
+
+    return _snapshot(conn, read)
+
+
+def search(
+    conn: sqlite3.Connection, name: str, expression: str, query: str, k: int
+) -> list[SearchHit]:
+    def read() -> list[SearchHit]:
+        row = conn.execute("SELECT key FROM conversations WHERE external_id = ?", (name,))
+        found = row.fetchone()
+        if found is None:
+            return []
+        low = int(found[0]) << 32
+        matches = conn.execute(
+            "SELECT rowid, bm25(events_fts) FROM events_fts WHERE events_fts MATCH ? "
+            "AND rowid BETWEEN ? AND ? ORDER BY bm25(events_fts) LIMIT ?",
+            (expression, low, low | 0xFFFFFFFF, k),
+        ).fetchall()
+        hits = []
+        for rowid, bm25 in matches:
+            position = rowid & 0xFFFFFFFF
+            event = conn.execute(
+                "SELECT turn, created_at, body FROM events "
+                "WHERE conversation_id = ? AND position = ?",
+                (found[0], position),
+            ).fetchone()
+            if event is None:
+                raise StoreError(f"search index names a missing event {name!r}:{position}")
+            body = decode_body(event[2], conversation_id=name, position=position)
+            text = searchable_text(body)
+            if isinstance(body, ToolResult) and body.artifact is not None:
+                text = _full_text(conn, body, text, query)
+            hits.append(
+                SearchHit(
+                    position=position,
+                    kind=kind_of(body),
+                    turn=int(event[0]),
+                    created_at=int(event[1]),
+                    snippet=snippet(text, query),
+                    score=-float(bm25),
+                )
+            )
+        return hits
+
+    return _snapshot(conn, read)
+
+
+def _full_text(conn: sqlite3.Connection, body: ToolResult, preview: str, query: str) -> str:
+    """The clipped result's full text when the match lies beyond its preview."""
+    if first_match(preview, query) >= 0 or body.artifact is None:
+        return preview
+    data = get_artifact(conn, body.artifact)
+    return f"{body.tool} {data.decode('utf-8', 'replace')}"
+
+
+def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:
+    row = conn.execute("SELECT data FROM artifacts WHERE id = ?", (artifact_id,)).fetchone()
+    if row is None:
+        raise KeyError(f"no artifact {artifact_id!r}")
+    try:
+        return zlib.decompress(row[0])
+    except zlib.error as exc:
+        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
+
+
+def model_calls(
+    conn: sqlite3.Connection, name: str, turn: int | None, limit: int
+) -> list[ModelCall]:
+    if turn is None:
+        rows = conn.execute(
+            f"SELECT turn, body FROM model_calls WHERE conversation_id = {_KEY} "
+            "ORDER BY turn DESC, call_index DESC, id DESC LIMIT ?",
+            (name, limit),
+        ).fetchall()
+    else:
+        rows = conn.execute(
+            f"SELECT turn, body FROM model_calls WHERE conversation_id = {_KEY} AND turn = ? "
+            "ORDER BY call_index DESC, id DESC LIMIT ?",
+            (name, turn, limit),
+        ).fetchall()
+    rows.reverse()
+    return [decode_model_call(name, turn_, body) for turn_, body in rows]
+
+
+_INFO = "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at"
+
+
+def conversations(
+    conn: sqlite3.Connection, after: str | None, limit: int
+) -> list[ConversationInfo]:
+    rows = conn.execute(
+        f"{_INFO} FROM conversations WHERE external_id > ? ORDER BY external_id LIMIT ?",
+        ("" if after is None else after, limit),
+    )
+    return [to_conversation_info(row) for row in rows]
+
+
+def conversation(conn: sqlite3.Connection, name: str) -> ConversationInfo | None:
+    row = conn.execute(f"{_INFO} FROM conversations WHERE external_id = ?", (name,)).fetchone()
+    return None if row is None else to_conversation_info(row)

@@ -1,0 +1,178 @@
+"""The SQLite schema, its forward migrations, and connection settings.
+
+Physical choices (measured on the 2-core development machine, see
+``bench/store_append.py``):
+
+* ``events`` is a rowid table with ``PRIMARY KEY (conversation_id, position)``
+  (an index beside the row). Rows are appended in rowid order, so group-commit
+  batches that interleave a thousand conversations write to the end of the
+  table instead of scattering across a clustered ``WITHOUT ROWID`` B-tree:
+  ~4x the insert rate, at the price of ~45 µs more to read 50 rows, far under
+  the 1 ms read target.
+* ``conversations`` maps the text id to an integer surrogate (``key``) so rows
+  and indexes stay small; ``events.conversation_id`` holds that integer.
+* ``events_fts`` is a contentless FTS5 index (no second copy of the text;
+  storing content cut indexing speed by ~3x). Its rowid is
+  ``key << 32 | position``, which lets a search be confined to one
+  conversation by a rowid range instead of a join over every conversation's
+  matches. Hence conversation keys stay below 2**31 and positions below 2**32.
+* ``bm25`` length normalisation is off (``columnsize=0`` saves a table write
+  per event); term rarity still ranks.
+
+The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
+schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
+version bump, so a crash mid-migration leaves the old version intact.
+
+Durability (``synchronous``), both in WAL mode:
+
+* ``normal`` (default): every acknowledged append survives a crash of the
+  process (SIGKILL included): the commit is in the WAL file in the OS page
+  cache. An operating-system crash or power loss may roll back the most recent
+  commits (never corrupting the database), because the WAL is synced only at
+  checkpoints.
+* ``full``: the WAL is fsynced at every commit (one fsync per group-commit
+  batch, shared by every append in it), so acknowledged appends also survive
+  power loss.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Literal
+
+from torpor.errors import StoreError
+
+__all__ = [
+    "KEY_LIMIT",
+    "MIGRATIONS",
+    "POSITION_LIMIT",
+    "SCHEMA_VERSION",
+    "Durability",
+    "configure_reader",
+    "configure_writer",
+    "migrate",
+]
+
+Durability = Literal["normal", "full"]
+
+KEY_LIMIT = 1 << 31
+POSITION_LIMIT = 1 << 32
+
+_V1: Sequence[str] = (
+    """
+    CREATE TABLE conversations (
+        key INTEGER PRIMARY KEY,
+        external_id TEXT NOT NULL UNIQUE,
+        head INTEGER NOT NULL DEFAULT -1,
+        bytes INTEGER NOT NULL DEFAULT 0,
+        checkpoint_position INTEGER,
+        created_at INTEGER NOT NULL,
+        updated_at INTEGER NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE events (
+        conversation_id INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        turn INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        tokens INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    )
+    """,
+    """
+    CREATE VIRTUAL TABLE events_fts USING fts5(
+        text, content='', columnsize=0, tokenize='unicode61 remove_diacritics 2'
+    )
+    """,
+    "INSERT INTO events_fts(events_fts, rank) VALUES ('automerge', 8)",
+    """
+    CREATE TABLE checkpoints (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL
+    )
+    """,
+    "CREATE INDEX checkpoints_by_conversation ON checkpoints (conversation_id, id)",
+    """
+    CREATE TABLE artifacts (
+        id TEXT PRIMARY KEY,
+        conversation_id INTEGER NOT NULL,
+        size INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        data BLOB NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE idempotency_keys (
+        conversation_id INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        first_position INTEGER NOT NULL,
+        count INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        PRIMARY KEY (conversation_id, key)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE model_calls (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL,
+        turn INTEGER NOT NULL,
+        call_index INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL
+    )
+    """,
+    "CREATE INDEX model_calls_by_turn ON model_calls (conversation_id, turn, call_index)",
+)
+
+MIGRATIONS: tuple[Sequence[str], ...] = (_V1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the schema to :data:`SCHEMA_VERSION`; refuse a database from the future."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"database schema version {version} is newer than this torpor "
+            f"understands ({SCHEMA_VERSION}); upgrade torpor"
+        )
+    while version < SCHEMA_VERSION:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            version += 1
+            conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return version
+
+
+def _common(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA busy_timeout = 10000")
+    conn.execute("PRAGMA temp_store = MEMORY")
+    conn.execute("PRAGMA cache_size = -32768")  # 32 MiB per connection
+
+
+def configure_writer(conn: sqlite3.Connection, durability: Durability, *, file: bool) -> None:
+    _common(conn)
+    if file:
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(f"could not switch the database to WAL mode (got {mode!r})")
+    conn.execute(f"PRAGMA synchronous = {durability.upper()}")
+
+
+def configure_reader(conn: sqlite3.Connection) -> None:
+    _common(conn)
+    conn.execute("PRAGMA mmap_size = 268435456")
+    conn.execute("PRAGMA query_only = 1")

@@ -1,0 +1,295 @@
+"""SQLiteStore: the default EventStore, one file (or memory) per runtime.
+
+Connections: one writer (group commit, :mod:`.writer`) and, for a file, a few
+reader connections so reads never queue behind a commit; WAL lets them read
+the last committed snapshot while the writer writes. A private in-memory
+database (``sqlite://``) has a single connection that serves both: SQLite
+cannot share one in-memory database between connections without shared-cache
+mode, whose table locks make readers fail with SQLITE_LOCKED mid-write. Every
+public method is one hop to a connection thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar, cast
+
+import aiosqlite
+import structlog
+
+from torpor.errors import ConfigError, StoreError
+from torpor.events import Body, Event
+from torpor.store.fulltext import match_expression
+from torpor.store.prepare import (
+    AppendPolicy,
+    check_conversation_id,
+    new_artifact_id,
+)
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    ModelCall,
+    Resume,
+    SearchHit,
+    TokenCounter,
+)
+from torpor.store.sqlite import reads
+from torpor.store.sqlite.hop import hop
+from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
+from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
+from torpor.store.sqlite.writer import GroupCommitWriter
+
+__all__ = ["SQLiteStore"]
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def _setup_writer(conn: sqlite3.Connection, durability: Durability, file: bool) -> int:
+    configure_writer(conn, durability, file=file)
+    return migrate(conn)
+
+
+class _Readers:
+    """Reader connections; each call goes to the one with the fewest calls in flight."""
+
+    def __init__(self, conns: Sequence[aiosqlite.Connection]) -> None:
+        self.conns = list(conns)
+        self._busy = [0] * len(self.conns)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        index = min(range(len(self.conns)), key=self._busy.__getitem__)
+        self._busy[index] += 1
+        try:
+            return await hop(self.conns[index], fn, *args)
+        finally:
+            self._busy[index] -= 1
+
+
+class SQLiteStore:
+    """An :class:`~torpor.store.protocol.EventStore` over one SQLite database.
+
+    Use as an async context manager (or through :func:`torpor.store.open_store`):
+    entering opens the connections, migrates the schema and starts the writer
+    task; leaving commits whatever is queued, stops the writer and closes.
+    """
+
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        token_counter: TokenCounter | None = None,
+        durability: Durability = "normal",
+        artifact_threshold: int = 16 * 1024,
+        max_event_bytes: int = 1024 * 1024,
+        readers: int = 2,
+        max_batch: int = 2048,
+    ) -> None:
+        if durability not in ("normal", "full"):
+            raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
+        if readers < 1:
+            raise ConfigError("readers", "at least one reader connection is needed")
+        if max_batch < 1:
+            raise ConfigError("max_batch", "must be at least 1")
+        self.path = path
+        self.durability: Durability = durability
+        self._policy = AppendPolicy(
+            token_counter=token_counter,
+            artifact_threshold=artifact_threshold,
+            max_event_bytes=max_event_bytes,
+        )
+        self._reader_count = readers
+        self._max_batch = max_batch
+        self._conns: list[aiosqlite.Connection] = []
+        self._writer: GroupCommitWriter | None = None
+        self._readers: _Readers | None = None
+        self._log = log.bind(store=path or ":memory:")
+
+    # lifecycle -------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        if self._conns:
+            raise StoreError("the store is already open")
+        try:
+            writer = await self._connect()
+            version = await hop(writer, _setup_writer, self.durability, self.path is not None)
+            readers = [writer]
+            if self.path is not None:
+                readers = [await self._connect() for _ in range(self._reader_count)]
+                for reader in readers:
+                    await hop(reader, configure_reader)
+        except BaseException:
+            await self._close_connections()
+            raise
+        self._readers = _Readers(readers)
+        self._writer = GroupCommitWriter(writer, max_batch=self._max_batch)
+        self._writer.start()
+        self._log.info("store_opened", schema_version=version, durability=self.durability)
+
+    async def _connect(self) -> aiosqlite.Connection:
+        conn = aiosqlite.connect(
+            self.path or ":memory:", isolation_level=None, cached_statements=256
+        )
+        self._conns.append(conn)
+        await conn
+        return conn
+
+    async def close(self) -> None:
+        try:
+            if self._writer is not None:
+                await self._writer.aclose()
+        finally:
+            self._writer = None
+            self._readers = None
+            await self._close_connections()
+            self._log.info("store_closed")
+
+    async def _close_connections(self) -> None:
+        conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(ValueError):  # ValueError: it never finished connecting
+                await asyncio.shield(conn.close())
+
+    def _write(self) -> GroupCommitWriter:
+        if self._writer is None:
+            raise StoreError("the store is not open")
+        return self._writer
+
+    def _read(self) -> _Readers:
+        if self._readers is None:
+            raise StoreError("the store is not open")
+        return self._readers
+
+    # writes ----------------------------------------------------------------------
+
+    async def append(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[int]:
+        prepared = self._policy.prepare(
+            conversation_id, events, turn=turn, expect_head=expect_head, key=key
+        )
+        return cast(list[int], await self._write().submit(AppendOp(prepared)))
+
+    async def append_events(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[Event]:
+        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
+        prepared = self._policy.prepare(
+            conversation_id, events, turn=turn, expect_head=expect_head, key=key
+        )
+        op = AppendOp(prepared, with_events=True)
+        return cast(list[Event], await self._write().submit(op))
+
+    async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
+        check_conversation_id(checkpoint.conversation_id)
+        await self._write().submit(CheckpointOp(checkpoint))
+
+    async def put_artifact(self, conversation_id: str, data: bytes) -> str:
+        check_conversation_id(conversation_id)
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError("artifact data must be bytes")
+        op = ArtifactOp(conversation_id, new_artifact_id(), bytes(data))
+        return cast(str, await self._write().submit(op))
+
+    async def record_model_call(self, call: ModelCall) -> None:
+        check_conversation_id(call.conversation_id)
+        await self._write().submit(ModelCallOp(call))
+
+    # reads -----------------------------------------------------------------------
+
+    async def head(self, conversation_id: str) -> int | None:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.head, conversation_id)
+
+    async def read_since(self, conversation_id: str, position: int) -> list[Event]:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.read_since, conversation_id, position)
+
+    async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.read_range, conversation_id, start, end)
+
+    async def page_backward(
+        self, conversation_id: str, before: int | None = None, limit: int = 50
+    ) -> list[Event]:
+        check_conversation_id(conversation_id)
+        _check_limit(limit)
+        return await self._read().run(reads.page_backward, conversation_id, before, limit)
+
+    async def resume(self, conversation_id: str) -> Resume:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.resume, conversation_id)
+
+    async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.latest_checkpoint, conversation_id)
+
+    async def checkpoints(self, conversation_id: str) -> list[Checkpoint]:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.checkpoints, conversation_id)
+
+    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
+        """bm25-ranked events of one conversation; every term of ``query`` is matched literally."""
+        check_conversation_id(conversation_id)
+        _check_limit(k)
+        expression = match_expression(query)
+        if expression is None:
+            return []
+        return await self._read().run(reads.search, conversation_id, expression, query, k)
+
+    async def get_artifact(self, artifact_id: str) -> bytes:
+        """The full bytes of an artifact; KeyError if there is none by that id."""
+        return await self._read().run(reads.get_artifact, artifact_id)
+
+    async def model_calls(
+        self, conversation_id: str, *, turn: int | None = None, limit: int = 100
+    ) -> list[ModelCall]:
+        """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
+        check_conversation_id(conversation_id)
+        _check_limit(limit)
+        return await self._read().run(reads.model_calls, conversation_id, turn, limit)
+
+    async def conversations(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[ConversationInfo]:
+        """Conversations ordered by id, those after ``after`` (keyset pagination)."""
+        _check_limit(limit)
+        return await self._read().run(reads.conversations, after, limit)
+
+    async def conversation(self, conversation_id: str) -> ConversationInfo | None:
+        check_conversation_id(conversation_id)
+        return await self._read().run(reads.conversation, conversation_id)
+
+
+def _check_limit(limit: int) -> None:
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive int, got {limit!r}")

@@ -1,0 +1,220 @@
+"""The operations the writer commits, each planned against a :class:`Batch`.
+
+A plan reads (heads, idempotency keys) but never writes: it returns the rows
+to write and the caller's result, or raises to refuse the operation. See
+:mod:`.batch` for how plans become one transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from torpor.errors import ConflictError, StoreError
+from torpor.events import Event
+from torpor.store.prepare import PreparedAppend, PreparedEvent
+from torpor.store.protocol import Checkpoint, ModelCall
+from torpor.store.sqlite.batch import Batch, ConvState, Plan
+from torpor.store.sqlite.rows import (
+    EVENT_COLUMNS,
+    encode_checkpoint,
+    encode_model_call,
+    to_events,
+)
+from torpor.store.sqlite.schema import POSITION_LIMIT
+
+__all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "ModelCallOp", "compress_artifact"]
+
+
+def compress_artifact(data: bytes) -> bytes:
+    """zlib; the fastest level for very large data, so one huge result cannot stall a batch."""
+    return zlib.compress(data, 6 if len(data) < (1 << 20) else 1)
+
+
+INSERT_EVENT = (
+    "INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+INSERT_ARTIFACT = (
+    "INSERT INTO artifacts (id, conversation_id, size, created_at, data) VALUES (?, ?, ?, ?, ?)"
+)
+INSERT_KEY = (
+    "INSERT INTO idempotency_keys (conversation_id, key, first_position, count, created_at) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
+
+
+class AppendOp(msgspec.Struct, frozen=True, gc=False):
+    """Append events; the result is their positions, or the stored events if ``with_events``."""
+
+    append: PreparedAppend
+    with_events: bool = False
+
+    @property
+    def conversation_id(self) -> str:
+        return self.append.conversation_id
+
+    def plan(self, batch: Batch) -> Plan:
+        append = self.append
+        name = append.conversation_id
+        state = batch.conversation(name)
+        if append.key is not None and state.stored:
+            replay = self._replay(batch, state.key, append.key)
+            if replay is not None:
+                return Plan(replay)
+        if append.expect_head is not None and append.expect_head != state.head:
+            raise ConflictError(name, append.expect_head, state.head)
+        events = append.events
+        first = state.head + 1
+        last = first + len(events) - 1
+        if last >= POSITION_LIMIT:
+            raise StoreError(f"conversation {name!r} is full (position {last})")
+        key = state.key
+        writes = batch.creating(name, state)
+        size = 0
+        for offset, e in enumerate(events):
+            size += len(e.body)
+            writes.append(
+                (
+                    INSERT_EVENT,
+                    (key, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body),
+                )
+            )
+            if e.artifact_id is not None and e.artifact_data is not None:
+                data = compress_artifact(e.artifact_data)
+                row = (e.artifact_id, key, len(e.artifact_data), e.created_at, data)
+                writes.append((INSERT_ARTIFACT, row))
+        if append.key is not None:
+            writes.append((INSERT_KEY, (key, append.key, first, len(events), batch.now)))
+        base = key << 32
+        return Plan(
+            result=self._result(first, events),
+            name=name,
+            state=ConvState(key, last),
+            writes=writes,
+            fts=[(base | (first + i), e.text) for i, e in enumerate(events) if e.text],
+            added_bytes=size,
+            idempotency=None
+            if append.key is None
+            else ((key, append.key), (first, len(events), events)),
+        )
+
+    def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
+        if not self.with_events:
+            return list(range(first, first + len(events)))
+        name = self.append.conversation_id
+        return [
+            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value)
+            for i, e in enumerate(events)
+        ]
+
+    def _replay(self, batch: Batch, key: int, idem: str) -> list[Any] | None:
+        """The first append with this key, if there was one: its positions or events."""
+        planned = batch.keys.get((key, idem))
+        if planned is not None:
+            first, _, events = planned
+            assert isinstance(events, tuple)
+            return self._result(first, events)
+        row = batch.conn.execute(
+            "SELECT first_position, count FROM idempotency_keys "
+            "WHERE conversation_id = ? AND key = ?",
+            (key, idem),
+        ).fetchone()
+        if row is None:
+            return None
+        first, count = int(row[0]), int(row[1])
+        if not self.with_events:
+            return list(range(first, first + count))
+        return _read_events(batch.conn, self.append.conversation_id, key, first, count)
+
+
+def _read_events(
+    conn: sqlite3.Connection, name: str, key: int, first: int, count: int
+) -> list[Event]:
+    rows = conn.execute(
+        f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = ? "
+        "AND position BETWEEN ? AND ? ORDER BY position",
+        (key, first, first + count - 1),
+    )
+    return to_events(name, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointOp:
+    checkpoint: Checkpoint
+
+    @property
+    def conversation_id(self) -> str:
+        return self.checkpoint.conversation_id
+
+    def plan(self, batch: Batch) -> Plan:
+        cp = self.checkpoint
+        state = batch.conversation(cp.conversation_id)
+        if not 0 <= cp.position <= state.head + 1:
+            raise ValueError(
+                f"checkpoint position {cp.position} is outside conversation "
+                f"{cp.conversation_id!r} (head {state.head})"
+            )
+        writes = batch.creating(cp.conversation_id, state)
+        writes.append(
+            (
+                "INSERT INTO checkpoints (conversation_id, position, created_at, body) "
+                "VALUES (?, ?, ?, ?)",
+                (state.key, cp.position, cp.created_at, encode_checkpoint(cp)),
+            )
+        )
+        writes.append(
+            (
+                "UPDATE conversations SET checkpoint_position = ?, updated_at = ? WHERE key = ?",
+                (cp.position, batch.now, state.key),
+            )
+        )
+        return Plan(None, cp.conversation_id, ConvState(state.key, state.head), writes)
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactOp:
+    conversation_id: str
+    artifact_id: str
+    data: bytes
+
+    def plan(self, batch: Batch) -> Plan:
+        state = batch.conversation(self.conversation_id)
+        writes = batch.creating(self.conversation_id, state)
+        row = (self.artifact_id, state.key, len(self.data), batch.now, compress_artifact(self.data))
+        writes.append((INSERT_ARTIFACT, row))
+        return Plan(
+            self.artifact_id, self.conversation_id, ConvState(state.key, state.head), writes
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallOp:
+    call: ModelCall
+
+    @property
+    def conversation_id(self) -> str:
+        return self.call.conversation_id
+
+    def plan(self, batch: Batch) -> Plan:
+        call = self.call
+        state = batch.conversation(call.conversation_id)
+        writes = batch.creating(call.conversation_id, state)
+        writes.append(
+            (
+                "INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (
+                    state.key,
+                    call.turn,
+                    call.call_index,
+                    call.created_at or batch.now,
+                    encode_model_call(call),
+                ),
+            )
+        )
+        return Plan(None, call.conversation_id, ConvState(state.key, state.head), writes)

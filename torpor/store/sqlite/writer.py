@@ -1,0 +1,134 @@
+"""Group commit: many concurrent writes, one writer connection, one transaction per batch.
+
+Callers queue an operation and await a future. A single writer task, owned by
+the store (started when it opens, awaited when it closes), takes everything
+queued, runs it as one transaction in one thread hop (:func:`run_batch`), and
+each caller's future resolves once the COMMIT that contains its operation has
+returned. While a batch is on the writer thread the next one accumulates, so
+under load a batch holds roughly everything that arrived during the previous
+commit: the per-transaction cost is shared instead of paid per append.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import aiosqlite
+import structlog
+
+from torpor.errors import StoreError
+from torpor.store.prepare import now_ms
+from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
+from torpor.store.sqlite.hop import hop
+
+__all__ = ["GroupCommitWriter"]
+
+log = structlog.get_logger(__name__)
+
+_Pending = tuple[WriteOp, "asyncio.Future[Any]"]
+
+
+class GroupCommitWriter:
+    """The single writer: a queue of operations and the task that commits them in batches.
+
+    One batch is in flight at a time. Letting the event loop prepare the next
+    batch while the thread commits the previous one was measured and lost:
+    both sides need the GIL for their Python work, and the thread then waits
+    for the loop's switch interval after every SQLite call.
+    """
+
+    def __init__(
+        self, conn: aiosqlite.Connection, *, max_batch: int = 2048, cache_size: int = 65536
+    ) -> None:
+        self._conn = conn
+        self._max_batch = max_batch
+        self._cache = HeadCache(cache_size)
+        self._pending: deque[_Pending] = deque()
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0  # committed batches, for stats and tests
+        self.largest_batch = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="torpor-writer")
+
+    async def submit(self, op: WriteOp) -> Any:
+        """Queue ``op`` and wait for the commit that contains it; its result or its error."""
+        if self._closing or self._task is None or self._task.done():
+            raise StoreError("the store is closed")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending.append((op, future))
+        self._wake.set()
+        return await future
+
+    async def aclose(self) -> None:
+        """Commit what is queued, then stop. If this wait is cancelled, so is the writer."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            finally:
+                if not self._task.done():
+                    self._task.cancel()
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self._pending:
+                    if self._closing:
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                batch = self._take()
+                if batch:
+                    # If this task is cancelled mid-commit, the batch still finishes on
+                    # its thread and ``deliver`` still resolves its callers' futures.
+                    await self._commit(batch)
+        finally:
+            self._fail_pending(StoreError("the store closed before this write was committed"))
+
+    def _take(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        while self._pending and len(batch) < self._max_batch:
+            item = self._pending.popleft()
+            if not item[1].done():  # a caller cancelled before its turn: never written
+                batch.append(item)
+        return batch
+
+    async def _commit(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        futures = [future for _, future in batch]
+
+        def deliver(results: list[object]) -> None:  # runs on the writer thread
+            loop.call_soon_threadsafe(self._delivered, futures, results)
+
+        ops = [op for op, _ in batch]
+        try:
+            failures = await hop(self._conn, run_batch, self._cache, ops, now_ms(), deliver)
+        except Exception as exc:  # already delivered to every caller as a StoreError
+            log.error("group_commit_failed", ops=len(ops), error=repr(exc))
+            return
+        if failures:
+            log.debug("group_commit", ops=len(ops), failed=failures)
+
+    def _delivered(self, futures: list[asyncio.Future[Any]], results: list[object]) -> None:
+        self.batches += 1
+        self.largest_batch = max(self.largest_batch, len(futures))
+        for future, result in zip(futures, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Failed):
+                future.set_exception(result.error)
+            else:
+                future.set_result(result)
+
+    def _fail_pending(self, error: StoreError) -> None:
+        while self._pending:
+            _, future = self._pending.popleft()
+            if not future.done():
+                future.set_exception(error)
