@@ -203,9 +203,7 @@ async def _through_store(scenario: list[Any]) -> list[Checkpoint]:
         appended: list[Event] = []
 
         async def append(bodies: Sequence[Body], turn: int) -> list[Event]:
-            events: list[Event] = await store.append_events(  # type: ignore[attr-defined]
-                "conv", bodies, turn=turn
-            )
+            events: list[Event] = await store.append_events("conv", bodies, turn=turn)
             appended.extend(events)
             return events
 

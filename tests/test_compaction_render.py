@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from torpor.compaction import (
@@ -84,7 +86,7 @@ def ws_of(log: Log, checkpoint: Checkpoint | None = None) -> WorkingSet:
     return ws
 
 
-def assert_paired(messages: list[object]) -> None:
+def assert_paired(messages: Sequence[object]) -> None:
     """Every tool call answered before the next non-result message; no result without a call."""
     open_calls: set[str] = set()
     for message in messages:

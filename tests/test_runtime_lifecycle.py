@@ -1,4 +1,4 @@
-"""Hibernate, evict, revive, suspend across all of them, activation storms, admin that never wakes."""
+"""Hibernate, evict, revive, suspension across them, activation storms, a quiet admin."""
 
 from __future__ import annotations
 

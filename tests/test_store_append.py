@@ -18,29 +18,22 @@ async def test_concurrent_appenders_get_dense_unique_positions_and_their_own(
 ) -> None:
     conversations, appenders, rounds = 20, 5, 8  # 5 writers per conversation
 
-    async def appender(conv: int, writer: int) -> list[tuple[int, str]]:
-        told = []
+    told: dict[int, list[tuple[int, str]]] = {c: [] for c in range(conversations)}
+
+    async def appender(conv: int, writer: int) -> None:
         for step in range(rounds):
             texts = [f"c{conv} w{writer} s{step} e{i}" for i in range(1 + step % 3)]
-            positions = await sqlite_store.append(
-                f"conv-{conv}", [UserMessage(t) for t in texts]
-            )
+            positions = await sqlite_store.append(f"conv-{conv}", [UserMessage(t) for t in texts])
             assert positions == list(range(positions[0], positions[0] + len(texts)))
-            told.extend(zip(positions, texts, strict=True))
-        return told
+            told[conv].extend(zip(positions, texts, strict=True))
 
-    results = await asyncio.gather(
-        *(appender(c, w) for c in range(conversations) for w in range(appenders))
-    )
+    await asyncio.gather(*(appender(c, w) for c in range(conversations) for w in range(appenders)))
     for conv in range(conversations):
-        told = [item for (c, _), r in zip(
-            [(c, w) for c in range(conversations) for w in range(appenders)], results, strict=True
-        ) if c == conv for item in r]
         log = await sqlite_store.read_since(f"conv-{conv}", 0)
         assert [e.position for e in log] == list(range(len(log)))  # dense, from 0
-        assert len(told) == len(log)  # every acknowledged event, no more
+        assert len(told[conv]) == len(log)  # every acknowledged event, no more
         stored = {e.position: e.body for e in log}
-        for position, text in told:  # each caller was told where *its* event went
+        for position, text in told[conv]:  # each caller was told where *its* event went
             assert stored[position] == UserMessage(text)
         assert await sqlite_store.head(f"conv-{conv}") == len(log) - 1
     writer = sqlite_store._writer
@@ -101,33 +94,45 @@ async def test_invalid_append_in_a_batch_fails_only_itself(sqlite_store: SQLiteS
     ]
 
 
-async def test_a_failing_write_in_a_batch_fails_alone_and_the_head_recovers(
-    tmp_path: Path,
-) -> None:
+async def test_a_write_that_fails_in_sqlite_fails_alone(tmp_path: Path) -> None:
     path = tmp_path / "log.db"
     async with SQLiteStore(str(path)) as store:
-        await store.append("victim", [UserMessage("0")])
-        await store.append("bystander", [UserMessage("0")])
-        # Someone writes position 1 behind the store's back: its cached head is now stale,
-        # so the bulk write hits the primary key and the batch is replayed op by op.
+        await store.append("a", [UserMessage("seed")])
         raw = sqlite3.connect(path)
         raw.execute(
-            "INSERT INTO events SELECT conversation_id, 1, turn, kind, tokens, created_at, body"
-            " FROM events WHERE position = 0 AND conversation_id ="
-            " (SELECT key FROM conversations WHERE external_id = 'victim')"
+            "CREATE TRIGGER poison BEFORE INSERT ON events WHEN instr(NEW.body, 'poison') > 0"
+            " BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"
         )
         raw.commit()
         raw.close()
         outcomes = await asyncio.gather(
-            store.append("bystander", [UserMessage("1")]),
-            store.append("victim", [UserMessage("clash")]),
-            store.append("bystander", [UserMessage("2")]),
+            store.append("a", [UserMessage("ok 1")]),
+            store.append("b", [UserMessage("fine"), UserMessage("poison")]),
+            store.append("a", [UserMessage("ok 2")]),
             return_exceptions=True,
         )
         assert outcomes[0] == [1] and outcomes[2] == [2]
-        assert isinstance(outcomes[1], StoreError)
-        # the store forgot its stale head: the next append lands after the real one
-        assert await store.append("victim", [UserMessage("after")]) == [2]
+        assert isinstance(outcomes[1], StoreError) and "poisoned row" in str(outcomes[1])
+        assert await store.head("b") is None  # not even the event before the poisoned one
+        assert await store.conversation("b") is None
+        assert await store.append("b", [UserMessage("later")]) == [0]
+
+
+async def test_positions_follow_the_log_after_an_out_of_band_write(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    async with SQLiteStore(str(path)) as store:
+        await store.append("c", [UserMessage("0")])
+        # a row written behind the store's back makes its cached head stale: the
+        # batch's bulk write hits the primary key, and the store re-reads the head
+        raw = sqlite3.connect(path)
+        raw.execute(
+            "INSERT INTO events SELECT conversation_id, 1, turn, kind, tokens, created_at, body"
+            " FROM events WHERE position = 0"
+        )
+        raw.commit()
+        raw.close()
+        assert await store.append("c", [UserMessage("2")]) == [2]
+        assert [e.position for e in await store.read_since("c", 0)] == [0, 1, 2]
 
 
 async def test_idempotency_key_returns_the_first_positions_and_writes_nothing(
@@ -147,7 +152,7 @@ async def test_idempotency_key_returns_the_first_positions_and_writes_nothing(
         sqlite_store.append("e", [UserMessage("x")], key="k"),
         sqlite_store.append("e", [UserMessage("x")], key="k"),
     )
-    assert both == [[0], [0]]
+    assert list(both) == [[0], [0]]
     assert await sqlite_store.head("e") == 0
 
 
@@ -219,7 +224,9 @@ async def test_a_cancelled_append_that_was_not_yet_taken_is_never_written(
     sqlite_store: SQLiteStore,
 ) -> None:
     task = asyncio.ensure_future(sqlite_store.append("c", [UserMessage("never")]))
+    await asyncio.sleep(0)  # one loop turn: the append is queued, the writer not yet run
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await sqlite_store.append("c", [UserMessage("first")]) == [0]
+    assert len(await sqlite_store.read_since("c", 0)) == 1

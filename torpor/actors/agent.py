@@ -74,6 +74,9 @@ class Agent:
 
     __slots__ = (
         "accounted",
+        "calibration",
+        "calls",
+        "compact_requested",
         "crash_times",
         "current",
         "cycle",
@@ -87,8 +90,6 @@ class Agent:
         "parked_cause",
         "pending",
         "profile",
-        "compact_requested",
-        "calls",
         "restarts",
         "scope",
         "state",
@@ -123,6 +124,7 @@ class Agent:
         self.parked_cause: str | None = None
         self.hibernate_requested = False
         self.compact_requested = False
+        self.calibration = 1.0  # provider-reported / estimated prompt tokens, last seen
         self.ws_tokens = 0
         self.ws_bytes = 0
         self.accounted = 0  # ws_bytes as last counted into the runtime's memory total

@@ -84,7 +84,9 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
     ws = agent.ws
     assert ws is not None
     profile = agent.profile
-    plan = plan_fold(ws, profile.policy, force=agent.compact_requested)
+    plan = plan_fold(
+        ws, profile.policy, force=agent.compact_requested, calibration=agent.calibration
+    )
     agent.compact_requested = False
     if plan is None:
         return
@@ -106,7 +108,9 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     assert ws is not None
     profile = agent.profile
     specs = profile.specs
-    rendered = ws.render(profile.config.system_prompt, profile.policy, specs)
+    rendered = ws.render(
+        profile.config.system_prompt, profile.policy, specs, calibration=agent.calibration
+    )
     agent.set_state(host, AgentState.STREAMING)
     hub = agent.hub
     parts: list[str] = []
@@ -153,16 +157,12 @@ async def _audit(
     now = time.perf_counter()
     policy = agent.profile.policy
     reported = usage.prompt_tokens if usage is not None else None
-    if reported:
-        estimated = max(rendered.estimated_tokens, 1)
+    if reported and rendered.estimated_tokens:
+        # Calibrate our tiktoken estimate against what the provider counted, and ask
+        # for a fold before the next call when the real prompt nears the budget.
+        agent.calibration = min(4.0, max(0.5, reported / rendered.estimated_tokens))
         if reported > policy.compaction_trigger_ratio * policy.input_budget:
             agent.compact_requested = True
-        if reported > estimated * 1.1 and rendered.estimated_tokens:
-            # Our estimate runs low for this model: fold as if the tail were that much larger.
-            agent.compact_requested = agent.compact_requested or (
-                agent.ws is not None
-                and agent.ws.tail_tokens * reported / estimated > policy.working_budget
-            )
     call = ModelCall(
         conversation_id=agent.id,
         turn=agent.turn,

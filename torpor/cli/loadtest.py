@@ -101,7 +101,8 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
         option = {"evict_after": "--evict-after", "hibernate_after": "--hibernate-after"}.get(
             exc.field, exc.field
         )
-        raise CliError(f"{option}: {exc}") from None
+        reason = str(exc).removeprefix(f"{exc.field}: ")
+        raise CliError(f"{option}: {reason}") from None
 
 
 async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,

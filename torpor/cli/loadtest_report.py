@@ -48,7 +48,8 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
                                            f"{_num(activation['revival_p99_ms'], ' ms')}"),
         ("driven agents", _num(run["driven_agents"])),
         ("turns/s", _num(run["turns_per_second"])),
-        ("turn p50 / p99", f"{_num(run['turn_p50_ms'], ' ms')} / {_num(run['turn_p99_ms'], ' ms')}"),
+        ("turn p50 / p99",
+         f"{_num(run['turn_p50_ms'], ' ms')} / {_num(run['turn_p99_ms'], ' ms')}"),
         ("returning users (wakes)", f"{_num(run['wakes'])}, p50 {_num(run['wake_p50_ms'], ' ms')},"
                                     f" p99 {_num(run['wake_p99_ms'], ' ms')}"),
         ("revival p50 / p99 (end)", f"{_num(lifecycle['revival_p50_ms'], ' ms')} / "
@@ -84,9 +85,9 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
 def _print_timeline(console: Console, samples: Sequence[Mapping[str, Any]]) -> None:
     if not samples:
         return
-    table = Table(title="agents per state over time")
-    for name in ("t (s)", "phase", "working set", "hibernated", "evicted", "busy", "turns", "RSS"):
-        table.add_column(name, justify="right")
+    table = Table(title="agents per state over time (w/ ws: holding a working set)")
+    for name in ("t (s)", "phase", "w/ ws", "hibern.", "evicted", "busy", "turns", "RSS MB"):
+        table.add_column(name, justify="right", no_wrap=True)
     step = max(1, len(samples) // 12)
     picked = list(samples[::step])
     if picked[-1] is not samples[-1]:
@@ -94,7 +95,7 @@ def _print_timeline(console: Console, samples: Sequence[Mapping[str, Any]]) -> N
     for s in picked:
         table.add_row(f"{s['t']:.1f}", s["phase"], f"{s['with_working_set']:,}",
                       f"{s['hibernated']:,}", f"{s['evicted']:,}", f"{s['busy']:,}",
-                      f"{s['turns']:,}", _mb(s["rss_bytes"]))
+                      f"{s['turns']:,}", f"{s['rss_bytes'] / 1e6:,.1f}")
     console.print(table)
 
 

@@ -64,7 +64,7 @@ class Sample(msgspec.Struct, frozen=True):
 
 class RunResult(msgspec.Struct, kw_only=True):
     activation: dict[str, float | int | None]
-    run: dict[str, float | int | None | dict[str, int]]
+    run: dict[str, float | int | dict[str, int] | None]
     lifecycle: dict[str, float | int | None]
     memory: dict[str, float | int | None]
     timeline: list[Sample]
@@ -194,7 +194,7 @@ def _split(plan: RunPlan) -> tuple[list[str], list[str]]:
 
 async def _run_load(rt: Runtime, plan: RunPlan, driven: Sequence[str], idle: Sequence[str],
                     progress: Progress, tally: _Tally
-                    ) -> dict[str, float | int | None | dict[str, int]]:
+                    ) -> dict[str, float | int | dict[str, int] | None]:
     rng = random.Random(plan.seed + 1)
     progress.phase("run", plan.duration)
     started = time.monotonic()
@@ -228,10 +228,14 @@ async def _run_load(rt: Runtime, plan: RunPlan, driven: Sequence[str], idle: Seq
     }
 
 
-async def _until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Poll until agents' tasks have acted on a lifecycle request (they do so asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
+async def _until(predicate: Callable[[], bool], limit: float = 30.0) -> None:
+    """Poll until agents' tasks have acted on a lifecycle request (they do so asynchronously).
+
+    The runtime has no event for "every agent task has exited", so this polls
+    (it is a measurement tool, not a synchronisation primitive a test relies on).
+    """
+    deadline = time.monotonic() + limit
+    while not predicate() and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
@@ -240,7 +244,9 @@ async def _evict_everything(rt: Runtime) -> None:
     await _until(lambda: rt.admin.stats().tasks == 0)
 
 
-async def _probe(rt: Runtime, ids: Sequence[str], progress: Progress) -> dict[str, float | int | None]:
+async def _probe(
+    rt: Runtime, ids: Sequence[str], progress: Progress
+) -> dict[str, float | int | None]:
     """Per-state bytes of K agents: tracemalloc for every state, RSS for the upward step."""
     await _evict_everything(rt)
     k = len(ids)

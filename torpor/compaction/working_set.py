@@ -142,7 +142,6 @@ class WorkingSet:
         last = tail[-1].position if tail else -1
         if self._checkpoint is not None:
             last = max(last, self._checkpoint.position - 1)
-        added = 0
         for event in events:
             if event.position <= last:
                 raise ValueError(
@@ -152,8 +151,7 @@ class WorkingSet:
             last = event.position
             tail.append(event)
             self._hints.append(event_hints(event) if extract else None)
-            added += event.tokens
-        self._tail_tokens += added
+            self._tail_tokens += event.tokens
 
     def apply(self, checkpoint: Checkpoint) -> None:
         """Adopt a fold: drop tail events before its position, keep the rest."""

@@ -29,7 +29,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     hibernate_after: float = 30.0
     evict_after: float = 300.0
-    sweep_interval: float | None = None  # default: a quarter of hibernate_after, 50 ms–5 s
+    sweep_interval: float | None = None  # default: a quarter of hibernate_after, 50 ms to 5 s
     max_live_agents: int = 1_000_000
     max_working_set_bytes: int = 2 * 1024**3
     max_concurrent_revivals: int = 64

@@ -40,12 +40,18 @@ class Lifecycle:
         hibernate_before = now - rt.config.hibernate_after
         evict_before = now - rt.config.evict_after
         hibernated = evicted = 0
-        while (agent := registry.oldest_idle()) is not None and agent.last_active <= hibernate_before:
-            self.hibernate(agent)
-            hibernated += 1
-        while (agent := registry.oldest_hibernated()) is not None and agent.last_active <= evict_before:
-            self.evict(agent)
-            evicted += 1
+        while (agent := registry.oldest_idle()) is not None:
+            if agent.last_active > hibernate_before:
+                break
+            if self.hibernate(agent):
+                hibernated += 1
+            elif agent.id in registry.idle:
+                registry.unqueue(agent)  # busy: it queues itself again once idle
+        while (agent := registry.oldest_hibernated()) is not None:
+            if agent.last_active > evict_before:
+                break
+            if self.evict(agent):
+                evicted += 1
         return hibernated, evicted
 
     def hibernate(self, agent: Agent) -> bool:
@@ -102,5 +108,5 @@ class Lifecycle:
             victim = rt.registry.oldest_idle()
             if victim is None or victim is keep:
                 return
-            if not self.hibernate(victim):
+            if not self.hibernate(victim) and victim.id in rt.registry.idle:
                 rt.registry.unqueue(victim)

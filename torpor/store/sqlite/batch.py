@@ -159,7 +159,7 @@ class Batch:
         """Make a planned (isolated mode: written) operation visible to the next ones."""
         if plan.name is not None and plan.state is not None:
             self.states[plan.name] = plan.state
-            if plan.added_bytes or plan.fts:
+            if plan.added_bytes:  # an append: the conversation row gets its new head
                 entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0])
                 entry[0] = plan.state.head
                 entry[1] += plan.added_bytes

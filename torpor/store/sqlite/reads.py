@@ -61,8 +61,11 @@ def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
 
 
 def head(conn: sqlite3.Connection, name: str) -> int | None:
-    row = conn.execute("SELECT head FROM conversations WHERE external_id = ?", (name,)).fetchone()
-    return None if row is None or row[0] < 0 else int(row[0])
+    """From the events themselves (one index seek), not the denormalised conversations.head."""
+    row = conn.execute(
+        f"SELECT max(position) FROM events WHERE conversation_id = {_KEY}", (name,)
+    ).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
 
 
 def read_since(conn: sqlite3.Connection, name: str, position: int) -> list[Event]:

@@ -7,6 +7,19 @@ database (``sqlite://``) has a single connection that serves both: SQLite
 cannot share one in-memory database between connections without shared-cache
 mode, whose table locks make readers fail with SQLITE_LOCKED mid-write. Every
 public method is one hop to a connection thread.
+
+Durability (``durability=``, SQLite's ``synchronous`` in WAL mode):
+
+* ``"normal"`` (default): an acknowledged append survives the crash of the
+  process, SIGKILL included: the commit is in the WAL file (in the OS page
+  cache) before ``append`` returns. An operating-system crash or power loss may
+  roll back the most recent commits, because the WAL is only fsynced at
+  checkpoints; the database is never corrupted either way.
+* ``"full"``: the WAL is fsynced at every commit, so an acknowledged append also
+  survives power loss. The fsync is paid once per group-commit batch and
+  shared by every append in it.
+
+An in-memory store promises nothing beyond the life of the store.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar, cast
 
 import aiosqlite
+import msgspec
 import structlog
 
 from torpor.errors import ConfigError, StoreError
@@ -28,6 +42,7 @@ from torpor.store.prepare import (
     AppendPolicy,
     check_conversation_id,
     new_artifact_id,
+    now_ms,
 )
 from torpor.store.protocol import (
     Checkpoint,
@@ -163,9 +178,15 @@ class SQLiteStore:
 
     async def _close_connections(self) -> None:
         conns, self._conns = self._conns, []
-        for conn in conns:
-            with contextlib.suppress(ValueError):  # ValueError: it never finished connecting
-                await asyncio.shield(conn.close())
+        cancelled: asyncio.CancelledError | None = None
+        for conn in conns:  # close every one, even if cancelled: each owns a thread
+            try:
+                with contextlib.suppress(ValueError):  # it never finished connecting
+                    await asyncio.shield(conn.close())
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
 
     def _write(self) -> GroupCommitWriter:
         if self._writer is None:
@@ -221,7 +242,10 @@ class SQLiteStore:
         return cast(str, await self._write().submit(op))
 
     async def record_model_call(self, call: ModelCall) -> None:
+        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
         check_conversation_id(call.conversation_id)
+        if not call.created_at:
+            call = msgspec.structs.replace(call, created_at=now_ms())
         await self._write().submit(ModelCallOp(call))
 
     # reads -----------------------------------------------------------------------

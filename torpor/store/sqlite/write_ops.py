@@ -212,7 +212,7 @@ class ModelCallOp:
                     state.key,
                     call.turn,
                     call.call_index,
-                    call.created_at or batch.now,
+                    call.created_at,
                     encode_model_call(call),
                 ),
             )

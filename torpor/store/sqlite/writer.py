@@ -12,6 +12,7 @@ commit: the per-transaction cost is shared instead of paid per append.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Any
 
@@ -68,12 +69,16 @@ class GroupCommitWriter:
         """Commit what is queued, then stop. If this wait is cancelled, so is the writer."""
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            try:
-                await self._task
-            finally:
-                if not self._task.done():
-                    self._task.cancel()
+        task = self._task
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
 
     async def _run(self) -> None:
         try:

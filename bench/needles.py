@@ -1,0 +1,356 @@
+"""Needle benchmark (the design source's Table 2): pointer folding vs truncation.
+
+Setup, as in the source: 50 needles (hashes, file paths, parameters) at evenly
+spaced events of a 200-event conversation (all seeded before event 150), ~80
+flood tokens per turn (a turn is a user message and an answer, ~40 tokens
+each), a 4,000-token working budget of which 200 are headroom (so a fold
+starts above 3,800 tokens of tail), a 3-turn hot tail, up to 5 compaction
+attempts. Everything goes through a real SQLite store (``sqlite://``) with the
+tiktoken counter, a WorkingSet, ``plan_fold``/``build_checkpoint`` and
+``recall``.
+
+Reported:
+
+* recall@10 of the needles through ``recall(needle)`` (full-text search over
+  the log), and needle loss; the truncation baseline keeps only the last
+  max(events in torpor's context, 10) events, and "recalls" a needle only if
+  it is still in that window;
+* events, turns and markers in context after compaction; compaction cycles;
+* compaction latency = plan_fold + build_checkpoint + apply (no store I/O),
+  for a live working set (topic candidates extracted as events arrived) and a
+  revived one (extracted during the fold); and put_checkpoint separately;
+* the same at 100 / 200 / 1,000 / 10,000 events (scaling), and an
+  incremental run that checks for a fold after every turn, as an agent does.
+
+Usage: ``python bench/needles.py [--sizes 100,200,1000,10000] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from torpor.compaction import (
+    CompactionPolicy,
+    WorkingSet,
+    build_checkpoint,
+    make_token_counter,
+    plan_fold,
+    recall,
+)
+from torpor.events import AssistantMessage, Body, Event, UserMessage
+from torpor.store import open_store
+
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+BUDGET = 4_000
+HEADROOM = 200
+TAIL_TURNS = 3
+ATTEMPTS = 5
+NEEDLES = 50
+FLOOD_PER_TURN = 80
+K = 10
+
+POLICY = CompactionPolicy(
+    context_window=8_192,
+    max_output_tokens=1_024,
+    safety_margin=HEADROOM,
+    working_budget=BUDGET - HEADROOM,
+    tail_turns=TAIL_TURNS,
+)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+FLOOD_WORDS = _words(
+    "the service restarted after the nightly batch and the queue drained slowly while we "
+    "watched the dashboards for errors then someone asked whether the retry policy was "
+    "still too aggressive for the upstream and we agreed to look again tomorrow morning"
+)
+SERVICES = ("billing", "ledger", "search", "gateway", "ingest", "auth", "mailer", "report")
+PARAMS = ("pool_size", "retry_backoff_ms", "max_inflight", "cache_ttl_s", "shard_count")
+
+
+@dataclass
+class Trace:
+    turns: list[tuple[int, list[Body]]]  # (turn number, bodies)
+    needles: list[tuple[str, int]]  # (needle, position of its event)
+    events: int
+
+
+def needle(i: int) -> str:
+    kind = i % 3
+    if kind == 0:
+        return hashlib.sha1(f"needle-{i}".encode()).hexdigest()
+    if kind == 1:
+        return f"/srv/{SERVICES[i % len(SERVICES)]}/conf/override_{i}.yaml"
+    return f"{PARAMS[i % len(PARAMS)]}_{i}={(i * 37) % 1000 + 1}"
+
+
+def flood(rng: random.Random, tokens: int) -> str:
+    """Filler prose; every flood word is one cl100k token (with its leading space)."""
+    return " ".join(rng.choice(FLOOD_WORDS) for _ in range(tokens))
+
+
+def make_trace(events: int, seed: int = 7) -> Trace:
+    """``events`` events as user/assistant turns; needles evenly spaced over the first 75%."""
+    rng = random.Random(seed)
+    span = max(NEEDLES, events * 3 // 4)
+    spacing = span / NEEDLES
+    needle_at = {int(i * spacing): needle(i) for i in range(NEEDLES)}
+    half = FLOOD_PER_TURN // 2
+    turns: list[tuple[int, list[Body]]] = []
+    needles: list[tuple[str, int]] = []
+    position = 0
+    turn = 0
+    while position < events:
+        turn += 1
+        bodies: list[Body] = []
+        for role in ("user", "assistant"):
+            if position >= events:
+                break
+            text = flood(rng, half)
+            hidden = needle_at.get(position)
+            if hidden is not None:
+                text = f"{text}. For the record: {hidden} is the value to remember."
+                needles.append((hidden, position))
+            bodies.append(UserMessage(text) if role == "user" else AssistantMessage(text))
+            position += 1
+        turns.append((turn, bodies))
+    return Trace(turns, needles, events)
+
+
+@dataclass
+class Timing:
+    samples_us: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        s = sorted(self.samples_us)
+        return {
+            "median_us": round(statistics.median(s), 1),
+            "p90_us": round(s[int(0.9 * (len(s) - 1))], 1),
+            "min_us": round(s[0], 1),
+            "runs": len(s),
+        }
+
+
+def fold_once(ws: WorkingSet) -> tuple[float, Any]:
+    started = time.perf_counter_ns()
+    plan = plan_fold(ws, POLICY)
+    checkpoint = None
+    if plan is not None:
+        checkpoint = build_checkpoint(plan, ws.checkpoint, created_at=0)
+        ws.apply(checkpoint)
+    return (time.perf_counter_ns() - started) / 1000.0, checkpoint
+
+
+def live_ws(events: Sequence[Event]) -> WorkingSet:
+    ws = WorkingSet("needles", None, [])
+    ws.append(events)  # as an agent appends: topic candidates extracted on arrival
+    return ws
+
+
+def fold_latency(events: Sequence[Event], runs: int) -> dict[str, Any]:
+    live, cold = Timing(), Timing()
+    for _ in range(runs):
+        ws = live_ws(events)
+        elapsed, checkpoint = fold_once(ws)
+        assert checkpoint is not None
+        live.samples_us.append(elapsed)
+        ws = WorkingSet("needles", None, events)  # revived: candidates not extracted yet
+        elapsed, _ = fold_once(ws)
+        cold.samples_us.append(elapsed)
+    return {"live": live.summary(), "revived": cold.summary()}
+
+
+async def run_size(n: int, *, table2: bool) -> dict[str, Any]:
+    trace = make_trace(n)
+    async with open_store("sqlite://", token_counter=make_token_counter()) as store:
+        logged: list[Event] = []
+        for turn, bodies in trace.turns:
+            logged.extend(await store.append_events("needles", bodies, turn=turn))
+        tail_tokens = sum(e.tokens for e in logged)
+
+        # Up to five compaction attempts on the full trace, as in the source.
+        ws = live_ws(logged)
+        cycles = 0
+        io = Timing()
+        for _ in range(ATTEMPTS):
+            _, checkpoint = fold_once(ws)
+            if checkpoint is None:
+                break
+            started = time.perf_counter_ns()
+            await store.put_checkpoint(checkpoint)
+            io.samples_us.append((time.perf_counter_ns() - started) / 1000.0)
+            cycles += 1
+        assert ws.checkpoint is not None, "the trace never went over budget"
+        rendered = ws.render("You are a helpful assistant.", POLICY)
+        context = "\n".join(
+            getattr(m, "text", "") or getattr(m, "content", "") for m in rendered.messages
+        )
+
+        found = 0
+        for text, position in trace.needles:
+            hits = await recall(store, "needles", text, k=K)
+            found += position in [h.position for h in hits]
+
+        cache_events = len(ws.tail)
+        window = logged[-max(cache_events, 10) :]
+        window_text = "\n".join(getattr(e.body, "text", "") for e in window)
+        truncation_found = sum(text in window_text for text, _ in trace.needles)
+
+        runs = 200 if n <= 200 else 40 if n <= 1_000 else 6
+        latency = fold_latency(logged, runs)
+        marker_names = sum(
+            text in topic
+            for text, _ in trace.needles
+            for m in ws.checkpoint.markers
+            for topic in m.topics
+        )
+        result: dict[str, Any] = {
+            "events": n,
+            "turns": len(trace.turns),
+            "log_tokens": tail_tokens,
+            "needles": len(trace.needles),
+            "torpor": {
+                "recall_at_10": found / len(trace.needles),
+                "needle_loss": 1 - found / len(trace.needles),
+                "events_in_context": cache_events,
+                "turns_in_context": len({e.turn for e in ws.tail}),
+                "markers_in_context": len(ws.checkpoint.markers),
+                "needles_verbatim_in_context": sum(t in context for t, _ in trace.needles),
+                "needles_named_in_markers": marker_names,
+                "compaction_cycles": cycles,
+                "compaction_attempts": min(ATTEMPTS, cycles + 1),
+                "context_tokens": rendered.estimated_tokens,
+                "checkpoint_position": ws.checkpoint.position,
+            },
+            "truncation": {
+                "recall_at_10": truncation_found / len(trace.needles),
+                "needle_loss": 1 - truncation_found / len(trace.needles),
+                "events_in_context": len(window),
+            },
+            "compaction_latency": latency,
+            "put_checkpoint_us": io.summary() if io.samples_us else None,
+        }
+        if table2:
+            result["incremental"] = await incremental(trace)
+        return result
+
+
+async def incremental(trace: Trace) -> dict[str, Any]:
+    """Fold checks after every turn (what an agent does); recall measured at the end."""
+    async with open_store("sqlite://", token_counter=make_token_counter()) as store:
+        ws = WorkingSet("needles", None, [])
+        cycles = 0
+        latencies = Timing()
+        for turn, bodies in trace.turns:
+            ws.append(await store.append_events("needles", bodies, turn=turn))
+            elapsed, checkpoint = fold_once(ws)
+            if checkpoint is not None:
+                await store.put_checkpoint(checkpoint)
+                latencies.samples_us.append(elapsed)
+                cycles += 1
+        found = 0
+        for text, position in trace.needles:
+            hits = await recall(store, "needles", text, k=K)
+            found += position in [h.position for h in hits]
+        checkpoint = ws.checkpoint
+        return {
+            "compaction_cycles": cycles,
+            "fold_latency": latencies.summary() if latencies.samples_us else None,
+            "recall_at_10": found / len(trace.needles),
+            "events_in_context": len(ws.tail),
+            "markers_in_context": len(checkpoint.markers) if checkpoint else 0,
+            "tail_tokens": ws.tail_tokens,
+        }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    t2 = (
+        next(r for r in results if r["events"] == 200)
+        if any(r["events"] == 200 for r in results)
+        else results[0]
+    )
+    tor, trunc = t2["torpor"], t2["truncation"]
+    lat = t2["compaction_latency"]
+    lines = [
+        f"Table 2 ({t2['events']} events, {t2['needles']} needles, budget {BUDGET} "
+        f"(headroom {HEADROOM}), {TAIL_TURNS}-turn tail, K={K})",
+        f"{'metric':<38}{'torpor (pointer folds)':>24}{'truncation':>14}",
+        f"{'recall@10':<38}{tor['recall_at_10']:>24.0%}{trunc['recall_at_10']:>14.0%}",
+        f"{'needle loss':<38}{tor['needle_loss']:>24.0%}{trunc['needle_loss']:>14.0%}",
+        f"{'events in context':<38}{tor['events_in_context']:>24}{trunc['events_in_context']:>14}",
+        f"{'markers in context':<38}{tor['markers_in_context']:>24}{'-':>14}",
+        f"{'compaction cycles (of 5 attempted)':<38}{tor['compaction_cycles']:>24}{'-':>14}",
+        f"{'compaction latency, live (median)':<38}"
+        f"{lat['live']['median_us'] / 1000:>21.3f} ms{'-':>14}",
+        f"{'compaction latency, revived (median)':<38}"
+        f"{lat['revived']['median_us'] / 1000:>21.3f} ms{'-':>14}",
+        "",
+        f"{'events':>8}{'recall@10':>11}{'trunc':>7}{'live fold ms':>14}"
+        f"{'revived ms':>12}{'put_ckpt ms':>13}{'markers':>9}",
+    ]
+    for r in results:
+        lat = r["compaction_latency"]
+        put = r["put_checkpoint_us"]
+        lines.append(
+            f"{r['events']:>8}{r['torpor']['recall_at_10']:>11.0%}"
+            f"{r['truncation']['recall_at_10']:>7.0%}"
+            f"{lat['live']['median_us'] / 1000:>14.3f}{lat['revived']['median_us'] / 1000:>12.3f}"
+            f"{(put['median_us'] / 1000 if put else float('nan')):>13.3f}"
+            f"{r['torpor']['markers_in_context']:>9}"
+        )
+    inc = t2.get("incremental")
+    if inc:
+        lines.append("")
+        lines.append(
+            f"incremental ({t2['events']} events, fold check after every turn): "
+            f"{inc['compaction_cycles']} cycles, recall@10 {inc['recall_at_10']:.0%}, "
+            f"{inc['events_in_context']} events + {inc['markers_in_context']} marker(s) in "
+            f"context, fold median {inc['fold_latency']['median_us'] / 1000:.3f} ms"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100,200,1000,10000")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    results = [asyncio.run(run_size(n, table2=(n == 200))) for n in sizes]
+    report = {
+        "benchmark": "needles",
+        "python": sys.version.split()[0],
+        "policy": {
+            "working_budget": POLICY.working_budget,
+            "headroom": HEADROOM,
+            "tail_turns": TAIL_TURNS,
+            "encoding": POLICY.encoding,
+        },
+        "results": results,
+    }
+    print(json.dumps(report))
+    print(table(results))
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""open_store URLs, schema versioning, durability settings, lifecycle."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from torpor import ConfigError, StoreError
+from torpor.events import UserMessage
+from torpor.store import SQLiteStore, UnsupportedStoreURL, open_store
+from torpor.store.sqlite.schema import SCHEMA_VERSION
+
+
+async def test_memory_urls_are_private_databases() -> None:
+    async with open_store("sqlite://") as one, open_store("sqlite://") as two:
+        await one.append("c", [UserMessage("only in one")])
+        assert await one.head("c") == 0
+        assert await two.head("c") is None
+
+
+async def test_relative_and_absolute_file_urls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with open_store("sqlite:///rel.db") as store:
+        await store.append("c", [UserMessage("relative")])
+    assert (tmp_path / "rel.db").exists()
+    absolute = tmp_path / "sub" / "abs.db"
+    absolute.parent.mkdir()
+    async with open_store(f"sqlite:///{absolute}") as store:
+        await store.append("c", [UserMessage("absolute")])
+    async with open_store(f"sqlite:///{absolute}") as store:
+        assert [e.body for e in await store.read_since("c", 0)] == [UserMessage("absolute")]
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("mysql://db", "unknown scheme"),
+        ("postgres://localhost/torpor", "not yet supported"),
+        ("postgresql://localhost/torpor", "not yet supported"),
+        ("just-a-path.db", "no scheme"),
+        ("sqlite:rel.db", "no scheme"),
+        ("sqlite://host/rel.db", "expected sqlite:///"),
+    ],
+)
+async def test_unsupported_urls_fail_clearly(url: str, words: str) -> None:
+    with pytest.raises(UnsupportedStoreURL, match=words) as caught:
+        async with open_store(url):
+            pass
+    assert isinstance(caught.value, StoreError) and isinstance(caught.value, ValueError)
+
+
+async def test_schema_is_versioned_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    async with SQLiteStore(str(path)) as store:
+        await store.append("c", [UserMessage("kept")])
+    raw = sqlite3.connect(path)
+    assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    columns = {row[1] for row in raw.execute("PRAGMA table_info(events)")}
+    assert {"conversation_id", "position", "kind", "turn", "tokens", "created_at", "body"} <= (
+        columns
+    )
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    raw.commit()
+    raw.close()
+    with pytest.raises(StoreError, match="newer"):
+        async with SQLiteStore(str(path)):
+            pass
+
+
+async def test_durability_levels(tmp_path: Path) -> None:
+    async with SQLiteStore(str(tmp_path / "full.db"), durability="full") as store:
+        assert await store.append("c", [UserMessage("synced")]) == [0]
+    with pytest.raises(ConfigError):
+        SQLiteStore(None, durability="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        SQLiteStore(None, artifact_threshold=10)
+
+
+async def test_a_closed_store_refuses_work(sqlite_store: SQLiteStore) -> None:
+    await sqlite_store.close()
+    with pytest.raises(StoreError):
+        await sqlite_store.append("c", [UserMessage("late")])
+    with pytest.raises(StoreError):
+        await sqlite_store.read_since("c", 0)

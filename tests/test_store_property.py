@@ -1,0 +1,59 @@
+"""Property: after any interleaving of appends and checkpoints, the tail is a suffix of the log."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torpor.events import Aborted, AssistantMessage, ToolResult, UserMessage
+from torpor.store import Checkpoint, SQLiteStore
+
+bodies = st.one_of(
+    st.builds(UserMessage, st.text(max_size=40)),
+    st.builds(AssistantMessage, st.text(max_size=40)),
+    st.builds(ToolResult, st.text(max_size=5), st.just("tool"), st.text(max_size=40)),
+    st.builds(Aborted, st.sampled_from(["cancelled", "crashed", "model_error"])),
+)
+steps = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("append"), st.sampled_from("ab"), st.lists(bodies, min_size=1, max_size=4)
+        ),
+        st.tuples(st.just("checkpoint"), st.sampled_from("ab"), st.floats(0, 1)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps)
+def test_read_since_latest_checkpoint_is_the_suffix_of_the_full_log(
+    script: list[tuple[str, str, object]],
+) -> None:
+    asyncio.run(_play(script))
+
+
+async def _play(script: list[tuple[str, str, object]]) -> None:
+    async with SQLiteStore(None) as store:
+        expected: dict[str, list[object]] = {"a": [], "b": []}
+        for action, conv, arg in script:
+            if action == "append":
+                assert isinstance(arg, list)
+                positions = await store.append(conv, arg)
+                assert positions == list(range(len(expected[conv]), len(expected[conv]) + len(arg)))
+                expected[conv].extend(arg)
+            else:
+                assert isinstance(arg, float)
+                position = round(arg * len(expected[conv]))
+                await store.put_checkpoint(Checkpoint(conv, position, 0, 1))
+        for conv, bodies_ in expected.items():
+            log = await store.read_since(conv, 0)
+            assert [e.body for e in log] == bodies_
+            checkpoint = await store.latest_checkpoint(conv)
+            start = 0 if checkpoint is None else checkpoint.position
+            tail = await store.read_since(conv, start)
+            assert tail == log[start:]
+            resumed = await store.resume(conv)
+            assert list(resumed.events) == tail and resumed.checkpoint == checkpoint

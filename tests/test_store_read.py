@@ -1,0 +1,148 @@
+"""Reads: scrollback, read_since after a checkpoint, resume, listings, model calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor.events import Aborted, Body, Suspended, UserMessage
+from torpor.store import Checkpoint, Marker, ModelCall, SQLiteStore
+
+
+async def fill(store: SQLiteStore, conv: str, count: int) -> None:
+    for start in range(0, count, 7):
+        n = min(7, count - start)
+        await store.append(conv, [UserMessage(f"m{start + i}") for i in range(n)], turn=start)
+
+
+@pytest.mark.parametrize("limit", [1, 3, 50, 1000])
+async def test_page_backward_walks_the_whole_log_exactly_once(
+    sqlite_store: SQLiteStore, limit: int
+) -> None:
+    await fill(sqlite_store, "c", 103)
+    await fill(sqlite_store, "other", 5)
+    seen: list[int] = []
+    before = None
+    while True:
+        page = await sqlite_store.page_backward("c", before=before, limit=limit)
+        if not page:
+            break
+        assert len(page) <= limit
+        assert [e.position for e in page] == sorted((e.position for e in page), reverse=True)
+        seen.extend(e.position for e in page)
+        before = page[-1].position
+    assert seen == list(range(102, -1, -1))
+    assert all(e.conversation_id == "c" for e in await sqlite_store.page_backward("c"))
+
+
+async def test_read_since_after_a_checkpoint_returns_the_tail(sqlite_store: SQLiteStore) -> None:
+    await fill(sqlite_store, "c", 30)
+    marker = Marker(start=0, end=19, start_ms=1, end_ms=2, topics=("setup",))
+    checkpoint = Checkpoint("c", position=20, created_at=5, cycle=1, markers=(marker,), tokens=9)
+    await sqlite_store.put_checkpoint(checkpoint)
+    latest = await sqlite_store.latest_checkpoint("c")
+    assert latest == checkpoint
+    tail = await sqlite_store.read_since("c", latest.position)
+    assert [e.position for e in tail] == list(range(20, 30))
+    assert [e.body for e in tail] == [UserMessage(f"m{i}") for i in range(20, 30)]
+    # a checkpoint deletes nothing
+    assert len(await sqlite_store.read_since("c", 0)) == 30
+    later = Checkpoint("c", position=25, created_at=6, cycle=2, summary="so far")
+    await sqlite_store.put_checkpoint(later)
+    assert await sqlite_store.latest_checkpoint("c") == later
+    assert await sqlite_store.checkpoints("c") == [checkpoint, later]
+    info = await sqlite_store.conversation("c")
+    assert info is not None and info.checkpoint_position == 25
+
+
+async def test_resume_is_latest_checkpoint_plus_events_since(sqlite_store: SQLiteStore) -> None:
+    empty = await sqlite_store.resume("nobody")
+    assert (empty.head, empty.checkpoint, empty.events) == (None, None, ())
+    await fill(sqlite_store, "c", 12)
+    whole = await sqlite_store.resume("c")
+    assert whole.head == 11 and whole.checkpoint is None and len(whole.events) == 12
+    await sqlite_store.put_checkpoint(Checkpoint("c", 10, 0, 1))
+    await sqlite_store.append("c", [Suspended(("t1",), "approval")])
+    resumed = await sqlite_store.resume("c")
+    assert resumed.head == 12
+    assert resumed.checkpoint is not None and resumed.checkpoint.position == 10
+    assert [e.position for e in resumed.events] == [10, 11, 12]
+    assert resumed.events[-1].body == Suspended(("t1",), "approval")
+
+
+async def test_checkpoints_cannot_cover_events_that_do_not_exist(
+    sqlite_store: SQLiteStore,
+) -> None:
+    await fill(sqlite_store, "c", 3)
+    await sqlite_store.put_checkpoint(Checkpoint("c", 3, 0, 1))  # covers everything: fine
+    with pytest.raises(ValueError):
+        await sqlite_store.put_checkpoint(Checkpoint("c", 4, 0, 2))
+    with pytest.raises(ValueError):
+        await sqlite_store.put_checkpoint(Checkpoint("c", -1, 0, 2))
+    assert len(await sqlite_store.checkpoints("c")) == 1
+
+
+async def test_read_range_head_and_unknown_conversations(sqlite_store: SQLiteStore) -> None:
+    await fill(sqlite_store, "c", 10)
+    assert [e.position for e in await sqlite_store.read_range("c", 3, 5)] == [3, 4, 5]
+    assert await sqlite_store.head("c") == 9
+    assert await sqlite_store.head("missing") is None
+    assert await sqlite_store.read_since("missing", 0) == []
+    assert await sqlite_store.page_backward("missing") == []
+    assert await sqlite_store.latest_checkpoint("missing") is None
+    assert await sqlite_store.conversation("missing") is None
+
+
+async def test_conversations_are_listed_by_keyset_with_their_heads(
+    sqlite_store: SQLiteStore,
+) -> None:
+    names = [f"conv-{i:02d}" for i in range(25)]
+    for i, name in enumerate(reversed(names)):
+        await sqlite_store.append(name, [UserMessage("x")] * (1 + i % 3))
+    listed = []
+    after = None
+    while page := await sqlite_store.conversations(after=after, limit=7):
+        listed.extend(page)
+        after = page[-1].conversation_id
+    assert [info.conversation_id for info in listed] == names
+    for info in listed:
+        count = len(await sqlite_store.read_since(info.conversation_id, 0))
+        assert info.head == count - 1 and info.event_count == count
+        assert info.bytes > 0 and info.created_at <= info.updated_at
+
+
+async def test_model_calls_round_trip(sqlite_store: SQLiteStore) -> None:
+    calls = [
+        ModelCall(
+            conversation_id="c",
+            turn=turn,
+            call_index=index,
+            compaction_cycle=0,
+            recipe=b"\x90",
+            rendered_hash=f"h{turn}{index}",
+            sections={"system": 10, "tail": 100},
+            estimated_prompt_tokens=110,
+            utilization=0.1,
+            latency_ms=12.5,
+            created_at=1000 + turn,
+        )
+        for turn in range(1, 4)
+        for index in range(2)
+    ]
+    for call in calls:
+        await sqlite_store.record_model_call(call)
+    assert await sqlite_store.model_calls("c") == calls
+    assert await sqlite_store.model_calls("c", turn=2) == calls[2:4]
+    assert await sqlite_store.model_calls("c", limit=3) == calls[3:]
+    assert await sqlite_store.model_calls("other") == []
+
+
+async def test_all_event_kinds_survive_the_round_trip(sqlite_store: SQLiteStore) -> None:
+    bodies: list[Body] = [
+        UserMessage("u"),
+        Aborted("model_error", "partial", "boom"),
+        Suspended(("a", "b")),
+    ]
+    await sqlite_store.append("c", bodies, turn=4)
+    events = await sqlite_store.read_since("c", 0)
+    assert [e.body for e in events] == bodies
+    assert [e.kind for e in events] == ["user", "aborted", "suspended"]

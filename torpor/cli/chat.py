@@ -1,0 +1,263 @@
+"""``torpor chat``: a terminal chat with one conversation's agent.
+
+Lines come from stdin, so the same loop serves a person at a terminal and a
+script feeding a pipe. Replies stream as they are generated; tool calls,
+their results and suspensions are shown as they are logged; a suspension
+asks the person for the answer and resolves the call with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import threading
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from torpor.actors.config import AgentConfig
+from torpor.actors.turn import Turn
+from torpor.cli.common import DEFAULT_DB, CliError, non_negative_float, store_url
+from torpor.cli.demo_model import DEMO_HELP, DemoModel, demo_tools
+from torpor.cli.render import body_text, call_text, clip, event_line
+from torpor.errors import TorporError, TurnAborted, UnknownConversation
+from torpor.events import Aborted, AssistantMessage, Event, Suspended, ToolCall, ToolResult
+from torpor.llm.protocol import TextDelta
+from torpor.runtime import Runtime
+
+__all__ = ["add_parser", "run"]
+
+HELP = (
+    "commands: /history [N], /recall QUERY, /inspect, /help, /quit. "
+    f"Tool demos: {DEMO_HELP}."
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "chat",
+        help="chat with one conversation's agent (deterministic model)",
+        description="An interactive chat over stdin/stdout with the deterministic model. "
+                    + HELP,
+    )
+    p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
+                   help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
+    p.add_argument("--conversation", "-c", default="chat", metavar="ID",
+                   help="conversation id (default 'chat'); an existing one is continued")
+    p.add_argument("--delay", type=non_negative_float, default=None, metavar="SEC",
+                   help="model delay per streamed chunk (default 0.02 on a terminal, else 0)")
+    p.set_defaults(run=run)
+
+
+class LineReader:
+    """stdin lines for the event loop, read on a daemon thread so exit never waits for it."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._pump, name="torpor-chat-stdin", daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for line in self._stream:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, line.rstrip("\r\n"))
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop may have closed already
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+    async def read(self) -> str | None:
+        """The next line, or None at end of input."""
+        return await self._queue.get()
+
+
+class Chat:
+    def __init__(self, rt: Runtime, conversation: str, reader: LineReader, console: Console,
+                 interactive: bool) -> None:
+        self.rt = rt
+        self.conversation = conversation
+        self.reader = reader
+        self.console = console
+        self.interactive = interactive
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    async def ask(self, prompt: str) -> str | None:
+        if self.interactive:
+            self.write(prompt)
+        return await self.reader.read()
+
+    # -- turns ----------------------------------------------------------------------
+    async def follow(self, turn: Turn) -> None:
+        """Print a turn as it happens; answer suspensions from the input."""
+        streaming = False
+        try:
+            async for item in turn:
+                if isinstance(item, TextDelta):
+                    if not streaming:
+                        self.write("torpor> ")
+                        streaming = True
+                    self.write(item.text)
+                    continue
+                if streaming:
+                    self.write("\n")
+                    streaming = False
+                self.show(item)
+                if isinstance(item.body, Suspended):
+                    resumed = await self.answer(item.body.call_ids)
+                    if resumed is None:
+                        return
+                    if resumed is not turn:  # revived meanwhile: a new handle carries the rest
+                        await self.follow(resumed)
+                        return
+        except TurnAborted as exc:
+            if streaming:
+                self.write("\n")
+            self.write(f"[turn aborted: {exc}]\n")
+
+    def show(self, event: Event) -> None:
+        """One logged event of a turn, as a bracketed line (the final answer was streamed)."""
+        body = event.body
+        if isinstance(body, AssistantMessage):
+            for call in body.tool_calls:
+                self.write(f"  [tool call] {call_text(call)} (id {call.id})\n")
+        elif isinstance(body, ToolResult):
+            self.write(f"  [tool result] {clip(body_text(body), 160)}\n")
+        elif isinstance(body, Suspended):
+            self.write(f"  [suspended] waiting for {', '.join(body.call_ids)}\n")
+        elif isinstance(body, Aborted):
+            self.write(f"  [aborted] {body_text(body)}\n")
+
+    async def answer(self, call_ids: tuple[str, ...]) -> Turn | None:
+        """Ask for each outside answer and resolve it; the resumed turn, None on end of input."""
+        calls = await self._calls(call_ids)
+        resumed: Turn | None = None
+        for call_id in call_ids:
+            call = calls.get(call_id)
+            what = call_text(call) if call is not None else call_id
+            answer = await self.ask(f"  answer for {what}: ")
+            if answer is None:
+                self.write("\n[end of input: the call stays suspended; run chat again to answer]\n")
+                return None
+            resumed = await self.rt.resolve(self.conversation, call_id, answer or "(no answer)")
+        return resumed
+
+    async def _calls(self, call_ids: tuple[str, ...]) -> dict[str, ToolCall]:
+        found: dict[str, ToolCall] = {}
+        for event in await self.rt.history(self.conversation, limit=50):
+            body = event.body
+            if isinstance(body, AssistantMessage):
+                for call in body.tool_calls:
+                    if call.id in call_ids:
+                        found[call.id] = call
+        return found
+
+    async def resume_suspension(self) -> None:
+        """A conversation left suspended (an earlier session) asks for its answers first."""
+        try:
+            info = await self.rt.admin.inspect(self.conversation)
+        except UnknownConversation:
+            return
+        if info.pending_calls:
+            self.write(f"[suspended] this conversation waits for {', '.join(info.pending_calls)}\n")
+            resumed = await self.answer(info.pending_calls)
+            if resumed is not None:
+                await self.follow(resumed)
+
+    # -- commands ---------------------------------------------------------------------
+    async def command(self, line: str) -> bool:
+        """Run a /command; False means quit."""
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/quit", "/exit", "/q"):
+            return False
+        if name == "/help":
+            self.write(HELP + "\n")
+        elif name == "/history":
+            limit = int(rest) if rest.isdigit() and int(rest) > 0 else 20
+            events = await self.rt.history(self.conversation, limit=limit)
+            if not events:
+                self.write("(no events yet)\n")
+            for event in reversed(events):
+                self.write(event_line(event, 100) + "\n")
+        elif name == "/recall":
+            if not rest:
+                self.write("usage: /recall QUERY\n")
+                return True
+            hits = await self.rt.recall(self.conversation, rest, 5)
+            if not hits:
+                self.write("(no match)\n")
+            for hit in hits:
+                self.write(f"#{hit.position:<5} {hit.kind:<11} score {hit.score:6.2f}  "
+                           f"{clip(hit.snippet, 90)}\n")
+        elif name == "/inspect":
+            await self.inspect()
+        else:
+            self.write(f"unknown command {name}; {HELP}\n")
+        return True
+
+    async def inspect(self) -> None:
+        try:
+            info = await self.rt.admin.inspect(self.conversation)
+        except UnknownConversation:
+            self.write("(no events yet)\n")
+            return
+        table = Table(title=f"agent {self.conversation}", show_header=False)
+        table.add_column("field")
+        table.add_column("value")
+        for field in info.__struct_fields__:
+            table.add_row(field, str(getattr(info, field)))
+        self.console.print(table)
+
+    async def loop(self) -> None:
+        await self.resume_suspension()
+        while True:
+            line = await self.ask("you> ")
+            if line is None:
+                if self.interactive:
+                    self.write("\n")
+                return
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not await self.command(line):
+                    return
+                continue
+            try:
+                turn = await self.rt.send(self.conversation, line)
+            except TorporError as exc:
+                self.write(f"[not sent: {exc}]\n")
+                continue
+            await self.follow(turn)
+
+
+async def _chat(args: argparse.Namespace, console: Console) -> None:
+    interactive = sys.stdin.isatty()
+    delay = args.delay if args.delay is not None else (0.02 if interactive else 0.0)
+    agent = AgentConfig(
+        system_prompt="You are torpor's demo assistant.", tools=demo_tools()
+    )
+    async with Runtime(args.db, model=DemoModel(delay=delay), agent=agent) as rt:
+        reader = LineReader(sys.stdin)
+        chat = Chat(rt, args.conversation, reader, console, interactive)
+        if interactive:
+            existing = await rt.store.conversation(args.conversation)
+            count = existing.event_count if existing is not None else 0
+            console.print(f"conversation [bold]{args.conversation}[/] on {args.db} "
+                          f"({count} events so far). {HELP}")
+        await chat.loop()
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.conversation or len(args.conversation) > 256:
+        raise CliError("--conversation must be 1 to 256 characters")
+    asyncio.run(_chat(args, Console(highlight=False)))
+    return 0

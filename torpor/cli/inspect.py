@@ -1,0 +1,235 @@
+"""``torpor inspect``: what the log holds, read from the store alone (no runtime, no agent woken).
+
+Without a conversation id: every conversation with its head, checkpoint
+position, event count and stored size. With one: its derived state, its
+checkpoints and their pointer markers, its last events, its model calls and
+the anatomy (tokens per context section) of the most recent call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from torpor.actors.revive import restore
+from torpor.cli.common import (
+    DEFAULT_DB,
+    consoles,
+    existing_store_url,
+    non_negative_int,
+    positive_int,
+    store_url,
+    to_jsonable,
+    write_json,
+)
+from torpor.cli.render import clip, event_json, event_line
+from torpor.errors import UnknownConversation
+from torpor.store import open_store
+from torpor.store.protocol import ConversationInfo, EventStore, ModelCall
+
+__all__ = ["add_parser", "run"]
+
+_PAGE = 1000
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="read the log: conversations, or one conversation in detail",
+        description="Read the store only (no agent is woken): without CONVERSATION, the "
+                    "conversations with head, checkpoint, event count and size; with one, its "
+                    "checkpoints, markers, last events, model calls and context anatomy.",
+    )
+    p.add_argument("conversation", nargs="?", metavar="CONVERSATION")
+    p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
+                   help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
+    p.add_argument("--json", metavar="FILE", help="write everything as JSON ('-' for stdout)")
+    p.add_argument("--limit", type=non_negative_int, default=100, metavar="N",
+                   help="conversations listed (default 100; 0 for all)")
+    p.add_argument("--events", type=positive_int, default=10, metavar="N",
+                   help="last events shown for a conversation (default 10)")
+    p.add_argument("--calls", type=positive_int, default=10, metavar="N",
+                   help="last model calls shown for a conversation (default 10)")
+    p.set_defaults(run=run)
+
+
+def _when(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# -- the list of conversations ---------------------------------------------------------
+
+
+async def _listing(store: EventStore, limit: int) -> dict[str, Any]:
+    shown: list[ConversationInfo] = []
+    total = events = size = 0
+    after: str | None = None
+    while True:
+        page = await store.conversations(after=after, limit=_PAGE)
+        for info in page:
+            total += 1
+            events += info.event_count
+            size += info.bytes
+            if limit == 0 or len(shown) < limit:
+                shown.append(info)
+        if len(page) < _PAGE:
+            break
+        after = page[-1].conversation_id
+    return {
+        "conversations": total,
+        "events": events,
+        "bytes": size,
+        "shown": [to_jsonable(info) for info in shown],
+    }
+
+
+def _print_listing(console: Console, data: dict[str, Any]) -> None:
+    table = Table(title=f"{data['conversations']:,} conversations, {data['events']:,} events, "
+                        f"{data['bytes'] / 1e6:,.2f} MB of bodies")
+    for name in ("conversation", "head", "checkpoint", "events", "bytes", "updated"):
+        table.add_column(name, justify="left" if name == "conversation" else "right")
+    for info in data["shown"]:
+        table.add_row(
+            info["conversation_id"],
+            "-" if info["head"] is None else str(info["head"]),
+            "-" if info["checkpoint_position"] is None else str(info["checkpoint_position"]),
+            f"{info['event_count']:,}",
+            f"{info['bytes']:,}",
+            _when(info["updated_at"]),
+        )
+    console.print(table)
+    hidden = data["conversations"] - len(data["shown"])
+    if hidden > 0:
+        console.print(f"… and {hidden:,} more (--limit 0 lists all)")
+
+
+# -- one conversation ------------------------------------------------------------------
+
+
+def _anatomy(call: ModelCall) -> dict[str, Any]:
+    return {
+        "turn": call.turn,
+        "call_index": call.call_index,
+        "compaction_cycle": call.compaction_cycle,
+        "sections": dict(call.sections),
+        "estimated_prompt_tokens": call.estimated_prompt_tokens,
+        "reported_prompt_tokens": call.reported_prompt_tokens,
+        "utilization": call.utilization,
+    }
+
+
+def _call_json(call: ModelCall) -> dict[str, Any]:
+    data = to_jsonable(call)
+    data.pop("recipe", None)  # bytes that rebuild the context; not for reading
+    return dict(data)
+
+
+async def _detail(store: EventStore, conversation_id: str, events: int,
+                  calls: int) -> dict[str, Any]:
+    info = await store.conversation(conversation_id)
+    if info is None:
+        raise UnknownConversation(conversation_id)
+    resume = await store.resume(conversation_id)
+    restored = restore(resume.events)
+    checkpoints = await store.checkpoints(conversation_id)
+    last = await store.page_backward(conversation_id, None, events)
+    model_calls = await store.model_calls(conversation_id, limit=calls)
+    return {
+        "conversation": to_jsonable(info),
+        "state": {
+            "state": str(restored.state),
+            "turn": restored.turn,
+            "pending_calls": list(restored.pending),
+            "parked_cause": restored.parked_cause,
+            "unfinished_turn": restored.unfinished,
+            "events_since_checkpoint": len(resume.events),
+            "tokens_since_checkpoint": sum(e.tokens for e in resume.events),
+        },
+        "checkpoints": [to_jsonable(c) for c in checkpoints],
+        "last_events": [event_json(e) for e in reversed(last)],
+        "model_calls": [_call_json(c) for c in model_calls],
+        "anatomy": _anatomy(model_calls[-1]) if model_calls else None,
+        "_lines": [event_line(e, 90) for e in reversed(last)],
+    }
+
+
+def _print_detail(console: Console, data: dict[str, Any]) -> None:
+    info, state = data["conversation"], data["state"]
+    head = Table(title=f"conversation {info['conversation_id']}", show_header=False)
+    head.add_column("field")
+    head.add_column("value")
+    for name, value in (
+        ("state (from the log)", state["state"]),
+        ("pending calls", ", ".join(state["pending_calls"]) or "-"),
+        ("parked cause", state["parked_cause"] or "-"),
+        ("turn", state["turn"]),
+        ("head", info["head"]),
+        ("events", f"{info['event_count']:,}"),
+        ("stored bytes", f"{info['bytes']:,}"),
+        ("checkpoint position", info["checkpoint_position"]),
+        ("events / tokens since checkpoint",
+         f"{state['events_since_checkpoint']:,} / {state['tokens_since_checkpoint']:,}"),
+        ("created / updated", f"{_when(info['created_at'])} / {_when(info['updated_at'])}"),
+    ):
+        head.add_row(name, "-" if value is None else str(value))
+    console.print(head)
+    if data["checkpoints"]:
+        table = Table(title="checkpoints")
+        for name in ("cycle", "covers <", "tokens", "markers"):
+            table.add_column(name)
+        for c in data["checkpoints"]:
+            markers = "; ".join(
+                f"{m['start']}-{m['end']}: {', '.join(m['topics'][:4])}" for m in c["markers"]
+            )
+            table.add_row(str(c["cycle"]), str(c["position"]), str(c["tokens"]),
+                          clip(markers or c["summary"] or "-", 80))
+        console.print(table)
+    console.print(f"[bold]last {len(data['_lines'])} events[/]")
+    for line in data["_lines"]:
+        console.print(line, markup=False)
+    if data["model_calls"]:
+        table = Table(title="model calls (most recent last)")
+        for name in ("turn", "call", "cycle", "prompt tokens", "utilization", "latency ms",
+                     "error"):
+            table.add_column(name, justify="right")
+        for c in data["model_calls"]:
+            latency = c.get("latency_ms")
+            table.add_row(str(c["turn"]), str(c["call_index"]), str(c["compaction_cycle"]),
+                          f"{c['estimated_prompt_tokens']:,}", f"{c['utilization']:.1%}",
+                          "-" if latency is None else f"{latency:.1f}", c.get("error") or "")
+        console.print(table)
+    anatomy = data["anatomy"]
+    if anatomy is not None:
+        table = Table(title=f"anatomy of the last call (turn {anatomy['turn']}, "
+                            f"{anatomy['utilization']:.1%} of the input budget)")
+        table.add_column("section")
+        table.add_column("tokens", justify="right")
+        for section, tokens in anatomy["sections"].items():
+            table.add_row(section, f"{tokens:,}")
+        console.print(table)
+
+
+async def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    async with open_store(args.db) as store:
+        if args.conversation is None:
+            return await _listing(store, args.limit)
+        return await _detail(store, args.conversation, args.events, args.calls)
+
+
+def run(args: argparse.Namespace) -> int:
+    existing_store_url(args.db)
+    out, _ = consoles(args.json)
+    data = asyncio.run(_inspect(args))
+    if args.conversation is None:
+        _print_listing(out, data)
+    else:
+        _print_detail(out, data)
+    if args.json:
+        data.pop("_lines", None)
+        write_json(args.json, {"command": "inspect", "db": args.db, **data})
+    return 0

@@ -1,0 +1,251 @@
+"""The tail as a list of rendered slots, and what each slot becomes under a decision.
+
+A slot is one message of the rendered context: a logged event shown whole,
+stubbed or clipped, or a stand-in result for a tool call that never got one.
+Laying out the slots is where the shape guarantees live (what providers
+reject otherwise): every assistant tool call is followed by a result for it
+before the next other message; a call that never got one (a crash, a
+suspension) gets an "interrupted" stand-in; a result whose call is not in the
+tail is an orphan and is left out.
+
+Costs come from the stored ``Event.tokens`` for events shown whole; only the
+short texts invented here (stubs, clip notes, stand-ins) are counted, cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from torpor.compaction.tokens import (
+    MESSAGE_OVERHEAD,
+    aborted_text,
+    artifact_note,
+    count_cached,
+    get_encoding,
+)
+from torpor.events import Aborted, AssistantMessage, Event, ToolCall, ToolResult, UserMessage
+from torpor.llm.protocol import ContextMessage, ToolSpec
+
+__all__ = [
+    "INTERRUPTED_RESULT",
+    "Decisions",
+    "Slot",
+    "clip_note",
+    "fixed_tokens",
+    "layout",
+    "slot_cost",
+    "slot_message",
+    "text_tokens",
+    "tools_tokens",
+    "visible",
+]
+
+INTERRUPTED_RESULT = "[interrupted: no result]"
+
+_json = msgspec.json.Encoder(order="deterministic")
+
+# A slot is one rendered message: (event index, group, call). ``call`` is set only
+# for an interrupted-result stand-in; ``group`` is the index of the assistant
+# message a result belongs to (its own index otherwise), so a call and its
+# results are always stubbed or dropped together.
+Slot = tuple[int, int, ToolCall | None]
+
+
+class Decisions(msgspec.Struct, gc=False):
+    """Assembly's choices by log position (mutable while planning)."""
+
+    stubbed: set[int]
+    clipped: dict[int, int]  # position -> tokens kept
+    dropped: set[int]
+    ceiling_enforced: bool = False
+
+
+def layout(events: Sequence[Event]) -> tuple[list[Slot], list[int]]:
+    """Rendered order of the tail, with stand-ins for unanswered calls; and orphan results."""
+    slots: list[Slot] = []
+    orphans: list[int] = []
+    group = -1
+    unanswered: dict[str, ToolCall] = {}
+
+    def close() -> None:
+        for call in unanswered.values():
+            slots.append((group, group, call))
+        unanswered.clear()
+
+    for i, event in enumerate(events):
+        body = event.body
+        kind = type(body)
+        if kind is ToolResult:
+            assert isinstance(body, ToolResult)
+            if unanswered.pop(body.call_id, None) is not None:
+                slots.append((i, group, None))
+            else:
+                orphans.append(event.position)
+        elif kind is UserMessage:
+            close()
+            slots.append((i, i, None))
+        elif kind is AssistantMessage:
+            assert isinstance(body, AssistantMessage)
+            close()
+            slots.append((i, i, None))
+            if body.tool_calls:
+                group = i
+                for call in body.tool_calls:
+                    unanswered[call.id] = call
+        elif kind is Aborted:
+            assert isinstance(body, Aborted)
+            close()  # the turn is over: whatever it waited for is not coming
+            if body.partial_text:
+                slots.append((i, i, None))
+        # suspended / resolved / parked / unparked do not render
+    close()
+    return slots, orphans
+
+
+# --- what one slot renders to -------------------------------------------------------
+
+
+def stub(event: Event) -> ContextMessage:
+    body = event.body
+    pos = event.position
+    if isinstance(body, ToolResult):
+        return ToolResult(
+            body.call_id,
+            body.tool,
+            f"[result of {body.tool} at event {pos} elided; expand({pos}) or recall(query)]",
+            is_error=body.is_error,
+        )
+    if isinstance(body, UserMessage):
+        return UserMessage(f"[user message at event {pos} elided; expand({pos}) to read it]")
+    calls: tuple[ToolCall, ...] = ()
+    if isinstance(body, AssistantMessage):
+        calls = tuple(ToolCall(c.id, c.name, {}) for c in body.tool_calls)
+    return AssistantMessage(
+        f"[assistant message at event {pos} elided; expand({pos}) to read it]", calls
+    )
+
+
+def clip_note(event: Event) -> str:
+    return f"\n[clipped: {event.tokens} tokens in full; expand({event.position}) shows all]"
+
+
+def clip_text(text: str, keep: int, encoding: str) -> str:
+    """The first ``keep`` tokens of ``text``; only a bounded prefix is ever encoded."""
+    enc = get_encoding(encoding)
+    prefix = text[: keep * 8]  # a token is rarely longer than 8 characters
+    tokens = enc.encode_ordinary(prefix)
+    if len(tokens) <= keep:
+        return prefix
+    return enc.decode(tokens[:keep], errors="replace")
+
+
+def calls_text(body: AssistantMessage) -> str:
+    parts: list[str] = []
+    for call in body.tool_calls:
+        parts.append(call.name)
+        parts.append(_json.encode(call.arguments).decode())
+    return "\n".join(parts)
+
+
+def clipped(event: Event, keep: int, encoding: str) -> ContextMessage:
+    body = event.body
+    note = clip_note(event)
+    if isinstance(body, UserMessage):
+        return UserMessage(clip_text(body.text, keep, encoding) + note)
+    if isinstance(body, AssistantMessage):
+        return AssistantMessage(clip_text(body.text, keep, encoding) + note, body.tool_calls)
+    if isinstance(body, ToolResult):
+        content = clip_text(body.content, keep, encoding) + note
+        return ToolResult(body.call_id, body.tool, content, is_error=body.is_error)
+    assert isinstance(body, Aborted)
+    return AssistantMessage(clip_text(aborted_text(body), keep, encoding) + note)
+
+
+def whole(event: Event) -> ContextMessage:
+    body = event.body
+    if isinstance(body, UserMessage | AssistantMessage):
+        return body
+    if isinstance(body, ToolResult):
+        if body.artifact is None:
+            return body
+        return ToolResult(
+            body.call_id,
+            body.tool,
+            body.content + artifact_note(body.full_size, event.position),
+            is_error=body.is_error,
+            artifact=body.artifact,
+            full_size=body.full_size,
+        )
+    assert isinstance(body, Aborted)
+    return AssistantMessage(aborted_text(body))
+
+
+def synthetic(call: ToolCall) -> ToolResult:
+    return ToolResult(call.id, call.name, INTERRUPTED_RESULT, is_error=True)
+
+
+def text_tokens(text: str, encoding: str) -> int:
+    return count_cached(text, encoding) + MESSAGE_OVERHEAD
+
+
+def fixed_tokens(event: Event, encoding: str) -> int:
+    """Tokens of what clipping keeps whole: an assistant's tool calls."""
+    body = event.body
+    if isinstance(body, AssistantMessage) and body.tool_calls:
+        return count_cached(calls_text(body), encoding)
+    return 0
+
+
+def slot_cost(slot: Slot, events: Sequence[Event], d: Decisions, encoding: str) -> int:
+    index, _, call = slot
+    if call is not None:
+        return text_tokens(INTERRUPTED_RESULT, encoding)
+    event = events[index]
+    pos = event.position
+    if pos in d.stubbed:
+        short = stub(event)
+        if isinstance(short, AssistantMessage) and short.tool_calls:
+            return text_tokens(short.text + "\n" + calls_text(short), encoding)
+        text = short.content if isinstance(short, ToolResult) else short.text
+        return text_tokens(text, encoding)
+    keep = d.clipped.get(pos)
+    if keep is not None:
+        return (
+            keep
+            + count_cached(clip_note(event), encoding)
+            + fixed_tokens(event, encoding)
+            + MESSAGE_OVERHEAD
+        )
+    return event.tokens
+
+
+def slot_message(
+    slot: Slot, events: Sequence[Event], d: Decisions, encoding: str
+) -> ContextMessage:
+    index, _, call = slot
+    if call is not None:
+        return synthetic(call)
+    event = events[index]
+    pos = event.position
+    if pos in d.stubbed:
+        return stub(event)
+    keep = d.clipped.get(pos)
+    if keep is not None:
+        return clipped(event, keep, encoding)
+    return whole(event)
+
+
+def visible(slot: Slot, events: Sequence[Event], dropped: set[int]) -> bool:
+    index, group, call = slot
+    if call is not None:
+        return events[group].position not in dropped
+    return events[index].position not in dropped
+
+
+def tools_tokens(tools: Sequence[ToolSpec], encoding: str) -> int:
+    """Tokens the tool schemas cost (counted on their JSON; cached, they rarely change)."""
+    if not tools:
+        return 0
+    return count_cached(_json.encode(tuple(tools)).decode(), encoding)
