@@ -45,10 +45,15 @@ class StepLimit(Exception):
 
 
 async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event]:
-    """Log bodies for the current turn, expecting our own head (a second writer conflicts)."""
-    events = await host.store.append_events(
-        agent.id, bodies, turn=agent.turn, expect_head=agent.head
-    )
+    """Log bodies for the current turn, expecting our own head (a second writer conflicts).
+
+    Shielded: a cancel that landed mid-append could leave the row written but our
+    head stale; a cancel takes effect at the next model or tool await instead.
+    """
+    with anyio.CancelScope(shield=True):
+        events = await host.store.append_events(
+            agent.id, bodies, turn=agent.turn, expect_head=agent.head
+        )
     ws = agent.ws
     assert ws is not None
     ws.append(events)
@@ -96,7 +101,8 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
         previous = ws.checkpoint.summary if ws.checkpoint is not None else ""
         summary = await summarizer.summarize(previous, plan.events)
     checkpoint = build_checkpoint(plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary)
-    await host.store.put_checkpoint(checkpoint)
+    with anyio.CancelScope(shield=True):  # written and applied, or neither
+        await host.store.put_checkpoint(checkpoint)
     ws.apply(checkpoint)
     agent.cycle = checkpoint.cycle
     host.log.debug("folded", conversation_id=agent.id, position=checkpoint.position,
@@ -181,7 +187,8 @@ async def _audit(
         model=getattr(host.model, "name", type(host.model).__name__),
         error=error,
     )
-    await host.store.record_model_call(call)
+    with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
+        await host.store.record_model_call(call)
 
 
 async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
