@@ -7,6 +7,7 @@ far it got (the caller then logs the ``Aborted``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ import msgspec
 
 from torpor.actors.state import AgentState
 from torpor.actors.tools import LocalTool, run_tool
-from torpor.compaction import build_checkpoint, encode_recipe, plan_fold
+from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
 from torpor.compaction.recall import recall as recall_hits
 from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
@@ -137,29 +138,45 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
             elif isinstance(item, Usage):
                 usage = item
     except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
+            await host.store.record_model_call(
+                _model_call(agent, host, rendered, started, first, None, error="cancelled")
+            )
         raise
     except Exception as exc:
-        await _audit(agent, host, rendered, started, first, None, error=repr(exc))
+        with anyio.CancelScope(shield=True):
+            await host.store.record_model_call(
+                _model_call(agent, host, rendered, started, first, None, error=repr(exc))
+            )
         raise ModelFailed(exc, "".join(parts)) from exc
     message = AssistantMessage("".join(parts), tuple(calls))
-    await append(agent, host, [message])
-    await _audit(agent, host, rendered, started, first, usage)
+    audit = _model_call(agent, host, rendered, started, first, usage)
+    # Both writes join the same group commit: one round trip to the store, not two.
+    outcomes = await asyncio.gather(
+        append(agent, host, [message]), _record(host, audit), return_exceptions=True
+    )
+    for outcome in outcomes:  # both have finished either way: nothing is left running
+        if isinstance(outcome, BaseException):
+            raise outcome
     return message
 
 
-async def _audit(
+async def _record(host: Host, call: ModelCall) -> None:
+    with anyio.CancelScope(shield=True):
+        await host.store.record_model_call(call)
+
+
+def _model_call(
     agent: Agent,
     host: Host,
-    rendered: object,
+    rendered: Rendered,
     started: float,
     first: float | None,
     usage: Usage | None,
     *,
     error: str | None = None,
-) -> None:
-    from torpor.compaction.recipe import Rendered
-
-    assert isinstance(rendered, Rendered)
+) -> ModelCall:
+    """The audit row of one model call; also calibrates the agent's token estimate."""
     now = time.perf_counter()
     policy = agent.profile.policy
     reported = usage.prompt_tokens if usage is not None else None
@@ -169,7 +186,7 @@ async def _audit(
         agent.calibration = min(4.0, max(0.5, reported / rendered.estimated_tokens))
         if reported > policy.compaction_trigger_ratio * policy.input_budget:
             agent.compact_requested = True
-    call = ModelCall(
+    return ModelCall(
         conversation_id=agent.id,
         turn=agent.turn,
         call_index=agent.calls,
@@ -187,8 +204,6 @@ async def _audit(
         model=getattr(host.model, "name", type(host.model).__name__),
         error=error,
     )
-    with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
-        await host.store.record_model_call(call)
 
 
 async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
