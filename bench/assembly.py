@@ -15,6 +15,15 @@ size; and per-agent memory measured with tracemalloc (events, bodies, strings,
 topic candidates, the WorkingSet itself) next to ``WorkingSet.estimated_bytes()``.
 Target from the source: <= 200 KB for ~160 messages.
 
+The per-turn case is what the actor does on every model call: two events are
+appended to the ~32K-token set (a user message and an answer; in the tool shape
+a call and its result, so a result leaves the keep window and becomes a stub),
+then it renders. ``render`` extends the cached rendered tail;
+``render_from_scratch`` (the full path, also the audit's) plans and materializes
+the whole tail. ``estimated_bytes`` (after every turn) is timed next to a walk
+over every object. Memory is read with and without the render cache (the
+cache lives between calls; the full path keeps nothing).
+
 Usage: ``python bench/assembly.py [--runs 2000] [--json FILE]``.
 """
 
@@ -44,6 +53,7 @@ from torpor.compaction import (
 )
 from torpor.compaction.recipe import payload_hash
 from torpor.compaction.render import materialize, plan
+from torpor.compaction.tokens import count_body
 from torpor.events import AssistantMessage, Body, Event, ToolCall, ToolResult, UserMessage
 from torpor.store import open_store
 
@@ -120,11 +130,18 @@ def tool_turns(rng: random.Random, turns_wanted: int) -> list[tuple[int, list[Bo
     return turns
 
 
-async def load(turns: list[tuple[int, list[Body]]]) -> tuple[int, list[Event]]:
-    """Log the turns, then read them back as a reviving agent does; returns (bytes, events)."""
+async def load(turns: list[tuple[int, list[Body]]]) -> tuple[int, int, WorkingSet]:
+    """Log the turns, then read them back as a reviving agent does.
+
+    Returns the bytes retained by the working set without and with its render
+    cache (after one render, the rendered context itself dropped), and the set.
+    """
     async with open_store("sqlite://", token_counter=make_token_counter()) as store:
         for turn, bodies in turns:
             await store.append_events("bench", bodies, turn=turn)
+        # Warm the process-wide caches (the encoding, token counts of stub texts and
+        # clip notes) on a throwaway copy, so the reading holds only this agent's objects.
+        ws_render(WorkingSet("warm", None, (await store.resume("bench")).events))
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
@@ -133,10 +150,72 @@ async def load(turns: list[tuple[int, list[Body]]]) -> tuple[int, list[Event]]:
         ws.append(resume.events)  # live path: topic candidates extracted too
         del resume
         gc.collect()
-        after = tracemalloc.take_snapshot()
+        bare = tracemalloc.take_snapshot()
+        ws_render(ws)
+        gc.collect()
+        cached = tracemalloc.take_snapshot()
         tracemalloc.stop()
-        retained = sum(s.size_diff for s in after.compare_to(before, "filename"))
-        return retained, ws.tail, ws  # type: ignore[return-value]
+        retained = sum(s.size_diff for s in bare.compare_to(before, "filename"))
+        with_cache = sum(s.size_diff for s in cached.compare_to(before, "filename"))
+        return retained, with_cache, ws
+
+
+def ws_render(ws: WorkingSet) -> None:
+    ws.render(SYSTEM, POLICY, TOOLS)
+
+
+def next_events(tail: Sequence[Event], shape: str) -> list[Event]:
+    """The next step's two events, numbered after the tail (tokens counted as the store does)."""
+    last = tail[-1]
+    rng = random.Random(5)
+    bodies: list[Body]
+    if shape == "chat":
+        bodies = [UserMessage(prose(rng, 196)), AssistantMessage(prose(rng, 196))]
+    else:
+        call = ToolCall("call-next", "search_logs", {"query": prose(rng, 4), "limit": 20})
+        bodies = [AssistantMessage("", (call,)), ToolResult(call.id, call.name, prose(rng, 560))]
+    return [
+        Event("bench", last.position + 1 + i, last.turn + 1, count_body(b), last.created_at, b)
+        for i, b in enumerate(bodies)
+    ]
+
+
+def time_per_turn(tail: Sequence[Event], shape: str, runs: int) -> dict[str, Any]:
+    """Render after appending two events to a rendered ~32K-token set; also the byte estimate."""
+    extra = next_events(tail, shape)
+    incremental, scratch, estimate, walk = [], [], [], []
+    for _ in range(runs):
+        ws = WorkingSet("bench", None, tail)
+        ws.render(SYSTEM, POLICY, TOOLS)  # the previous call: the cache is warm
+        ws.append(extra)
+        t0 = time.perf_counter_ns()
+        fast = ws.render(SYSTEM, POLICY, TOOLS)
+        t1 = time.perf_counter_ns()
+        full = ws.render_from_scratch(SYSTEM, POLICY, TOOLS)
+        t2 = time.perf_counter_ns()
+        ws.estimated_bytes()
+        t3 = time.perf_counter_ns()
+        ws.walk_bytes()
+        t4 = time.perf_counter_ns()
+        assert fast == full
+        incremental.append((t1 - t0) / 1000)
+        scratch.append((t2 - t1) / 1000)
+        estimate.append((t3 - t2) / 1000)
+        walk.append((t4 - t3) / 1000)
+    return {
+        "render": stats(incremental),
+        "render_from_scratch": stats(scratch),
+        "estimated_bytes": stats(estimate),
+        "walk_bytes": stats(walk),
+    }
+
+
+def stats(xs: Sequence[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {
+        "median_us": round(statistics.median(s), 1),
+        "p90_us": round(s[int(0.9 * len(s))], 1),
+    }
 
 
 def hint_bytes(ws: WorkingSet) -> int:
@@ -149,6 +228,7 @@ def hint_bytes(ws: WorkingSet) -> int:
 
 
 def time_render(ws: WorkingSet, runs: int) -> dict[str, Any]:
+    """Renders of an unchanged set: the full path split into plan, materialize and hash."""
     for _ in range(20):  # warm caches (encoding, counts of invented texts)
         ws.render(SYSTEM, POLICY, TOOLS)
     total, planning, making, hashing = [], [], [], []
@@ -167,14 +247,6 @@ def time_render(ws: WorkingSet, runs: int) -> dict[str, Any]:
         planning.append((t2 - t1) / 1000)
         making.append((t3 - t2) / 1000)
         hashing.append((t4 - t3) / 1000)
-
-    def stats(xs: Sequence[float]) -> dict[str, float]:
-        s = sorted(xs)
-        return {
-            "median_us": round(statistics.median(s), 1),
-            "p90_us": round(s[int(0.9 * len(s))], 1),
-        }
-
     return {
         "render": stats(total),
         "plan": stats(planning),
@@ -184,9 +256,10 @@ def time_render(ws: WorkingSet, runs: int) -> dict[str, Any]:
 
 
 async def measure(name: str, turns: list[tuple[int, list[Body]]], runs: int) -> dict[str, Any]:
-    retained, _, ws = await load(turns)  # type: ignore[misc]
+    retained, with_cache, ws = await load(turns)
     rendered = ws.render(SYSTEM, POLICY, TOOLS)
     timing = time_render(ws, runs)
+    per_turn = time_per_turn(ws.tail, name, max(50, runs // 4))
     messages = len(ws.tail)
     text_bytes = sum(
         len(getattr(e.body, "text", "") or getattr(e.body, "content", "")) for e in ws.tail
@@ -200,8 +273,11 @@ async def measure(name: str, turns: list[tuple[int, list[Body]]], runs: int) -> 
         "stubbed": len(rendered.recipe.stubbed),
         "sections": rendered.sections,
         "timing": timing,
+        "per_turn": per_turn,
         "memory": {
             "tracemalloc_bytes": retained,
+            "tracemalloc_with_render_cache_bytes": with_cache,
+            "render_cache_bytes": with_cache - retained,
             "estimated_bytes": ws.estimated_bytes(),
             "bytes_per_message": round(retained / messages),
             "text_bytes": text_bytes,
@@ -227,16 +303,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(json.dumps(report))
     print(
         f"{'shape':<7}{'msgs':>6}{'tail tok':>10}{'sent tok':>10}{'stubs':>7}"
-        f"{'render µs':>11}{'p90 µs':>9}{'memory KB':>11}{'est. KB':>9}{'B/msg':>7}"
+        f"{'render µs':>11}{'p90 µs':>9}{'memory KB':>11}{'+cache KB':>11}{'est. KB':>9}"
+        f"{'B/msg':>7}"
     )
     for r in results:
         mem, timing = r["memory"], r["timing"]["render"]
         print(
             f"{r['shape']:<7}{r['messages']:>6}{r['tail_tokens']:>10}{r['rendered_tokens']:>10}"
             f"{r['stubbed']:>7}{timing['median_us']:>11.1f}{timing['p90_us']:>9.1f}"
-            f"{mem['tracemalloc_bytes'] / 1024:>11.1f}{mem['estimated_bytes'] / 1024:>9.1f}"
-            f"{mem['bytes_per_message']:>7}"
+            f"{mem['tracemalloc_bytes'] / 1024:>11.1f}"
+            f"{mem['tracemalloc_with_render_cache_bytes'] / 1024:>11.1f}"
+            f"{mem['estimated_bytes'] / 1024:>9.1f}{mem['bytes_per_message']:>7}"
         )
+    print("per turn (append 2 events, then render), median / p90 µs:")
+    print(f"{'shape':<7}{'render':>16}{'from scratch':>16}{'estimated_bytes':>18}{'walk':>14}")
+    for r in results:
+        t = r["per_turn"]
+        cells = [
+            f"{t[k]['median_us']:.1f} / {t[k]['p90_us']:.1f}"
+            for k in ("render", "render_from_scratch", "estimated_bytes", "walk_bytes")
+        ]
+        print(f"{r['shape']:<7}{cells[0]:>16}{cells[1]:>16}{cells[2]:>18}{cells[3]:>14}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -34,17 +34,20 @@ CHILD = textwrap.dedent(
 )
 
 
-async def test_sigkill_mid_stream_leaves_a_log_the_next_process_completes(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path}/k.db"
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, url], stdout=subprocess.PIPE, text=True,
-    )
+def run_child_until_streaming_then_kill(url: str) -> None:
+    """Blocking on purpose: the child's line is the synchronisation point, then SIGKILL."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, url], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "streaming"
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
+
+
+async def test_sigkill_mid_stream_leaves_a_log_the_next_process_completes(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/k.db"
+    run_child_until_streaming_then_kill(url)
     async with Runtime(url, model=EchoModel()) as rt:
         before = list(reversed(await rt.history("c")))
         assert [type(e.body) for e in before] == [UserMessage, AssistantMessage, UserMessage]

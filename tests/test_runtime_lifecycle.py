@@ -260,3 +260,21 @@ async def test_live_agent_cap_evicts_least_recently_used() -> None:
         live = {a.conversation_id for a in rt.admin.agents()}
         assert live == {"c", "d", "e"}
         assert rt.admin.stats().evictions == 2
+
+
+async def test_live_agent_cap_holds_after_a_burst_of_first_messages() -> None:
+    config = RuntimeConfig(max_live_agents=10, mailbox_bound=4)
+    async with Runtime("sqlite://", model=EchoModel(), config=config) as rt:
+        turns: list[torpor.Turn] = []
+
+        async def send(conv: str) -> None:
+            turns.append(await rt.send(conv, "hi"))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(send, f"burst-{i}")
+        for turn in turns:
+            await turn.result()
+        await settle()
+        assert rt.admin.stats().live <= 10
+        assert rt.admin.stats().evictions >= 90

@@ -39,8 +39,6 @@ async def test_relative_and_absolute_file_urls(
     ("url", "words"),
     [
         ("mysql://db", "unknown scheme"),
-        ("postgres://localhost/torpor", "not yet supported"),
-        ("postgresql://localhost/torpor", "not yet supported"),
         ("just-a-path.db", "no scheme"),
         ("sqlite:rel.db", "no scheme"),
         ("sqlite://host/rel.db", "expected sqlite:///"),

@@ -13,7 +13,8 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 
-from torpor.cli import chat, inspect, loadtest
+from torpor.cli import chat, loadtest
+from torpor.cli import inspect as inspect_command
 from torpor.cli.common import CliError, OneLineParser, configure_logging
 from torpor.errors import TorporError, UnknownConversation
 
@@ -35,7 +36,7 @@ def build_parser() -> OneLineParser:
     subparsers.required = True
     loadtest.add_parser(subparsers)
     chat.add_parser(subparsers)
-    inspect.add_parser(subparsers)
+    inspect_command.add_parser(subparsers)
     return parser
 
 

@@ -59,6 +59,7 @@ class LineReader:
         self._stream = stream
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        self._ended = False
         threading.Thread(target=self._pump, name="torpor-chat-stdin", daemon=True).start()
 
     def _pump(self) -> None:
@@ -72,8 +73,12 @@ class LineReader:
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
     async def read(self) -> str | None:
-        """The next line, or None at end of input."""
-        return await self._queue.get()
+        """The next line, or None at (and after) the end of input."""
+        if self._ended:
+            return None
+        line = await self._queue.get()
+        self._ended = line is None
+        return line
 
 
 class Chat:

@@ -44,15 +44,16 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
                           f"({build['events_per_second']:,.0f}/s)"),
         ("activation", f"{_num(activation['agents'])} agents in {activation['seconds']:.1f} s "
                        f"({_num(activation['agents_per_second'])}/s)"),
-        ("revival p50 / p99 (activation)", f"{_num(activation['revival_p50_ms'], ' ms')} / "
-                                           f"{_num(activation['revival_p99_ms'], ' ms')}"),
+        ("revival p50/p99 (activation, queued)",
+         f"{_num(activation['revival_p50_ms'], ' ms')} / "
+         f"{_num(activation['revival_p99_ms'], ' ms')}"),
         ("driven agents", _num(run["driven_agents"])),
         ("turns/s", _num(run["turns_per_second"])),
         ("turn p50 / p99",
          f"{_num(run['turn_p50_ms'], ' ms')} / {_num(run['turn_p99_ms'], ' ms')}"),
         ("returning users (wakes)", f"{_num(run['wakes'])}, p50 {_num(run['wake_p50_ms'], ' ms')},"
                                     f" p99 {_num(run['wake_p99_ms'], ' ms')}"),
-        ("revival p50 / p99 (end)", f"{_num(lifecycle['revival_p50_ms'], ' ms')} / "
+        ("revival p50/p99 (last 4,096)", f"{_num(lifecycle['revival_p50_ms'], ' ms')} / "
                                     f"{_num(lifecycle['revival_p99_ms'], ' ms')}"),
         ("hibernations / evictions", f"{_num(lifecycle['hibernations'])} / "
                                      f"{_num(lifecycle['evictions'])}"),

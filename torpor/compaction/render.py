@@ -22,8 +22,8 @@ from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     Decisions,
     Slot,
+    clip_keep,
     clip_note,
-    fixed_tokens,
     layout,
     slot_cost,
     slot_message,
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INTERRUPTED_RESULT",
     "Decisions",
+    "ceiling_of",
     "decisions_of",
     "materialize",
     "plan",
@@ -84,10 +85,9 @@ def plan(
             continue
         event = events[index]
         if event.tokens > limit and event.position not in d.stubbed:
-            spare = fixed_tokens(event, encoding) + count_cached(clip_note(event), encoding)
-            d.clipped[event.position] = max(1, limit - spare - MESSAGE_OVERHEAD)
+            d.clipped[event.position] = clip_keep(event, limit, encoding)
 
-    ceiling = int(policy.effective_ceiling / max(1.0, calibration))
+    ceiling = ceiling_of(policy, calibration)
     fixed = text_tokens(system_prompt, encoding) + handoff_tokens + tools_tokens(tools, encoding)
     costs = [slot_cost(s, events, d, encoding) for s in slots]
     total = fixed + sum(costs)
@@ -138,6 +138,12 @@ def plan(
             f"under the hard ceiling of {ceiling} tokens",
         )
     return d
+
+
+def ceiling_of(policy: CompactionPolicy, calibration: float) -> int:
+    """The hard ceiling for one call: a calibration above 1 (the model counts more
+    tokens than we estimate) tightens it in proportion."""
+    return int(policy.effective_ceiling / max(1.0, calibration))
 
 
 def _groups(slots: Sequence[Slot], last_user: int) -> list[list[int]]:

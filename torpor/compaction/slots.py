@@ -32,14 +32,23 @@ __all__ = [
     "INTERRUPTED_RESULT",
     "Decisions",
     "Slot",
+    "clip_keep",
     "clip_note",
+    "clip_source",
+    "clipped",
+    "clipped_cost",
+    "clipped_with",
     "fixed_tokens",
     "layout",
     "slot_cost",
     "slot_message",
+    "stub",
+    "stub_cost",
+    "synthetic",
     "text_tokens",
     "tools_tokens",
     "visible",
+    "whole",
 ]
 
 INTERRUPTED_RESULT = "[interrupted: no result]"
@@ -149,18 +158,38 @@ def calls_text(body: AssistantMessage) -> str:
     return "\n".join(parts)
 
 
-def clipped(event: Event, keep: int, encoding: str) -> ContextMessage:
+def clip_source(event: Event) -> str:
+    """The text clipping cuts: what the event renders as, minus any tool calls."""
     body = event.body
-    note = clip_note(event)
-    if isinstance(body, UserMessage):
-        return UserMessage(clip_text(body.text, keep, encoding) + note)
-    if isinstance(body, AssistantMessage):
-        return AssistantMessage(clip_text(body.text, keep, encoding) + note, body.tool_calls)
+    if isinstance(body, UserMessage | AssistantMessage):
+        return body.text
     if isinstance(body, ToolResult):
-        content = clip_text(body.content, keep, encoding) + note
-        return ToolResult(body.call_id, body.tool, content, is_error=body.is_error)
+        return body.content
     assert isinstance(body, Aborted)
-    return AssistantMessage(clip_text(aborted_text(body), keep, encoding) + note)
+    return aborted_text(body)
+
+
+def clipped_with(event: Event, head: str) -> ContextMessage:
+    """The clipped message whose kept text is ``head`` (the clip note is added here)."""
+    body = event.body
+    text = head + clip_note(event)
+    if isinstance(body, UserMessage):
+        return UserMessage(text)
+    if isinstance(body, AssistantMessage):
+        return AssistantMessage(text, body.tool_calls)
+    if isinstance(body, ToolResult):
+        return ToolResult(body.call_id, body.tool, text, is_error=body.is_error)
+    return AssistantMessage(text)
+
+
+def clipped(event: Event, keep: int, encoding: str) -> ContextMessage:
+    return clipped_with(event, clip_text(clip_source(event), keep, encoding))
+
+
+def clip_keep(event: Event, limit: int, encoding: str) -> int:
+    """Tokens of text an oversized event keeps so the clipped message fits ``limit``."""
+    spare = fixed_tokens(event, encoding) + count_cached(clip_note(event), encoding)
+    return max(1, limit - spare - MESSAGE_OVERHEAD)
 
 
 def whole(event: Event) -> ContextMessage:
@@ -205,20 +234,29 @@ def slot_cost(slot: Slot, events: Sequence[Event], d: Decisions, encoding: str) 
     event = events[index]
     pos = event.position
     if pos in d.stubbed:
-        short = stub(event)
-        if isinstance(short, AssistantMessage) and short.tool_calls:
-            return text_tokens(short.text + "\n" + calls_text(short), encoding)
-        text = short.content if isinstance(short, ToolResult) else short.text
-        return text_tokens(text, encoding)
+        return stub_cost(stub(event), encoding)
     keep = d.clipped.get(pos)
     if keep is not None:
-        return (
-            keep
-            + count_cached(clip_note(event), encoding)
-            + fixed_tokens(event, encoding)
-            + MESSAGE_OVERHEAD
-        )
+        return clipped_cost(event, keep, encoding)
     return event.tokens
+
+
+def stub_cost(short: ContextMessage, encoding: str) -> int:
+    """Tokens of a stub made by :func:`stub` (counted on its short text, cached)."""
+    if isinstance(short, AssistantMessage) and short.tool_calls:
+        return text_tokens(short.text + "\n" + calls_text(short), encoding)
+    text = short.content if isinstance(short, ToolResult) else short.text
+    return text_tokens(text, encoding)
+
+
+def clipped_cost(event: Event, keep: int, encoding: str) -> int:
+    """Tokens of an event clipped to ``keep`` tokens of text (note and tool calls added)."""
+    return (
+        keep
+        + count_cached(clip_note(event), encoding)
+        + fixed_tokens(event, encoding)
+        + MESSAGE_OVERHEAD
+    )
 
 
 def slot_message(

@@ -3,8 +3,14 @@
 This is the bounded store of the design: a projection of the log, never a
 second copy of history. It is per agent and per live conversation, so it is
 kept lean: the checkpoint, the tail's events (shared with the store's
-objects, not copied), their summed token count, the rendered handoff text and
-each event's topic candidates (small, for the next fold's marker).
+objects, not copied), their summed token count, the rendered handoff text,
+each event's topic candidates (small, for the next fold's marker) and the
+render cache (:mod:`torpor.compaction.incremental`: the rendered tail, whose
+messages are the events' own bodies plus small stubs).
+
+Everything the actor asks for on every call is kept up to date as events
+arrive, so a model call and a turn cost O(new events), not O(tail): token and
+byte totals are running sums, and the rendered tail is extended, not redone.
 """
 
 from __future__ import annotations
@@ -13,9 +19,17 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from torpor.compaction.footprint import (
+    checkpoint_bytes,
+    event_bytes,
+    hints_bytes,
+    str_bytes,
+    tail_bytes,
+)
+from torpor.compaction.incremental import TailCache
 from torpor.compaction.markers import Hints, event_hints, handoff_text
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
-from torpor.compaction.render import materialize, plan
+from torpor.compaction.render import ceiling_of, materialize, plan
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
 from torpor.events import Aborted, AssistantMessage, Event, ToolResult, UserMessage
 from torpor.llm.protocol import ToolSpec
@@ -56,7 +70,18 @@ class WorkingSet:
     agent folds exactly as a live one would.
     """
 
-    __slots__ = ("_checkpoint", "_handoff", "_hints", "_tail", "_tail_tokens", "conversation_id")
+    __slots__ = (
+        "_cache",
+        "_checkpoint",
+        "_checkpoint_bytes",
+        "_event_bytes",
+        "_handoff",
+        "_hint_bytes",
+        "_hints",
+        "_tail",
+        "_tail_tokens",
+        "conversation_id",
+    )
 
     def __init__(
         self,
@@ -66,10 +91,14 @@ class WorkingSet:
     ) -> None:
         self.conversation_id = conversation_id
         self._checkpoint: Checkpoint | None = None
-        self._handoff: tuple[str, int] | None = None
+        self._handoff: tuple[str, int, str] | None = None  # text, tokens, encoding
         self._tail: list[Event] = []
         self._hints: list[Hints | None] = []
         self._tail_tokens = 0
+        self._event_bytes = 0  # running sums behind estimated_bytes()
+        self._hint_bytes = 0
+        self._checkpoint_bytes = 0
+        self._cache: TailCache | None = None  # made on the first render, dropped on a fold
         if checkpoint is not None:
             self.apply(checkpoint)
             start = checkpoint.position
@@ -128,6 +157,7 @@ class WorkingSet:
             known = hints[i]
             if known is None:
                 known = hints[i] = event_hints(self._tail[i])
+                self._hint_bytes += hints_bytes(known)
             out.append(known)
         return out
 
@@ -150,8 +180,11 @@ class WorkingSet:
                 )
             last = event.position
             tail.append(event)
-            self._hints.append(event_hints(event) if extract else None)
+            hints = event_hints(event) if extract else None
+            self._hints.append(hints)
             self._tail_tokens += event.tokens
+            self._event_bytes += event_bytes(event)
+            self._hint_bytes += hints_bytes(hints)
 
     def apply(self, checkpoint: Checkpoint) -> None:
         """Adopt a fold: drop tail events before its position, keep the rest."""
@@ -165,10 +198,14 @@ class WorkingSet:
         while cut < len(tail) and tail[cut].position < checkpoint.position:
             cut += 1
         if cut:
-            self._tail_tokens -= sum(e.tokens for e in tail[:cut])
             del tail[:cut]
             del self._hints[:cut]
+            # Recounted over what is kept (a fold keeps a few turns): no drift, no O(cut).
+            self._tail_tokens = sum(e.tokens for e in tail)
+            self._event_bytes, self._hint_bytes = tail_bytes(tail, self._hints)
+            self._cache = None  # slot indices moved; rebuilt from the kept tail on next render
         self._checkpoint = checkpoint
+        self._checkpoint_bytes = checkpoint_bytes(checkpoint)
         self._handoff = None  # rendered on the next assembly (it needs the policy's encoding)
 
     # --- assembling ------------------------------------------------------------------
@@ -186,72 +223,81 @@ class WorkingSet:
         Deterministic in (checkpoint, tail, prompt, policy, tools); never above
         the policy's hard ceiling. ``calibration``: reported / estimated prompt
         tokens seen for this conversation; above 1 it tightens the ceiling.
+
+        The same bytes as :meth:`render_from_scratch`, at O(events since the last
+        call): the rendered tail is kept and extended (see
+        :mod:`torpor.compaction.incremental`). Only a context over the ceiling,
+        whose cuts depend on the whole tail, is planned from scratch.
         """
         encoding = policy.encoding
-        if self._handoff is None:
-            self._handoff = handoff_tokens(self._checkpoint, encoding)
-        text, tokens = self._handoff
+        text, tokens = self._handoff_for(encoding)
+        limit = policy.clip_limit
+        keep = policy.keep_tool_results
+        cache = self._cache
+        if cache is None or not cache.fits(encoding, limit, keep):
+            cache = self._cache = TailCache(encoding, limit, keep)
+        cache.advance(self._tail)
+        rendered = cache.render(
+            self._tail,
+            self._checkpoint,
+            text,
+            tokens,
+            system_prompt,
+            tools,
+            ceiling_of(policy, calibration),
+        )
+        if rendered is not None:
+            return rendered
+        return self.render_from_scratch(system_prompt, policy, tools, calibration=calibration)
+
+    def render_from_scratch(
+        self,
+        system_prompt: str,
+        policy: CompactionPolicy,
+        tools: Sequence[ToolSpec] = (),
+        *,
+        calibration: float = 1.0,
+    ) -> Rendered:
+        """:meth:`render` by planning and materializing the whole tail (no cache used or kept)."""
+        encoding = policy.encoding
+        text, tokens = self._handoff_for(encoding)
         decisions = plan(self._tail, system_prompt, tokens, policy, tools, calibration)
         return materialize(
             self._tail, self._checkpoint, text, tokens, system_prompt, tools, decisions, encoding
         )
 
+    def _handoff_for(self, encoding: str) -> tuple[str, int]:
+        handoff = self._handoff
+        if handoff is None or handoff[2] != encoding:
+            text, tokens = handoff_tokens(self._checkpoint, encoding)
+            handoff = self._handoff = (text, tokens, encoding)
+        return handoff[0], handoff[1]
+
     # --- accounting ------------------------------------------------------------------
 
     def estimated_bytes(self) -> int:
-        """Roughly what this working set keeps alive (objects it holds, strings included)."""
-        size = sys.getsizeof(self) + sys.getsizeof(self._tail) + sys.getsizeof(self._hints)
-        for event in self._tail:
-            size += _event_bytes(event)
-        for flat in self._hints:
-            if flat:
-                size += sys.getsizeof(flat)
-                size += sum(sys.getsizeof(x) for x in flat if isinstance(x, str))
-        if self._checkpoint is not None:
-            size += _checkpoint_bytes(self._checkpoint)
-        if self._handoff is not None and self._handoff[0]:
-            size += sys.getsizeof(self._handoff[0])
+        """Roughly what this working set keeps alive (objects it holds, strings included).
+
+        O(1): per-event sizes are summed as events arrive (the actor asks after
+        every turn). Includes the render cache's own objects; shared ones
+        (event bodies reused as messages) are counted once, with the events.
+        """
+        size = self._fixed_bytes() + self._event_bytes + self._hint_bytes
+        if self._cache is not None:
+            size += self._cache.footprint()
         return size
 
+    def walk_bytes(self) -> int:
+        """:meth:`estimated_bytes` counted from scratch over every object (for tests)."""
+        events, hints = tail_bytes(self._tail, self._hints)
+        size = self._fixed_bytes() + events + hints
+        if self._cache is not None:
+            size += self._cache.walk_footprint(self._tail)
+        return size
 
-def _event_bytes(event: Event) -> int:
-    size = sys.getsizeof(event) + sys.getsizeof(event.body)
-    for value in (event.position, event.tokens, event.created_at):
-        size += sys.getsizeof(value) if value > 256 else 0
-    body = event.body
-    if isinstance(body, UserMessage):
-        size += sys.getsizeof(body.text)
-    elif isinstance(body, AssistantMessage):
-        size += sys.getsizeof(body.text)
-        if body.tool_calls:
-            size += sys.getsizeof(body.tool_calls)
-            for call in body.tool_calls:
-                size += sys.getsizeof(call) + sys.getsizeof(call.id) + sys.getsizeof(call.name)
-                size += _deep(call.arguments)
-    elif isinstance(body, ToolResult):
-        size += sys.getsizeof(body.content) + sys.getsizeof(body.call_id)
-        if body.artifact is not None:
-            size += sys.getsizeof(body.artifact)
-    elif isinstance(body, Aborted):
-        size += sys.getsizeof(body.partial_text) + sys.getsizeof(body.detail)
-    return size
-
-
-def _deep(value: object) -> int:
-    size = sys.getsizeof(value)
-    if isinstance(value, dict):
-        for k, v in value.items():
-            size += _deep(k) + _deep(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            size += _deep(v)
-    return size
-
-
-def _checkpoint_bytes(checkpoint: Checkpoint) -> int:
-    size = sys.getsizeof(checkpoint) + sys.getsizeof(checkpoint.markers)
-    size += sys.getsizeof(checkpoint.summary)
-    for marker in checkpoint.markers:
-        size += sys.getsizeof(marker) + sys.getsizeof(marker.topics)
-        size += sum(sys.getsizeof(t) for t in marker.topics)
-    return size
+    def _fixed_bytes(self) -> int:
+        size = sys.getsizeof(self) + sys.getsizeof(self._tail) + sys.getsizeof(self._hints)
+        size += self._checkpoint_bytes
+        if self._handoff is not None and self._handoff[0]:
+            size += str_bytes(self._handoff[0])
+        return size

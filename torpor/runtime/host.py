@@ -185,6 +185,10 @@ class Runtime:
                 self.registry.queue_hibernated(agent)
         if self.ws_total > self.config.max_working_set_bytes:
             self.lifecycle.shed_memory(keep=agent)
+        if len(self.registry) > self.config.max_live_agents:
+            # A burst of first messages can overshoot the cap while all are busy;
+            # shed as soon as agents go idle again.
+            self.lifecycle.shed_agents(keep=agent)
 
     def take_subscribers(self, agent: Agent) -> list[Subscriber]:
         return self._waiting.pop(agent.id, [])

@@ -50,9 +50,27 @@ async def open_store(
 
     ``sqlite://`` is a private in-memory database, ``sqlite:///rel.db`` a path
     relative to the working directory, ``sqlite:////abs.db`` an absolute path.
+    ``postgresql://user@host:port/db`` (or ``postgres://``) is a PostgreSQL
+    database (needs the ``postgres`` extra).
     Other schemes raise :class:`UnsupportedStoreURL` (a StoreError and ValueError).
     """
     location = parse_store_url(url)
+    if location.backend == "postgres":
+        try:
+            from torpor.store.postgres import PostgresStore
+        except ImportError as exc:
+            raise UnsupportedStoreURL(
+                f"store URL {url!r} needs asyncpg: pip install 'torpor[postgres]'"
+            ) from exc
+        async with PostgresStore(
+            url,
+            token_counter=token_counter,
+            durability=durability,
+            artifact_threshold=artifact_threshold,
+            max_event_bytes=max_event_bytes,
+        ) as pg_store:
+            yield pg_store
+        return
     async with SQLiteStore(
         location.path,
         token_counter=token_counter,

@@ -21,15 +21,13 @@ class UnsupportedStoreURL(StoreError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StoreLocation:
-    backend: Literal["sqlite"]
-    path: str | None  # None: a private in-memory database
+    backend: Literal["sqlite", "postgres"]
+    path: str | None  # sqlite: None for a private in-memory database; postgres: the URL
 
 
 def parse_store_url(url: str) -> StoreLocation:
-    """``sqlite://`` (in memory), ``sqlite:///rel.db``, ``sqlite:////abs.db``.
-
-    Only the ``sqlite`` scheme exists today; ``postgres://`` is recognised so
-    that the error says it is planned rather than unknown.
+    """``sqlite://`` (in memory), ``sqlite:///rel.db``, ``sqlite:////abs.db``;
+    ``postgresql://user@host:port/db`` or ``postgres://…`` (passed to asyncpg as is).
     """
     if not isinstance(url, str):
         raise UnsupportedStoreURL(f"store URL must be a string, got {type(url).__name__}")
@@ -51,10 +49,7 @@ def parse_store_url(url: str) -> StoreLocation:
             raise UnsupportedStoreURL(f"store URL {url!r} names no file")
         return StoreLocation("sqlite", path)
     if scheme in ("postgres", "postgresql"):
-        raise UnsupportedStoreURL(
-            f"store URL {url!r}: the PostgreSQL backend is not yet supported; use sqlite://"
-        )
+        return StoreLocation("postgres", url)
     raise UnsupportedStoreURL(
-        f"store URL {url!r}: unknown scheme {scheme!r}; supported: sqlite:// "
-        "(postgres:// is planned)"
+        f"store URL {url!r}: unknown scheme {scheme!r}; supported: sqlite://, postgresql://"
     )

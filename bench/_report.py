@@ -1,0 +1,175 @@
+"""Turn ``bench/results/latest.json`` into ``bench/RESULTS.md``: tables of the figures, targets.
+
+Every number in the markdown comes from the run's JSON; nothing is typed in.
+A benchmark whose JSON shape is unknown (or changed) is shown as a flat list
+of its figures rather than dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _targets(targets: dict[str, Any]) -> str:
+    if not targets:
+        return ""
+    return "Targets: " + "; ".join(f"{k} = {_fmt(v)}" for k, v in targets.items()) + ".\n"
+
+
+def _mb(value: Any) -> float | None:
+    return None if value is None else round(value / 1e6, 1)
+
+
+def idle_agents(r: dict[str, Any]) -> str:
+    out = _table(
+        ("scenario", "agents", "RSS B/agent", "RSS B/agent net of evicted", "traced B/agent",
+         "traced at", "ws tokens", "process RSS MB"),
+        [(s["name"], s["agents"], s["rss_bytes_per_agent"],
+          s.get("rss_bytes_per_agent_net_of_evicted"), s["traced_bytes_per_agent"],
+          s.get("traced_agents"), s.get("working_set_tokens_avg"), _mb(s["rss_total_bytes"]))
+         for s in r["scenarios"]],
+    )
+    out += ("\nRSS B/agent: RSS growth over the scenario / N (it includes SQLite's page cache, "
+            "which tracemalloc does not see; \"net of evicted\" subtracts the evicted scenario, "
+            "which read the same history). Traced: tracemalloc growth / N.\n\n")
+    ratios = {k: v for k, v in r.get("ratios", {}).items() if "/" in k}
+    if ratios:
+        out += _table(("ratio", "RSS", "traced"),
+                      [(k, v["rss"], v["traced"]) for k, v in ratios.items()])
+    if r.get("length_sweep"):
+        out += "\nFootprint vs conversation length (tracemalloc bytes per agent; " \
+               f"{r['length_sweep'][0]['agents']} agents per length, working budget " \
+               f"{r['params'].get('length_budget')} tokens):\n\n"
+        out += _table(("events", "torpor active", "torpor hibernated", "naive", "ws tokens"),
+                      [(s["events"], s["torpor_active_traced"], s["torpor_hibernated_traced"],
+                        s["naive_traced"], s["working_set_tokens_avg"])
+                       for s in r["length_sweep"]])
+        growth = {k: v for k, v in r.get("ratios", {}).items() if k.startswith("length_growth")}
+        if growth:
+            out += "\nLargest / smallest across lengths: " + ", ".join(
+                f"{k.removeprefix('length_growth_')} {_fmt(v)}x" for k, v in growth.items()) + ".\n"
+    return out + "\n" + _targets(r.get("targets", {}))
+
+
+def resume(r: dict[str, Any]) -> str:
+    rows = [(x["events"], x["torpor"].get("tail_events"), x["torpor"]["p50_ms"],
+             x.get("openai-agents", {}).get("p50_ms"), x.get("langgraph", {}).get("p50_ms"),
+             x.get("openai-agents/torpor"), x.get("langgraph/torpor")) for x in r["rows"]]
+    out = _table(("events", "torpor tail events", "torpor ms", "OpenAI Agents SQLiteSession ms",
+                  "LangGraph AsyncSqliteSaver ms", "SQLiteSession / torpor",
+                  "LangGraph / torpor"), rows)
+    for peer, why in r.get("peers_skipped", {}).items():
+        out += f"\n{peer}: skipped, {why}.\n"
+    return out + "\n" + _targets(r.get("targets", {}))
+
+
+def storm(r: dict[str, Any]) -> str:
+    out = _table(
+        ("variant", "revival cap", "live cap", "seconds", "answers/s", "p50 ms", "p99 ms",
+         "errors", "peak RSS growth MB", "peak live agents"),
+        [(v["variant"], v["max_concurrent_revivals"], v["max_live_agents"], v["seconds"],
+          v["answers_per_second"], v["answer_p50_ms"], v["answer_p99_ms"],
+          sum(v["errors"].values()), _mb(v["peak_rss_growth_bytes"]), v["peak_live_agents"])
+         for v in r["variants"]],
+    )
+    return out + "\n" + _targets(r.get("targets", {}))
+
+
+def turns(r: dict[str, Any]) -> str:
+    return _table(
+        ("concurrent conversations", "turns/s", "overhead µs/turn", "model µs/turn",
+         "CPU µs/turn", "p50 ms", "p99 ms", "tail events at end", "errors"),
+        [(x["conversations"], x["turns_per_second"], x["overhead_us_per_turn"],
+          x["model_us_per_turn"], x["cpu_us_per_turn"], x["latency_p50_ms"],
+          x["latency_p99_ms"], x.get("tail_events_at_end"), x["errors"]) for x in r["levels"]],
+    )
+
+
+def needles(r: dict[str, Any]) -> str:
+    return _table(
+        ("events", "torpor recall@10", "truncation recall@10", "events in context",
+         "markers", "live fold ms", "revived fold ms"),
+        [(x["events"], x["torpor"]["recall_at_10"], x["truncation"]["recall_at_10"],
+          x["torpor"]["events_in_context"], x["torpor"]["markers_in_context"],
+          x["compaction_latency"]["live"]["median_us"] / 1000,
+          x["compaction_latency"]["revived"]["median_us"] / 1000) for x in r["results"]],
+    )
+
+
+def _flatten(value: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        for i, v in enumerate(value):
+            _flatten(v, f"{prefix}[{i}]", out)
+    elif isinstance(value, int | float | bool | str) or value is None:
+        out.append((prefix, value))
+
+
+def generic(r: dict[str, Any]) -> str:
+    flat: list[tuple[str, Any]] = []
+    _flatten({k: v for k, v in r.items() if k not in ("machine", "date")}, "", flat)
+    return _table(("figure", "value"), flat[:60])
+
+
+RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "idle_agents": ("Idle agents: bytes per agent", idle_agents),
+    "resume": ("Resume a conversation and append one turn", resume),
+    "storm": ("Activation storm", storm),
+    "turns": ("Turns per second and runtime overhead", turns),
+    "needles": ("Needles: pointer folding vs truncation", needles),
+    "store_append": ("Store: append throughput and read latency", generic),
+}
+
+
+def render(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    ram = f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else "unknown"
+    parts = [
+        "# torpor benchmark results\n",
+        f"Generated by `python bench/run_all.py` on {report['date']}"
+        + (" (**quick sizes**, not representative)" if report.get("quick") else "") + ".\n",
+        f"Machine: {m['cores']} cores, {ram} RAM, {m['implementation']} {m['python']} "
+        f"({m['platform']}). Suite time: {report['total_seconds']:,.0f} s. "
+        "Raw figures: `bench/results/latest.json`.\n",
+    ]
+    if report.get("reduced_for_time"):
+        parts.append("Sizes reduced for time:\n")
+        parts += [f"- {k}: {v}" for k, v in report["reduced_for_time"].items()]
+        parts.append("")
+    for name, entry in report["benchmarks"].items():
+        title, renderer = RENDERERS.get(name, (name, generic))
+        parts.append(f"## {title}\n")
+        parts.append(f"`{entry['command']}` ({entry['seconds']} s)\n")
+        if "error" in entry:
+            parts.append(f"Not measured: {entry['error']}\n")
+            continue
+        result = entry["result"]
+        try:
+            parts.append(renderer(result))
+        except (KeyError, TypeError, IndexError):
+            parts.append(generic(result))
+        for note in result.get("notes", []):
+            parts.append(f"Note: {note}.\n")
+    return "\n".join(parts).rstrip() + "\n"

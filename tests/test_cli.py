@@ -1,0 +1,138 @@
+"""The ``torpor`` command end to end: each subcommand in a subprocess on a temp database.
+
+Subprocesses on purpose: the exit code, what reaches stdout and stderr, and the
+absence of tracebacks are the contract, and only a real process shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torpor(
+    *args: str, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_DB": "sqlite://", "COLUMNS": "120"}
+    env.pop("TORPOR_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "torpor", *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout, check=False,
+    )
+
+
+def db_url(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+def test_loadtest_small_run_writes_every_figure_as_json(tmp_path: Path) -> None:
+    plot = tmp_path / "timeline.png"
+    result = torpor("loadtest", "--agents", "60", "--history", "5", "--active-ratio", "0.2",
+                    "--duration", "0.6", "--probe-agents", "10", "--wake-rate", "20",
+                    "--json", "-", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # stdout is JSON only; the table went to stderr
+    assert report["config"]["agents"] == 60 and report["config"]["history"] == 5
+    assert report["build"]["events"] == 300
+    assert report["activation"]["agents"] == 60 and report["activation"]["errors"] == 0
+    assert report["run"]["driven_agents"] == 12 and report["run"]["turns"] > 0
+    assert report["run"]["errors"] == {}
+    assert report["lifecycle"]["activations"] >= 60
+    assert report["memory"]["probe_agents"] == 10
+    assert report["memory"]["probe_hibernated_traced_bytes_per_agent"] < (
+        report["memory"]["probe_active_traced_bytes_per_agent"]
+    )
+    timeline = report["timeline"]
+    assert timeline and {"activate", "run"} <= {s["phase"] for s in timeline}
+    assert all(s["with_working_set"] + s["hibernated"] + s["evicted"] >= 0 for s in timeline)
+    assert "torpor loadtest" in result.stderr  # the summary table, for people
+    if plot.exists():
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loadtest_on_a_given_db_keeps_it_and_prints_a_table(tmp_path: Path) -> None:
+    db = tmp_path / "load.db"
+    out = tmp_path / "load.json"
+    result = torpor("loadtest", "-n", "20", "-m", "4", "-d", "0.3", "--probe-agents", "0",
+                    "--db", db_url(db), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "turns/s" in result.stdout
+    assert db.exists()
+    report = json.loads(out.read_text())
+    assert report["build"]["conversations"] == 20
+    assert "probe_agents" not in report["memory"]
+    listing = torpor("inspect", "--db", db_url(db), "--json", "-", "--limit", "5")
+    assert listing.returncode == 0, listing.stderr
+    data = json.loads(listing.stdout)
+    assert data["conversations"] == 20 and len(data["shown"]) == 5
+    assert data["events"] >= 20 * 4
+
+
+def test_chat_streams_tools_and_suspension_then_inspect_reads_the_log(tmp_path: Path) -> None:
+    db = db_url(tmp_path / "chat.db")
+    script = "hello there\n!clock\n!approve deploy\nyes\n/history 3\n/recall deploy\n/inspect\n"
+    first = torpor("chat", "--db", db, "-c", "demo", stdin=script + "!approve again\n")
+    assert first.returncode == 0, first.stderr
+    out = first.stdout
+    assert "echo: hello there" in out
+    assert "[tool call] clock({})" in out and "[tool result] clock:" in out
+    assert "[suspended] waiting for approve-" in out
+    assert "echo: approve returned yes" in out
+    assert "turn 3" in out  # /history lines
+    assert "score" in out  # /recall hits
+    assert "awaiting_input" in out  # /inspect table
+    assert "stays suspended" in out  # input ended while the last approval was pending
+
+    detail = torpor("inspect", "--db", db, "demo", "--json", "-")
+    assert detail.returncode == 0, detail.stderr
+    data = json.loads(detail.stdout)
+    assert data["state"]["state"] == "suspended"
+    assert len(data["state"]["pending_calls"]) == 1
+    assert data["model_calls"] and data["anatomy"]["sections"]
+    assert data["last_events"][-1]["kind"] == "suspended"
+
+    second = torpor("chat", "--db", db, "-c", "demo", stdin="approved later\n/quit\n")
+    assert second.returncode == 0, second.stderr
+    assert "echo: approve returned approved later" in second.stdout
+    after = json.loads(torpor("inspect", "--db", db, "demo", "--json", "-").stdout)
+    assert after["state"]["state"] == "awaiting_input"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["loadtest", "--agents", "0"],
+        ["loadtest", "--active-ratio", "1.5"],
+        ["loadtest", "--duration", "soon"],
+        ["loadtest", "--db", "postgres://nowhere/x"],
+        ["loadtest", "--db", "sqlite:////no/such/dir/x.db"],
+        ["loadtest", "--hibernate-after", "5", "--evict-after", "1"],
+        ["inspect", "--db", "sqlite:////no/such/file.db"],
+        ["inspect", "--db", "mysql://x"],
+        ["chat", "--db", "ftp://x"],
+        ["frobnicate"],
+        [],
+    ],
+)
+def test_bad_arguments_get_one_line_and_exit_2(args: list[str]) -> None:
+    result = torpor(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_inspect_of_a_missing_conversation_is_one_line(tmp_path: Path) -> None:
+    db = db_url(tmp_path / "c.db")
+    assert torpor("chat", "--db", db, stdin="hi\n").returncode == 0
+    result = torpor("inspect", "--db", db, "nobody")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["torpor: error: unknown conversation: nobody"]

@@ -1,0 +1,347 @@
+"""Incremental assembly renders exactly what assembly from scratch renders.
+
+``WorkingSet.render`` keeps the rendered tail between calls and extends it;
+``render_from_scratch`` plans and materializes the whole tail (the original
+path, also what the audit replays). Whatever the sequence of appends, folds,
+arbitrary checkpoints and renders under changing policies, prompts, tools and
+calibrations, both give the same bytes, and so does a working set revived from
+the same checkpoint and log. The byte estimate kept as running sums equals a
+walk over every object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torpor.compaction import (
+    EXPAND_TOOL,
+    RECALL_TOOL,
+    CompactionPolicy,
+    Rendered,
+    WorkingSet,
+    build_checkpoint,
+    count_body,
+    footprint,
+    incremental,
+    plan_fold,
+    render,
+)
+from torpor.errors import ConfigError
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Body,
+    Event,
+    Resolved,
+    Suspended,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
+from torpor.llm.protocol import ToolSpec
+from torpor.store.protocol import Checkpoint, Marker
+
+POLICIES = (
+    CompactionPolicy(
+        context_window=8_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=2_000,
+        clip_tokens=1_000,
+    ),
+    CompactionPolicy(  # everything stubbed, small clips
+        context_window=8_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=2_000,
+        keep_tool_results=0,
+        clip_tokens=200,
+    ),
+    CompactionPolicy(  # a tight ceiling: the full path takes over often
+        context_window=2_600,
+        max_output_tokens=400,
+        safety_margin=100,
+        working_budget=500,
+        keep_tool_results=1,
+        clip_tokens=400,
+    ),
+    CompactionPolicy(keep_tool_results=2),
+)
+FOLD = CompactionPolicy(
+    context_window=8_000,
+    max_output_tokens=500,
+    safety_margin=100,
+    working_budget=1_500,
+    tail_turns=2,
+)
+PROMPTS = ("You are careful.", "Answer briefly, cite files. " * 20)
+TOOLSETS: tuple[tuple[ToolSpec, ...], ...] = ((), (RECALL_TOOL, EXPAND_TOOL))
+TEXTS = ("lorem ipsum dolor ", "日本語のテキスト🙂🚀 ", "naïve café — ")  # multi-byte clips too
+
+
+class Log:
+    """Events as the store would make them (positions, turns, counted tokens)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.turn = 0
+        self.calls = 0
+
+    def add(self, body: Body) -> Event:
+        pos = len(self.events)
+        event = Event("c", pos, self.turn, count_body(body), 1_700_000_000_000 + pos, body)
+        self.events.append(event)
+        return event
+
+
+sizes = st.sampled_from([1, 6, 60, 400, 1_400])
+texts = st.integers(0, len(TEXTS) - 1)
+ops = st.one_of(
+    st.tuples(st.just("user"), sizes, texts),
+    st.tuples(st.just("say"), sizes, texts),
+    st.tuples(
+        st.just("calls"),
+        st.lists(st.tuples(sizes, st.booleans(), st.booleans()), min_size=1, max_size=3),
+        st.booleans(),  # suspended first
+    ),
+    st.tuples(st.just("orphan"), sizes),
+    st.tuples(st.just("abort"), st.booleans()),
+    st.tuples(st.just("fold"), st.booleans()),
+    st.tuples(st.just("checkpoint"), st.integers(0, 40)),
+    st.tuples(
+        st.just("render"),
+        st.integers(0, len(POLICIES) - 1),
+        st.sampled_from([1.0, 0.7, 1.6, 3.0]),
+        st.integers(0, len(PROMPTS) - 1),
+        st.integers(0, len(TOOLSETS) - 1),
+    ),
+)
+
+
+def words(text: int, n: int, tag: str) -> str:
+    return tag + " " + TEXTS[text] * n
+
+
+def bodies_of(op: Any, log: Log) -> list[Body]:
+    kind = op[0]
+    if kind == "user":
+        log.turn += 1
+        return [UserMessage(words(op[2], op[1], f"u{log.turn}"))]
+    if kind == "say":
+        return [AssistantMessage(words(op[2], op[1], "a"))]
+    if kind == "abort":
+        return [Aborted("cancelled", partial_text="half an answer" if op[1] else "")]
+    if kind == "orphan":  # a late or duplicate result: its call is not open
+        return [ToolResult(f"k{log.calls}", "fetch", words(0, op[1], "late"))]
+    _, results, suspended = op
+    calls = []
+    for _ in results:
+        log.calls += 1
+        calls.append(ToolCall(f"k{log.calls}", "fetch", {"n": log.calls}))
+    out: list[Body] = [AssistantMessage("", tuple(calls))]
+    if suspended:
+        out.append(Suspended(tuple(c.id for c in calls)))
+    for call, (size, answered, artifact) in zip(calls, results, strict=True):
+        if not answered:
+            continue
+        if suspended:
+            out.append(Resolved(call.id))
+        content = words(1 if artifact else 0, size, "res")
+        if artifact:
+            out.append(ToolResult(call.id, "fetch", content, artifact=f"a{call.id}", full_size=9))
+        else:
+            out.append(ToolResult(call.id, "fetch", content))
+    return out
+
+
+def render_all(
+    ws: WorkingSet, log: Log, args: tuple[Any, ...]
+) -> tuple[Rendered | None, Rendered | None, Rendered | None]:
+    """(incremental, from scratch, revived) for one render op; None where it raised."""
+    _, p, calibration, prompt, toolset = args
+    call = (PROMPTS[prompt], POLICIES[p], TOOLSETS[toolset])
+    revived = WorkingSet("c", ws.checkpoint, log.events)
+    out: list[Rendered | None] = []
+    for fn in (ws.render, ws.render_from_scratch, revived.render):
+        try:
+            out.append(fn(*call, calibration=calibration))
+        except ConfigError as exc:
+            assert exc.field == "system_prompt"
+            out.append(None)
+    assert revived.estimated_bytes() == revived.walk_bytes()
+    return out[0], out[1], out[2]
+
+
+def assert_same(one: Rendered | None, two: Rendered | None) -> None:
+    assert (one is None) == (two is None)
+    if one is not None and two is not None:
+        assert one == two
+        assert msgspec.msgpack.encode(one) == msgspec.msgpack.encode(two)
+
+
+def run(first: int, script: list[Any]) -> None:
+    log = Log()
+    ws = WorkingSet("c", None, [])
+    renders = 0
+    for op in script:
+        kind = op[0]
+        if kind == "render":
+            got, scratch, revived = render_all(ws, log, op)
+            assert_same(got, scratch)
+            assert_same(got, revived)
+            renders += 1
+        elif kind == "fold":
+            plan = plan_fold(ws, FOLD, force=op[1])
+            if plan is not None:
+                ws.apply(build_checkpoint(plan, ws.checkpoint, created_at=0))
+        elif kind == "checkpoint":  # any position from the tail's start to past its head
+            start = ws.tail[0].position if ws.tail else len(log.events)
+            position = min(start + op[1] % 5, len(log.events))
+            if position > 0 and (ws.checkpoint is None or position >= ws.checkpoint.position):
+                cycle = ws.checkpoint.cycle + 1 if ws.checkpoint is not None else 1
+                marker = Marker(0, position - 1, 0, 60_000, ("alpha.py",))
+                ws.apply(Checkpoint("c", position, 0, cycle, (marker,)))
+        else:
+            if kind != "user" and not log.events:
+                log.turn += 1
+            ws.append([log.add(body) for body in bodies_of(op, log)])
+        assert ws.estimated_bytes() == ws.walk_bytes()
+    final = ("render", first, 1.0, 0, 1)
+    got, scratch, revived = render_all(ws, log, final)
+    assert_same(got, scratch)
+    assert_same(got, revived)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(POLICIES) - 1), st.lists(ops, min_size=1, max_size=40))
+def test_incremental_render_equals_render_from_scratch(first: int, script: list[Any]) -> None:
+    run(first, script)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(0, len(POLICIES) - 1),
+    st.lists(st.tuples(st.sampled_from(["user", "say", "calls", "orphan", "abort"]), sizes)),
+)
+def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]]) -> None:
+    """The actor's pattern: one policy, a render after every step (the cache keeps up)."""
+    script: list[Any] = []
+    for kind, size in steps:
+        if kind == "calls":
+            script.append(("calls", [(size, size != 6, size == 400)], size == 60))
+        elif kind in ("user", "say"):
+            script.append((kind, size, size % 3))
+        elif kind == "orphan":
+            script.append(("orphan", size))
+        else:
+            script.append(("abort", size > 6))
+        script.append(("render", p, 1.0, 1, 1))
+    run(p, script)
+
+
+# --- the cache is really incremental -------------------------------------------------
+
+
+def chat(log: Log, turns: int, *, results: bool = True) -> list[Event]:
+    out = []
+    for i in range(turns):
+        log.turn += 1
+        out.append(log.add(UserMessage(f"question {i} " + "lorem " * 30)))
+        if results:
+            call = ToolCall(f"t{i}", "fetch", {"i": i})
+            out.append(log.add(AssistantMessage("", (call,))))
+            out.append(log.add(ToolResult(call.id, "fetch", "data " * 80)))
+        out.append(log.add(AssistantMessage("answer " * 30)))
+    return out
+
+
+def test_render_after_append_touches_only_new_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 30))
+    policy = POLICIES[3]
+    ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    seen: list[int] = []
+    original = incremental.TailCache._add
+
+    def counting(self: incremental.TailCache, tail: Any, i: int) -> None:
+        seen.append(i)
+        original(self, tail, i)
+
+    def no_layout(*args: object) -> object:
+        raise AssertionError("the whole tail was laid out again")
+
+    monkeypatch.setattr(incremental.TailCache, "_add", counting)
+    monkeypatch.setattr(render, "layout", no_layout)
+    new = chat(log, 1)
+    ws.append(new)
+    rendered = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    assert seen == list(range(len(ws.tail) - len(new), len(ws.tail)))
+    monkeypatch.undo()
+    assert rendered == ws.render_from_scratch(PROMPTS[0], policy, TOOLSETS[1])
+    # The result that just left the keep window is a stub now, as from scratch.
+    assert len(rendered.recipe.stubbed) == 31 - policy.keep_tool_results
+
+
+def test_estimated_bytes_does_not_walk_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log()
+    ws = WorkingSet("c", None, [])
+    ws.append(chat(log, 20))
+    ws.render(PROMPTS[0], POLICIES[0])
+    expected = ws.walk_bytes()
+
+    def no_walk(*args: object) -> int:
+        raise AssertionError("estimated_bytes walked the events")
+
+    monkeypatch.setattr(footprint, "event_bytes", no_walk)
+    monkeypatch.setattr("torpor.compaction.working_set.event_bytes", no_walk)
+    assert ws.estimated_bytes() == expected
+
+
+def test_fold_drops_the_cache_and_rebuilds_it_from_the_kept_tail() -> None:
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 12))
+    before = ws.render(PROMPTS[0], FOLD)
+    plan = plan_fold(ws, FOLD)
+    assert plan is not None
+    ws.apply(build_checkpoint(plan, ws.checkpoint, created_at=0))
+    after = ws.render(PROMPTS[0], FOLD)
+    assert after.recipe.tail_start == plan.position != before.recipe.tail_start
+    assert after == ws.render_from_scratch(PROMPTS[0], FOLD)
+    assert after == WorkingSet("c", ws.checkpoint, log.events).render(PROMPTS[0], FOLD)
+
+
+def test_clipped_texts_are_rebuilt_not_kept_twice() -> None:
+    """Large messages are clipped on every call from where the cut falls, not cached copies."""
+    log = Log()
+    events = []
+    for i in range(6):
+        log.turn += 1
+        events.append(log.add(UserMessage(f"paste {i} " + TEXTS[1] * 900)))
+        events.append(log.add(AssistantMessage("ok " + TEXTS[2] * 900)))
+    ws = WorkingSet("c", None, events)
+    policy = CompactionPolicy(clip_tokens=601)  # some cuts split a character here
+    first = ws.render(PROMPTS[0], policy)
+    assert len(first.recipe.clipped) == 11  # all but the current ask
+    again = ws.render(PROMPTS[0], policy)
+    assert first == again == ws.render_from_scratch(PROMPTS[0], policy)
+    cache = ws._cache
+    assert cache is not None
+    assert all(head >= 0 for _, head, _ in cache.rebuild.values())  # cuts located once
+    assert any(extra for _, _, extra in cache.rebuild.values())  # ... one ends in U+FFFD
+    texts = [m.text for m in first.messages[1:-1] if isinstance(m, UserMessage | AssistantMessage)]
+    assert len(texts) == 11
+    # Far less than one copy of the clipped texts.
+    assert cache.footprint() * 5 < sum(footprint.str_bytes(t) for t in texts)
+    assert ws.estimated_bytes() == ws.walk_bytes()
+
+
+def test_policy_change_rebuilds_the_cache() -> None:
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 8))
+    for policy in (POLICIES[0], POLICIES[1], POLICIES[0]):
+        assert ws.render(PROMPTS[1], policy) == ws.render_from_scratch(PROMPTS[1], policy)

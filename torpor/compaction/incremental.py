@@ -1,0 +1,393 @@
+"""The rendered tail kept between model calls and extended by the events since the last one.
+
+Assembling from scratch (:func:`~torpor.compaction.render.plan` then
+``materialize``) walks the whole tail on every call, although between two calls
+the tail grows by a few events and an older message's rendering changes only at
+a few known moments:
+
+* a tool result leaves the keep window: it becomes a stub (and stays one);
+* a new user message arrives: the previous one is no longer the current ask,
+  so it may be clipped now, and it counts as ``tail`` instead of ``user``;
+* calls still unanswered get stand-ins, which are final once the turn moves on.
+
+:class:`TailCache` follows exactly those transitions, so a call costs O(new
+events) plus copying the message list and hashing the payload. (The hash cannot
+be carried over from call to call: the msgpack payload starts with the message
+count, so every byte after it hashes differently once a message is added.)
+
+What it produces is byte-for-byte what the full path produces; it is keyed by
+the policy numbers its decisions depend on, the working set drops it on a fold
+(or when those numbers change) and rebuilds it on the next call. When the
+context would exceed the hard ceiling, the one case where the decisions depend
+on the whole tail at once, :meth:`TailCache.render` returns None and the caller
+takes the full path.
+
+Memory: the message list points at the events' own bodies (shared, never
+copied), at stubs and stand-ins (small, made once), and, for clipped messages,
+artifact previews and aborted answers, at nothing: it keeps how to rebuild them
+(an event index and where the cut falls), because a copy of their text would
+nearly double a working set made of large messages.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from torpor.compaction.footprint import str_bytes
+from torpor.compaction.recipe import Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.slots import (
+    INTERRUPTED_RESULT,
+    clip_keep,
+    clip_source,
+    clip_text,
+    clipped,
+    clipped_cost,
+    clipped_with,
+    stub,
+    stub_cost,
+    synthetic,
+    text_tokens,
+    tools_tokens,
+    whole,
+)
+from torpor.events import Aborted, AssistantMessage, Event, ToolCall, ToolResult, UserMessage
+from torpor.llm.protocol import ContextMessage, SystemMessage, ToolSpec
+from torpor.store.protocol import Checkpoint
+
+__all__ = ["TailCache"]
+
+_WHOLE = -1  # rebuild with whole(event): an artifact preview or an aborted answer
+_CUT = -2  # clipped, where the cut falls not located yet (the third field: tokens kept)
+_RECLIP = -3  # clipped, and the clip is no prefix of the text: clipped again on every call
+_PENDING = SystemMessage("\x00pending")  # a slot rebuilt on every call (never sent)
+_REPLACEMENT = "\ufffd"  # what a clip that splits a multi-byte character ends with
+
+# (event index, characters of the source kept or _WHOLE/_CUT/_RECLIP, replacement characters
+# or tokens kept)
+Rebuild = tuple[int, int, int]
+
+
+class TailCache:
+    """Rendered slots of one working set's tail under one policy's decisions.
+
+    ``done`` events of the tail are folded in; :meth:`advance` adds the rest.
+    Running sums keep the ``tail`` and ``tool_results`` section sizes; the
+    current user message and the stand-ins for calls still open are added per
+    call, since the next event may change them.
+    """
+
+    __slots__ = (
+        "clipped",
+        "done",
+        "encoding",
+        "keep_results",
+        "last_user",
+        "limit",
+        "messages",
+        "orphans",
+        "owned_bytes",
+        "rebuild",
+        "results_tokens",
+        "standin_tokens",
+        "stubbed",
+        "synthesized",
+        "tail_tokens",
+        "unanswered",
+        "window",
+    )
+
+    def __init__(self, encoding: str, limit: int, keep_results: int) -> None:
+        self.encoding = encoding
+        self.limit = limit
+        self.keep_results = keep_results
+        self.done = 0
+        self.messages: list[ContextMessage] = []
+        self.rebuild: dict[int, Rebuild] = {}  # slot -> how its message is made per call
+        self.unanswered: dict[str, ToolCall] = {}
+        self.window: list[tuple[int, int]] = []  # (slot, event index) of unstubbed results
+        self.last_user = (-1, -1)  # (slot, event index) of the current ask
+        self.stubbed: list[int] = []  # positions, ascending
+        self.clipped: dict[int, int] = {}  # position -> tokens kept
+        self.orphans: list[int] = []  # positions, ascending
+        self.synthesized: list[str] = []  # call ids of closed stand-ins, in slot order
+        self.tail_tokens = 0
+        self.results_tokens = 0
+        self.owned_bytes = 0  # messages made here (stubs, stand-ins), not shared with events
+        self.standin_tokens = text_tokens(INTERRUPTED_RESULT, encoding)
+
+    def fits(self, encoding: str, limit: int, keep_results: int) -> bool:
+        """Whether this cache's decisions are the ones a policy with these numbers takes."""
+        return (
+            encoding == self.encoding and limit == self.limit and keep_results == self.keep_results
+        )
+
+    # --- following the tail ----------------------------------------------------------
+
+    def advance(self, tail: Sequence[Event]) -> None:
+        """Fold in the events appended since the last call (the tail only grew since)."""
+        if self.done > len(tail):
+            raise ValueError("the tail shrank under its render cache")
+        for i in range(self.done, len(tail)):
+            self._add(tail, i)
+        self.done = len(tail)
+
+    def _add(self, tail: Sequence[Event], i: int) -> None:
+        # Mirrors slots.layout step by step; each branch also decides the new slot.
+        event = tail[i]
+        body = event.body
+        kind = type(body)
+        if kind is ToolResult:
+            assert isinstance(body, ToolResult)
+            if self.unanswered.pop(body.call_id, None) is not None:
+                self._result(tail, i)
+            else:
+                self.orphans.append(event.position)
+        elif kind is UserMessage:
+            self._close()
+            self._demote_user(tail)
+            self.last_user = (len(self.messages), i)
+            self.messages.append(body)  # type: ignore[arg-type]
+        elif kind is AssistantMessage:
+            assert isinstance(body, AssistantMessage)
+            self._close()
+            self._plain(event, i)
+            for call in body.tool_calls:
+                self.unanswered[call.id] = call
+        elif kind is Aborted:
+            assert isinstance(body, Aborted)
+            self._close()  # the turn is over: whatever it waited for is not coming
+            if body.partial_text:
+                self._plain(event, i)
+
+    def _close(self) -> None:
+        for call in self.unanswered.values():
+            message = synthetic(call)
+            self.messages.append(message)
+            self.owned_bytes += _owned_size(message)
+            self.results_tokens += self.standin_tokens
+            self.synthesized.append(call.id)
+        self.unanswered.clear()
+
+    def _plain(self, event: Event, i: int) -> None:
+        """An assistant message or an aborted answer: clipped if oversized, else whole."""
+        k = len(self.messages)
+        if event.tokens > self.limit:
+            self.tail_tokens += self._clip(event, i, k)
+            return
+        self.tail_tokens += event.tokens
+        body = event.body
+        if type(body) is Aborted:
+            self._later(k, (i, _WHOLE, 0))
+        else:
+            self.messages.append(body)  # type: ignore[arg-type]
+
+    def _demote_user(self, tail: Sequence[Event]) -> None:
+        """The current ask is about to be superseded: render it as any older message."""
+        k, i = self.last_user
+        if k < 0:
+            return
+        event = tail[i]
+        if event.tokens > self.limit:
+            self.tail_tokens += self._clip(event, i, k)
+        else:
+            self.tail_tokens += event.tokens
+
+    def _result(self, tail: Sequence[Event], i: int) -> None:
+        event = tail[i]
+        body = event.body
+        assert isinstance(body, ToolResult)
+        k = len(self.messages)
+        if event.tokens > self.limit:
+            cost = self._clip(event, i, k)
+        else:
+            cost = event.tokens
+            if body.artifact is not None:
+                self._later(k, (i, _WHOLE, 0))
+            else:
+                self.messages.append(body)
+        self.results_tokens += cost
+        window = self.window
+        window.append((k, i))
+        if len(window) > self.keep_results:
+            k0, i0 = window.pop(0)  # the window is small (keep_tool_results)
+            self._stub(tail[i0], k0)
+
+    def _clip(self, event: Event, i: int, k: int) -> int:
+        keep = clip_keep(event, self.limit, self.encoding)
+        self.clipped[event.position] = keep
+        self._later(k, (i, _CUT, keep))
+        return clipped_cost(event, keep, self.encoding)
+
+    def _later(self, k: int, how: Rebuild) -> None:
+        """Slot ``k`` is made on every call (its text is not kept twice)."""
+        self._put(k, _PENDING)
+        self.rebuild[k] = how
+
+    def _stub(self, event: Event, k: int) -> None:
+        """A tool result leaves the keep window (or never enters it): a stub from now on."""
+        pos = event.position
+        if k < len(self.messages):
+            keep = self.clipped.pop(pos, None)
+            old = event.tokens if keep is None else clipped_cost(event, keep, self.encoding)
+            self.rebuild.pop(k, None)
+            self.owned_bytes -= self._owned(event, self.messages[k])
+        else:
+            old = 0
+        short = stub(event)
+        self._put(k, short)
+        self.owned_bytes += _owned_size(short)
+        self.results_tokens += stub_cost(short, self.encoding) - old
+        self.stubbed.append(pos)
+
+    def _put(self, k: int, message: ContextMessage) -> None:
+        if k == len(self.messages):
+            self.messages.append(message)
+        else:
+            self.messages[k] = message
+
+    @staticmethod
+    def _owned(event: Event, message: ContextMessage) -> int:
+        if message is event.body or message is _PENDING:
+            return 0
+        return _owned_size(message)
+
+    # --- rendering -------------------------------------------------------------------
+
+    def render(
+        self,
+        tail: Sequence[Event],
+        checkpoint: Checkpoint | None,
+        handoff: str,
+        handoff_tokens: int,
+        system_prompt: str,
+        tools: Sequence[ToolSpec],
+        ceiling: int,
+    ) -> Rendered | None:
+        """The context the full path would render, or None when it has to enforce the ceiling.
+
+        Call :meth:`advance` first.
+        """
+        encoding = self.encoding
+        pending = self.unanswered
+        k_user, i_user = self.last_user
+        sections = {
+            "system": text_tokens(system_prompt, encoding),
+            "markers": handoff_tokens if handoff else 0,
+            "tools": tools_tokens(tools, encoding),
+            "tail": self.tail_tokens,
+            "tool_results": self.results_tokens + len(pending) * self.standin_tokens,
+            "user": tail[i_user].tokens if k_user >= 0 else 0,
+        }
+        total = sum(sections.values())
+        if total > ceiling:
+            return None
+        messages: list[ContextMessage] = [SystemMessage(system_prompt)]
+        if handoff:
+            messages.append(SystemMessage(handoff))
+        start = len(messages)
+        messages.extend(self.messages)
+        if self.rebuild:
+            self._remake(tail, messages, start)
+        synthesized = tuple(self.synthesized)
+        if pending:
+            messages.extend(synthetic(call) for call in pending.values())
+            synthesized += tuple(call.id for call in pending.values())
+        recipe = Recipe(
+            checkpoint_position=checkpoint.position if checkpoint is not None else None,
+            cycle=checkpoint.cycle if checkpoint is not None else 0,
+            tail_start=tail[0].position if tail else None,
+            tail_end=tail[-1].position if tail else None,
+            stubbed=tuple(self.stubbed),
+            clipped=tuple(sorted(self.clipped.items())),
+            dropped=tuple(self.orphans),
+            synthesized=synthesized,
+            ceiling_enforced=False,
+            system_hash=text_hash(system_prompt),
+            tools=tuple(t.name for t in tools),
+            encoding=encoding,
+        )
+        return Rendered(
+            messages=messages,
+            recipe=recipe,
+            hash=payload_hash(messages, tools),
+            sections=sections,
+            estimated_tokens=total,
+        )
+
+    def _remake(self, tail: Sequence[Event], messages: list[ContextMessage], start: int) -> None:
+        """Make the slots kept as recipes: clipped texts, artifact previews, aborted answers."""
+        located: list[tuple[int, Rebuild]] = []
+        for k, (i, head, extra) in self.rebuild.items():
+            event = tail[i]
+            if head == _WHOLE:
+                message = whole(event)
+            else:
+                if head == _CUT:
+                    head, extra = self._locate(event, extra)
+                    located.append((k, (i, head, extra)))
+                if head == _RECLIP:
+                    message = clipped(event, extra, self.encoding)
+                else:
+                    message = clipped_with(event, clip_source(event)[:head] + _REPLACEMENT * extra)
+            messages[start + k] = message
+        for k, how in located:
+            self.rebuild[k] = how
+
+    def _locate(self, event: Event, keep: int) -> tuple[int, int]:
+        """Where clipping to ``keep`` tokens cuts the text, found once by clipping it.
+
+        Tokens are byte sequences, so the first ``keep`` decode to a prefix of the
+        text, ending with replacement characters when the cut splits a character.
+        Returns (characters kept, replacement characters), or (_RECLIP, keep) when
+        the clip is not of that shape (then it is clipped again on every call).
+        """
+        source = clip_source(event)
+        cut = clip_text(source, keep, self.encoding)
+        for extra in range(4):
+            head = len(cut) - extra
+            if head < 0 or (extra and cut[head:] != _REPLACEMENT * extra):
+                break
+            if source.startswith(cut[:head]) if extra else source.startswith(cut):
+                return head, extra
+        return _RECLIP, keep
+
+    # --- accounting ------------------------------------------------------------------
+
+    def footprint(self) -> int:
+        """What the cache keeps alive beyond the working set's events (O(1))."""
+        return self._containers() + self.owned_bytes
+
+    def walk_footprint(self, tail: Sequence[Event]) -> int:
+        """:meth:`footprint` counted from scratch (for tests)."""
+        bodies = {id(e.body) for e in tail}
+        owned = sum(
+            _owned_size(m) for m in self.messages if id(m) not in bodies and m is not _PENDING
+        )
+        return self._containers() + owned
+
+    def _containers(self) -> int:
+        return (
+            sys.getsizeof(self)
+            + sys.getsizeof(self.messages)
+            + sys.getsizeof(self.rebuild)
+            + len(self.rebuild) * _REBUILD_SIZE
+            + sys.getsizeof(self.unanswered)
+            + sys.getsizeof(self.window)
+            + sys.getsizeof(self.stubbed)
+            + sys.getsizeof(self.clipped)
+            + sys.getsizeof(self.orphans)
+            + sys.getsizeof(self.synthesized)
+        )
+
+
+_REBUILD_SIZE = sys.getsizeof((0, 0, 0))
+
+
+def _owned_size(message: ContextMessage) -> int:
+    """A message made by the cache, with its text unless that is a shared constant."""
+    text = message.content if isinstance(message, ToolResult) else message.text
+    size = sys.getsizeof(message)
+    if text is not INTERRUPTED_RESULT:
+        size += str_bytes(text)
+    return size

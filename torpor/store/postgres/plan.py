@@ -1,0 +1,327 @@
+"""The operations the PostgreSQL writer commits, planned without touching the database.
+
+A batch first locks and reads the conversations it touches (:mod:`.batch`),
+then every operation is *planned* against that :class:`View`: validated
+(expect_head, idempotency keys, checkpoint bounds) and turned into the rows it
+will write. Planning is pure, so when the batch learns something new (another
+process created a conversation between our read and our insert) it simply
+plans again. A refused operation fails alone and the next one plans against
+the heads without it, exactly like the SQLite writer.
+
+Rows name their conversation by its text id; the integer keys are filled in
+when the rows are written, because a conversation created by this batch has no
+key until its row is inserted (and it is only inserted if some plan needs it:
+a refused append creates nothing).
+
+Work that needs no database (search documents, artifact compression) is done
+when the operation is built, on the caller's side, not while a batch holds
+conversation locks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from torpor.errors import ConflictError
+from torpor.events import Event
+from torpor.store.postgres.lexemes import document_chunks
+from torpor.store.prepare import PreparedAppend, PreparedEvent
+from torpor.store.protocol import Checkpoint, ModelCall
+from torpor.store.sqlite.rows import encode_checkpoint, encode_model_call
+from torpor.store.sqlite.write_ops import compress_artifact
+
+__all__ = [
+    "AppendOp",
+    "ArtifactOp",
+    "CheckpointOp",
+    "ConvState",
+    "HeadUpdate",
+    "ModelCallOp",
+    "Plan",
+    "ReplayEvents",
+    "View",
+    "WriteOp",
+    "Writes",
+]
+
+
+class ConvState(msgspec.Struct, frozen=True, gc=False):
+    key: int | None  # None: no row yet (inserted only if a kept plan needs it)
+    head: int  # last position, -1 when empty
+
+
+NEW = ConvState(None, -1)
+
+
+@dataclass(slots=True)
+class HeadUpdate:
+    head: int
+    added_bytes: int = 0
+    checkpoint: int | None = None
+
+
+@dataclass(slots=True)
+class Writes:
+    """Rows to insert, per table; conversations named by text id."""
+
+    events: list[tuple[str, int, int, str, int, int, bytes]] = field(default_factory=list)
+    fts: list[tuple[str, int, int, str, str]] = field(default_factory=list)
+    artifacts: list[tuple[str, str, int, int, bytes]] = field(default_factory=list)
+    keys: list[tuple[str, str, int, int, int]] = field(default_factory=list)
+    checkpoints: list[tuple[str, int, int, bytes]] = field(default_factory=list)
+    model_calls: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
+
+    def extend(self, other: Writes) -> None:
+        self.events.extend(other.events)
+        self.fts.extend(other.fts)
+        self.artifacts.extend(other.artifacts)
+        self.keys.extend(other.keys)
+        self.checkpoints.extend(other.checkpoints)
+        self.model_calls.extend(other.model_calls)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEvents:
+    """A keyed append seen in an earlier batch: its stored events are read after planning."""
+
+    conversation_id: str
+    first: int
+    count: int
+
+
+@dataclass(slots=True)
+class Plan:
+    result: object
+    name: str | None = None  # the conversation this operation needs to exist
+    head: HeadUpdate | None = None  # how it moves that conversation's row
+    writes: Writes | None = None
+    # (conversation, idempotency key) -> (first position, count, prepared events)
+    idempotency: tuple[tuple[str, str], tuple[int, int, tuple[PreparedEvent, ...]]] | None = None
+
+
+class WriteOp(Protocol):
+    @property
+    def conversation_id(self) -> str: ...
+
+    @property
+    def idempotency_key(self) -> str | None: ...
+
+    def plan(self, view: View) -> Plan: ...
+
+
+class View:
+    """The locked conversations as one batch sees them, plus what it planned so far."""
+
+    def __init__(self, now: int) -> None:
+        self.now = now
+        self.states: dict[str, ConvState] = {}  # read (and locked) from the database
+        self.stored_keys: dict[tuple[str, str], tuple[int, int]] = {}
+        self.creating = False  # the batch has started creating conversations
+        self.begin()
+
+    def begin(self) -> None:
+        """Forget every plan (to plan the batch again)."""
+        self.planned: dict[str, ConvState] = {}
+        self.planned_keys: dict[tuple[str, str], tuple[int, int, tuple[PreparedEvent, ...]]] = {}
+        self.heads: dict[str, HeadUpdate] = {}
+        self.writes = Writes()
+
+    def state(self, name: str) -> ConvState:
+        return self.planned.get(name) or self.states.get(name) or NEW
+
+    def keep(self, plan: Plan) -> None:
+        """Make a plan visible to the operations after it."""
+        if plan.writes is not None:
+            self.writes.extend(plan.writes)
+        if plan.idempotency is not None:
+            self.planned_keys[plan.idempotency[0]] = plan.idempotency[1]
+        if plan.name is None:
+            return
+        state = self.state(plan.name)
+        update = plan.head
+        if update is not None:
+            state = ConvState(state.key, update.head)
+            merged = self.heads.get(plan.name)
+            if merged is None:
+                self.heads[plan.name] = HeadUpdate(
+                    update.head, update.added_bytes, update.checkpoint
+                )
+            else:
+                merged.head = update.head
+                merged.added_bytes += update.added_bytes
+                if update.checkpoint is not None:
+                    merged.checkpoint = update.checkpoint
+        self.planned[plan.name] = state
+
+    def needed(self) -> list[str]:
+        """Conversations some kept plan writes to that have no row yet, sorted."""
+        return sorted(name for name in self.planned if name not in self.states)
+
+    def created(self, keys: dict[str, int]) -> None:
+        for name, key in keys.items():
+            self.states[name] = ConvState(key, -1)
+
+    def key_of(self, name: str) -> int:
+        state = self.states.get(name)
+        if state is None or state.key is None:
+            raise AssertionError(f"conversation {name!r} was planned but never created")
+        return state.key
+
+
+@dataclass(frozen=True, slots=True)
+class AppendOp:
+    """Append events; the result is their positions, or the stored events if ``with_events``."""
+
+    append: PreparedAppend
+    documents: tuple[tuple[int, tuple[tuple[str, str], ...]], ...]  # (index, chunks)
+    artifacts: tuple[tuple[int, bytes], ...]  # (index, compressed full content)
+    with_events: bool = False
+
+    @classmethod
+    def build(cls, append: PreparedAppend, *, with_events: bool = False) -> AppendOp:
+        documents = tuple(
+            (i, tuple(document_chunks(e.text))) for i, e in enumerate(append.events) if e.text
+        )
+        artifacts = tuple(
+            (i, compress_artifact(e.artifact_data))
+            for i, e in enumerate(append.events)
+            if e.artifact_data is not None
+        )
+        return cls(append, documents, artifacts, with_events)
+
+    @property
+    def conversation_id(self) -> str:
+        return self.append.conversation_id
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self.append.key
+
+    def plan(self, view: View) -> Plan:
+        append = self.append
+        name = append.conversation_id
+        state = view.state(name)
+        if append.key is not None:
+            planned = view.planned_keys.get((name, append.key))
+            if planned is not None:
+                return Plan(self._result(planned[0], planned[2]))
+            stored = view.stored_keys.get((name, append.key))
+            if stored is not None:
+                first, count = stored
+                if self.with_events:
+                    return Plan(ReplayEvents(name, first, count))
+                return Plan(list(range(first, first + count)))
+        if append.expect_head is not None and append.expect_head != state.head:
+            raise ConflictError(name, append.expect_head, state.head)
+        events = append.events
+        first = state.head + 1
+        writes = Writes()
+        size = 0
+        for offset, e in enumerate(events):
+            size += len(e.body)
+            writes.events.append(
+                (name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body)
+            )
+        for index, chunks in self.documents:
+            for chunk, (text, lexemes) in enumerate(chunks):
+                writes.fts.append((name, first + index, chunk, text, lexemes))
+        for index, data in self.artifacts:
+            e = events[index]
+            assert e.artifact_id is not None and e.artifact_data is not None
+            writes.artifacts.append((e.artifact_id, name, len(e.artifact_data), e.created_at, data))
+        idempotency = None
+        if append.key is not None:
+            writes.keys.append((name, append.key, first, len(events), view.now))
+            idempotency = ((name, append.key), (first, len(events), events))
+        return Plan(
+            self._result(first, events),
+            name,
+            HeadUpdate(first + len(events) - 1, size),
+            writes,
+            idempotency,
+        )
+
+    def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
+        if not self.with_events:
+            return list(range(first, first + len(events)))
+        name = self.append.conversation_id
+        return [
+            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value)
+            for i, e in enumerate(events)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointOp:
+    checkpoint: Checkpoint
+
+    @property
+    def conversation_id(self) -> str:
+        return self.checkpoint.conversation_id
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return None
+
+    def plan(self, view: View) -> Plan:
+        cp = self.checkpoint
+        state = view.state(cp.conversation_id)
+        if not 0 <= cp.position <= state.head + 1:
+            raise ValueError(
+                f"checkpoint position {cp.position} is outside conversation "
+                f"{cp.conversation_id!r} (head {state.head})"
+            )
+        writes = Writes()
+        writes.checkpoints.append(
+            (cp.conversation_id, cp.position, cp.created_at, encode_checkpoint(cp))
+        )
+        return Plan(None, cp.conversation_id, HeadUpdate(state.head, 0, cp.position), writes)
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactOp:
+    conversation_id: str
+    artifact_id: str
+    size: int
+    data: bytes  # compressed
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return None
+
+    def plan(self, view: View) -> Plan:
+        writes = Writes()
+        writes.artifacts.append(
+            (self.artifact_id, self.conversation_id, self.size, view.now, self.data)
+        )
+        return Plan(self.artifact_id, self.conversation_id, None, writes)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallOp:
+    call: ModelCall
+
+    @property
+    def conversation_id(self) -> str:
+        return self.call.conversation_id
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return None
+
+    def plan(self, view: View) -> Plan:
+        call = self.call
+        writes = Writes()
+        writes.model_calls.append(
+            (
+                call.conversation_id,
+                call.turn,
+                call.call_index,
+                call.created_at,
+                encode_model_call(call),
+            )
+        )
+        return Plan(None, call.conversation_id, None, writes)

@@ -1,0 +1,207 @@
+"""The read side on PostgreSQL: every public read is one SQL statement, one round trip.
+
+A single statement sees a single snapshot, so ``resume`` (the latest checkpoint,
+the head and every event since the checkpoint) needs no explicit transaction:
+it is one ``UNION ALL`` whose first row carries the checkpoint and the head.
+Rows decode exactly as on SQLite (:mod:`torpor.store.sqlite.rows`): a body that
+does not decode raises CorruptEvent naming its conversation and position.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Protocol
+
+from torpor.errors import StoreError
+from torpor.events import ToolResult, decode_body, kind_of, searchable_text
+from torpor.store.fulltext import first_match, snippet
+from torpor.store.postgres.lexemes import search_terms
+from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
+from torpor.store.sqlite.rows import (
+    EVENT_COLUMNS,
+    decode_checkpoint,
+    decode_model_call,
+    to_conversation_info,
+    to_events,
+)
+
+__all__ = [
+    "checkpoints",
+    "conversation",
+    "conversations",
+    "get_artifact",
+    "head",
+    "latest_checkpoint",
+    "model_calls",
+    "page_backward",
+    "read_range",
+    "read_since",
+    "resume",
+    "search",
+]
+
+
+class Reader(Protocol):
+    """What reads need: an asyncpg pool or connection."""
+
+    async def fetch(self, query: str, *args: Any) -> list[Any]: ...
+
+    async def fetchrow(self, query: str, *args: Any) -> Any: ...
+
+    async def fetchval(self, query: str, *args: Any) -> Any: ...
+
+
+_KEY = "(SELECT key FROM conversations WHERE external_id = $1)"
+_EVENTS = f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY}"
+_SINCE = f"{_EVENTS} AND position >= $2 ORDER BY position"
+_RANGE = f"{_EVENTS} AND position BETWEEN $2 AND $3 ORDER BY position"
+_BACKWARD = f"{_EVENTS} AND position < $2 ORDER BY position DESC LIMIT $3"
+_CHECKPOINTS = "SELECT position, body FROM checkpoints WHERE conversation_id = " + _KEY
+_LATEST = f"{_CHECKPOINTS} ORDER BY id DESC LIMIT 1"
+
+# Row 0: (NULL, head, checkpoint position, NULL, checkpoint body); then the events.
+_RESUME = """
+WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1),
+cp AS (
+    SELECT c.position, c.body FROM checkpoints AS c, conv
+    WHERE c.conversation_id = conv.key ORDER BY c.id DESC LIMIT 1
+)
+SELECT NULL::bigint AS pos, conv.head, cp.position AS cp, NULL::bigint AS ts, cp.body, 0 AS r
+FROM conv LEFT JOIN cp ON true
+UNION ALL
+SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, 1
+FROM events AS e, conv
+WHERE e.conversation_id = conv.key AND e.position >= coalesce((SELECT position FROM cp), 0)
+ORDER BY r, pos
+"""
+
+# Terms: per query term, its phrase or its identifier alternative (see .lexemes).
+# An event's score is the sum over terms of ts_rank of its best-matching chunk.
+_SEARCH = """
+WITH conv AS (SELECT key FROM conversations WHERE external_id = $1),
+terms AS (
+    SELECT q FROM (
+        SELECT CASE WHEN i = '' THEN phraseto_tsquery('simple', t)
+                    ELSE phraseto_tsquery('simple', t) || i::tsquery END AS q
+        FROM unnest($2::text[], $3::text[]) AS u(t, i)
+    ) AS s
+    WHERE numnode(q) > 0
+),
+query AS (SELECT string_agg('(' || q::text || ')', ' | ')::tsquery AS q FROM terms),
+matched AS (
+    SELECT f.position, (SELECT sum(ts_rank(f.document, t.q)) FROM terms AS t) AS score
+    FROM events_fts AS f
+    WHERE f.conversation_id = (SELECT key FROM conv) AND f.document @@ (SELECT q FROM query)
+),
+best AS (
+    SELECT position, max(score) AS score FROM matched
+    GROUP BY position ORDER BY score DESC, position DESC LIMIT $4
+)
+SELECT b.position, b.score, e.turn, e.created_at, e.body
+FROM best AS b
+JOIN events AS e ON e.conversation_id = (SELECT key FROM conv) AND e.position = b.position
+ORDER BY b.score DESC, b.position DESC
+"""
+
+_INFO = "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at"
+
+
+async def head(db: Reader, name: str) -> int | None:
+    value = await db.fetchval("SELECT head FROM conversations WHERE external_id = $1", name)
+    return None if value is None or value < 0 else int(value)
+
+
+async def read_since(db: Reader, name: str, position: int) -> list[Any]:
+    return to_events(name, await db.fetch(_SINCE, name, position))
+
+
+async def read_range(db: Reader, name: str, start: int, end: int) -> list[Any]:
+    return to_events(name, await db.fetch(_RANGE, name, start, end))
+
+
+async def page_backward(db: Reader, name: str, before: int | None, limit: int) -> list[Any]:
+    bound = (1 << 62) if before is None else before
+    return to_events(name, await db.fetch(_BACKWARD, name, bound, limit))
+
+
+async def latest_checkpoint(db: Reader, name: str) -> Checkpoint | None:
+    row = await db.fetchrow(_LATEST, name)
+    return None if row is None else decode_checkpoint(name, row[0], row[1])
+
+
+async def checkpoints(db: Reader, name: str) -> list[Checkpoint]:
+    rows = await db.fetch(f"{_CHECKPOINTS} ORDER BY id", name)
+    return [decode_checkpoint(name, position, body) for position, body in rows]
+
+
+async def resume(db: Reader, name: str) -> Resume:
+    rows = await db.fetch(_RESUME, name)
+    if not rows:
+        return Resume(name, None, None, ())
+    _, last, cp_position, _, cp_body, _ = rows[0]
+    checkpoint = None if cp_body is None else decode_checkpoint(name, cp_position, cp_body)
+    events = to_events(name, (row[:5] for row in rows[1:]))
+    return Resume(name, None if last < 0 else last, checkpoint, tuple(events))
+
+
+async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
+    terms, identifiers = search_terms(query)
+    if not terms:
+        return []
+    hits = []
+    for position, score, turn, created_at, data in await db.fetch(
+        _SEARCH, name, terms, identifiers, k
+    ):
+        body = decode_body(data, conversation_id=name, position=position)
+        text = searchable_text(body)
+        beyond_preview = isinstance(body, ToolResult) and first_match(text, query) < 0
+        if beyond_preview and isinstance(body, ToolResult) and body.artifact is not None:
+            full = await get_artifact(db, body.artifact)
+            text = f"{body.tool} {full.decode('utf-8', 'replace')}"
+        hits.append(
+            SearchHit(
+                position=position,
+                kind=kind_of(body),
+                turn=turn,
+                created_at=created_at,
+                snippet=snippet(text, query),
+                score=float(score),
+            )
+        )
+    return hits
+
+
+async def get_artifact(db: Reader, artifact_id: str) -> bytes:
+    data = await db.fetchval("SELECT data FROM artifacts WHERE id = $1", artifact_id)
+    if data is None:
+        raise KeyError(f"no artifact {artifact_id!r}")
+    try:
+        return zlib.decompress(data)
+    except zlib.error as exc:
+        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
+
+
+async def model_calls(db: Reader, name: str, turn: int | None, limit: int) -> list[ModelCall]:
+    base = f"SELECT turn, body FROM model_calls WHERE conversation_id = {_KEY}"
+    if turn is None:
+        rows = await db.fetch(f"{base} ORDER BY turn DESC, call_index DESC, id DESC LIMIT $2",
+                              name, limit)  # fmt: skip
+    else:
+        rows = await db.fetch(
+            f"{base} AND turn = $2 ORDER BY call_index DESC, id DESC LIMIT $3", name, turn, limit
+        )
+    return [decode_model_call(name, t, body) for t, body in reversed(rows)]
+
+
+async def conversations(db: Reader, after: str | None, limit: int) -> list[ConversationInfo]:
+    rows = await db.fetch(
+        f"{_INFO} FROM conversations WHERE external_id > $1 ORDER BY external_id LIMIT $2",
+        "" if after is None else after,
+        limit,
+    )
+    return [to_conversation_info(row) for row in rows]
+
+
+async def conversation(db: Reader, name: str) -> ConversationInfo | None:
+    row = await db.fetchrow(f"{_INFO} FROM conversations WHERE external_id = $1", name)
+    return None if row is None else to_conversation_info(row)

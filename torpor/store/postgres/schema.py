@@ -1,0 +1,151 @@
+"""The PostgreSQL schema and its forward migrations.
+
+Same logical tables as the SQLite backend (``conversations``, ``events``,
+``checkpoints``, ``artifacts``, ``idempotency_keys``, ``model_calls``) plus
+``events_fts`` (the search index) and ``schema_version``. Choices:
+
+* ``conversations`` maps the text id to a ``bigint`` surrogate (``key``) and
+  holds the **head**. Every write transaction locks the rows of the
+  conversations it touches (``SELECT … FOR UPDATE``, in key order), reads the
+  head there and moves it in the same transaction, so two writers (two
+  processes, or two stores) on one database serialise per conversation and can
+  never produce a duplicate or a gap; a stale ``expect_head`` sees the winner's
+  head and fails with ConflictError. The head column is the authority for
+  positions (``PRIMARY KEY (conversation_id, position)`` stays as a backstop).
+  ``external_id`` uses the ``"C"`` collation so listings are ordered by bytes,
+  as on SQLite, whatever the database's locale.
+* ``events`` holds the msgpack body as ``bytea``; no foreign keys (a check per
+  inserted row, and the writer already knows the keys it uses).
+* ``events_fts`` holds one ``tsvector`` per event (per 64 KiB chunk of a long
+  text), built with the ``simple`` configuration plus identifier lexemes; see
+  :mod:`.lexemes`. It is a separate table so reading the log never drags the
+  index documents along. A GIN index serves rare terms; the primary key confines
+  a search to one conversation.
+* ``artifacts.data`` is already zlib-compressed, so its storage is ``EXTERNAL``
+  (TOAST out of line, no second compression attempt).
+
+``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
+the schema from version ``i`` to ``i + 1``; each runs in its own transaction
+together with its version row, under a transaction-scoped advisory lock, so two
+processes opening a fresh database at once migrate it exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import asyncpg
+
+from torpor.errors import StoreError
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
+
+_MIGRATION_LOCK = 0x746F72706F72  # "torpor": the advisory lock id serialising migrations
+
+_V1: Sequence[str] = (
+    """
+    CREATE TABLE conversations (
+        key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        external_id text COLLATE "C" NOT NULL UNIQUE,
+        head bigint NOT NULL DEFAULT -1,
+        bytes bigint NOT NULL DEFAULT 0,
+        checkpoint_position bigint,
+        created_at bigint NOT NULL,
+        updated_at bigint NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE events (
+        conversation_id bigint NOT NULL,
+        position bigint NOT NULL,
+        turn integer NOT NULL,
+        kind text NOT NULL,
+        tokens integer NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    )
+    """,
+    """
+    CREATE TABLE events_fts (
+        conversation_id bigint NOT NULL,
+        position bigint NOT NULL,
+        chunk integer NOT NULL,
+        document tsvector NOT NULL,
+        PRIMARY KEY (conversation_id, position, chunk)
+    )
+    """,
+    "CREATE INDEX events_fts_document ON events_fts USING gin (document)",
+    """
+    CREATE TABLE checkpoints (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        conversation_id bigint NOT NULL,
+        position bigint NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL
+    )
+    """,
+    "CREATE INDEX checkpoints_by_conversation ON checkpoints (conversation_id, id)",
+    """
+    CREATE TABLE artifacts (
+        id text PRIMARY KEY,
+        conversation_id bigint NOT NULL,
+        size bigint NOT NULL,
+        created_at bigint NOT NULL,
+        data bytea NOT NULL
+    )
+    """,
+    "ALTER TABLE artifacts ALTER COLUMN data SET STORAGE EXTERNAL",
+    """
+    CREATE TABLE idempotency_keys (
+        conversation_id bigint NOT NULL,
+        key text NOT NULL,
+        first_position bigint NOT NULL,
+        count integer NOT NULL,
+        created_at bigint NOT NULL,
+        PRIMARY KEY (conversation_id, key)
+    )
+    """,
+    """
+    CREATE TABLE model_calls (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        conversation_id bigint NOT NULL,
+        turn integer NOT NULL,
+        call_index integer NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL
+    )
+    """,
+    "CREATE INDEX model_calls_by_turn ON model_calls (conversation_id, turn, call_index)",
+)
+
+MIGRATIONS: tuple[Sequence[str], ...] = (_V1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_VERSION_TABLE = """
+    CREATE TABLE IF NOT EXISTS schema_version (
+        version integer PRIMARY KEY,
+        applied_at timestamptz NOT NULL DEFAULT now()
+    )
+"""
+
+
+async def migrate(conn: asyncpg.Connection) -> int:
+    """Bring the schema to :data:`SCHEMA_VERSION`; refuse a database from the future."""
+    while True:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(_VERSION_TABLE)
+            version = int(
+                await conn.fetchval("SELECT coalesce(max(version), 0) FROM schema_version")
+            )
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"database schema version {version} is newer than this torpor "
+                    f"understands ({SCHEMA_VERSION}); upgrade torpor"
+                )
+            if version == SCHEMA_VERSION:
+                return version
+            for statement in MIGRATIONS[version]:
+                await conn.execute(statement)
+            await conn.execute("INSERT INTO schema_version (version) VALUES ($1)", version + 1)

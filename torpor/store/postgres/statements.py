@@ -1,0 +1,126 @@
+"""The SQL of the PostgreSQL writer, and the rows-to-arrays step that feeds it.
+
+Every table a batch writes is written by **one** statement: data-modifying CTEs,
+one per table, each inserting ``unnest`` of column arrays. Whatever a batch
+holds (a thousand appends over a thousand conversations, checkpoints, model
+calls), it costs one round trip; empty arrays insert nothing.
+
+The identifier lexemes are only concatenated to a document that has some:
+``tsvector || tsvector`` merges and renumbers, and cost about as much as
+``to_tsvector`` itself (measured: 8.5 vs 11 ms per 1,000 thirty-word texts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import asyncpg
+
+from torpor.store.postgres.plan import HeadUpdate, Writes
+
+__all__ = ["CREATE", "LOCK", "WRITE", "write"]
+
+# Lock the batch's existing conversations in key order (every writer locks in the same
+# order, so two batches cannot deadlock on them) and read their heads and any
+# idempotency key the batch asks about. MATERIALIZED: the locking CTE runs in full.
+LOCK = """
+WITH locked AS MATERIALIZED (
+    SELECT key, external_id, head FROM conversations
+    WHERE external_id = ANY($1::text[]) ORDER BY key FOR UPDATE
+)
+SELECT l.key, l.external_id, l.head, i.key, i.first_position, i.count
+FROM locked AS l
+LEFT JOIN idempotency_keys AS i ON i.conversation_id = l.key AND i.key = ANY($2::text[])
+"""
+
+# Create the conversations a batch needs, in name order. A name not returned was
+# created (and committed) by another writer meanwhile: the batch locks and re-reads it.
+CREATE = """
+INSERT INTO conversations (external_id, created_at, updated_at)
+SELECT n, $2, $2 FROM unnest($1::text[]) AS n ORDER BY n
+ON CONFLICT (external_id) DO NOTHING
+RETURNING key, external_id
+"""
+
+WRITE = """
+WITH
+e AS (
+    INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body)
+    SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::int[],
+                         $6::bigint[], $7::bytea[])
+),
+f AS (
+    INSERT INTO events_fts (conversation_id, position, chunk, document)
+    SELECT c, p, n, CASE WHEN l = '' THEN to_tsvector('simple', t)
+        ELSE to_tsvector('simple', t) || array_to_tsvector(string_to_array(l, ' ')) END
+    FROM unnest($8::bigint[], $9::bigint[], $10::int[], $11::text[], $12::text[])
+        AS u(c, p, n, t, l)
+),
+a AS (
+    INSERT INTO artifacts (id, conversation_id, size, created_at, data)
+    SELECT * FROM unnest($13::text[], $14::bigint[], $15::bigint[], $16::bigint[], $17::bytea[])
+),
+k AS (
+    INSERT INTO idempotency_keys (conversation_id, key, first_position, count, created_at)
+    SELECT * FROM unnest($18::bigint[], $19::text[], $20::bigint[], $21::int[], $22::bigint[])
+),
+cp AS (
+    INSERT INTO checkpoints (conversation_id, position, created_at, body)
+    SELECT * FROM unnest($23::bigint[], $24::bigint[], $25::bigint[], $26::bytea[])
+),
+m AS (
+    INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body)
+    SELECT * FROM unnest($27::bigint[], $28::int[], $29::int[], $30::bigint[], $31::bytea[])
+),
+h AS (
+    UPDATE conversations AS c
+    SET head = u.head, bytes = c.bytes + u.added,
+        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $36
+    FROM unnest($32::bigint[], $33::bigint[], $34::bigint[], $35::bigint[])
+        AS u(key, head, added, cp)
+    WHERE c.key = u.key
+)
+SELECT 1
+"""
+
+
+Row = tuple[Any, ...]
+
+
+def _columns(rows: Sequence[Row], width: int) -> list[list[Any]]:
+    """Rows to column arrays (``unnest`` turns them back into rows on the server)."""
+    if not rows:
+        return [[] for _ in range(width)]
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+def _keyed(
+    rows: Sequence[Row], at: int, key_of: Callable[[str], int], width: int
+) -> list[list[Any]]:
+    """Column arrays of ``rows``, the conversation name at index ``at`` replaced by its key."""
+    columns = _columns(rows, width)
+    columns[at] = [key_of(name) for name in columns[at]]
+    return columns
+
+
+async def write(
+    conn: asyncpg.Connection,
+    writes: Writes,
+    heads: dict[str, HeadUpdate],
+    key_of: Callable[[str], int],
+    now: int,
+) -> None:
+    """One statement: every row of ``writes`` and the conversations' new heads."""
+    head_rows = [(key_of(name), u.head, u.added_bytes, u.checkpoint) for name, u in heads.items()]
+    args: list[Any] = [
+        *_keyed(writes.events, 0, key_of, 7),
+        *_keyed(writes.fts, 0, key_of, 5),
+        *_keyed(writes.artifacts, 1, key_of, 5),
+        *_keyed(writes.keys, 0, key_of, 5),
+        *_keyed(writes.checkpoints, 0, key_of, 4),
+        *_keyed(writes.model_calls, 0, key_of, 5),
+        *_columns(head_rows, 4),
+        now,
+    ]
+    await conn.execute(WRITE, *args)
