@@ -55,10 +55,12 @@ async def run(plan: list[Action], *, evicting: bool) -> tuple[list[object], list
             if kind in ("evict", "hibernate"):
                 if evicting:
                     await anyio.wait_all_tasks_blocked()
-                    if kind == "evict":
-                        rt.admin.evict("c")
-                    else:
-                        rt.admin.hibernate("c")
+                    agent = rt.registry.get("c")
+                    already = agent is None or (kind == "hibernate" and agent.ws is None)
+                    done = rt.admin.evict("c") if kind == "evict" else rt.admin.hibernate("c")
+                    assert done or already  # the eviction really happened
+                    await anyio.wait_all_tasks_blocked()
+                    assert rt.registry.get("c") is None or rt.registry.get("c").ws is None
                 continue
             text = f"user {n} " + "talk " * (size // 3)
             await (await rt.send("c", text)).result()

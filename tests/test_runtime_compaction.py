@@ -50,7 +50,6 @@ async def test_the_model_can_call_recall_and_expand_as_tools() -> None:
         results = {e.body.call_id: e.body for e in await rt.history("c", limit=100)
                    if isinstance(e.body, torpor.ToolResult)}
         assert not results["r1"].is_error and "zebra-7731" in results["r1"].content
-        assert "position" in results["r1"].content or "0" in results["r1"].content
         assert not results["e1"].is_error and "zebra-7731" in results["e1"].content
         specs = {spec.name for spec in model.tool_specs[0]}
         assert {"recall", "expand"} <= specs

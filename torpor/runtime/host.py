@@ -174,8 +174,6 @@ class Runtime:
 
     def on_idle(self, agent: Agent) -> None:
         self.account(agent)
-        if agent.state is AgentState.AWAITING_INPUT:
-            self.counters.turns += 0  # turns are counted as they finish (below)
         if self.registry.get(agent.id) is not agent or agent.busy:
             return
         if agent.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):

@@ -41,7 +41,6 @@ class Counters:
         "restarts",
         "revival_seconds",
         "revivals",
-        "turns",
     )
 
     def __init__(self) -> None:
@@ -52,7 +51,6 @@ class Counters:
         self.crashes = 0
         self.restarts = 0
         self.parks = 0
-        self.turns = 0
         self.revival_seconds: deque[float] = deque(maxlen=4096)
 
 

@@ -45,7 +45,7 @@ import structlog
 from torpor.errors import StoreError
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
 from torpor.store.postgres.statements import CREATE, LOCK, write
-from torpor.store.sqlite.rows import EVENT_COLUMNS, to_events
+from torpor.store.rows import EVENT_COLUMNS, to_events
 
 __all__ = ["BatchStats", "Failed", "run_batch"]
 

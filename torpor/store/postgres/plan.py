@@ -30,8 +30,7 @@ from torpor.events import Event
 from torpor.store.postgres.lexemes import document_chunks
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
-from torpor.store.sqlite.rows import encode_checkpoint, encode_model_call
-from torpor.store.sqlite.write_ops import compress_artifact
+from torpor.store.rows import compress_artifact, encode_checkpoint, encode_model_call
 
 __all__ = [
     "AppendOp",

@@ -17,7 +17,7 @@ from torpor.events import ToolResult, decode_body, kind_of, searchable_text
 from torpor.store.fulltext import first_match, snippet
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
-from torpor.store.sqlite.rows import (
+from torpor.store.rows import (
     EVENT_COLUMNS,
     decode_checkpoint,
     decode_model_call,

@@ -52,8 +52,8 @@ from torpor.store.protocol import (
     SearchHit,
     TokenCounter,
 )
+from torpor.store.rows import compress_artifact
 from torpor.store.sqlite.schema import Durability
-from torpor.store.sqlite.write_ops import compress_artifact
 
 __all__ = ["PostgresStore"]
 

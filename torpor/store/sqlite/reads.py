@@ -16,7 +16,7 @@ from torpor.errors import StoreError
 from torpor.events import Event, ToolResult, decode_body, kind_of, searchable_text
 from torpor.store.fulltext import first_match, snippet
 from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
-from torpor.store.sqlite.rows import (
+from torpor.store.rows import (
     EVENT_COLUMNS,
     decode_checkpoint,
     decode_model_call,

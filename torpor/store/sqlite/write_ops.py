@@ -8,7 +8,6 @@ to write and the caller's result, or raises to refuse the operation. See
 from __future__ import annotations
 
 import sqlite3
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,21 +17,17 @@ from torpor.errors import ConflictError, StoreError
 from torpor.events import Event
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
-from torpor.store.sqlite.batch import Batch, ConvState, Plan
-from torpor.store.sqlite.rows import (
+from torpor.store.rows import (
     EVENT_COLUMNS,
+    compress_artifact,
     encode_checkpoint,
     encode_model_call,
     to_events,
 )
+from torpor.store.sqlite.batch import Batch, ConvState, Plan
 from torpor.store.sqlite.schema import POSITION_LIMIT
 
-__all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "ModelCallOp", "compress_artifact"]
-
-
-def compress_artifact(data: bytes) -> bytes:
-    """zlib; the fastest level for very large data, so one huge result cannot stall a batch."""
-    return zlib.compress(data, 6 if len(data) < (1 << 20) else 1)
+__all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "ModelCallOp"]
 
 
 INSERT_EVENT = (

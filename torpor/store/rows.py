@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 import msgspec
@@ -11,6 +12,7 @@ from torpor.events import Event, decode_body
 from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall
 
 __all__ = [
+    "compress_artifact",
     "EVENT_COLUMNS",
     "decode_checkpoint",
     "decode_model_call",
@@ -80,3 +82,8 @@ def to_conversation_info(row: ConversationRow) -> ConversationInfo:
         created_at=created_at,
         updated_at=updated_at,
     )
+
+
+def compress_artifact(data: bytes) -> bytes:
+    """zlib; the fastest level for very large data, so one huge result cannot stall a batch."""
+    return zlib.compress(data, 6 if len(data) < (1 << 20) else 1)
