@@ -8,15 +8,22 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "CorruptEvent",
+    "CorruptStore",
     "EventTooLarge",
+    "IdempotencyConflict",
+    "InvalidInput",
+    "InvalidTransition",
     "ModelError",
+    "ModelTimeout",
     "RuntimeClosed",
     "StoreError",
+    "StoreUnavailable",
     "ToolArgumentError",
     "TorporError",
     "TurnAborted",
     "UnknownCall",
     "UnknownConversation",
+    "UnsupportedStoreURL",
 ]
 
 
@@ -32,8 +39,35 @@ class ConfigError(TorporError, ValueError):
         self.field = field
 
 
+class InvalidInput(TorporError, ValueError):
+    """A caller's argument cannot be accepted (type, range, or text the log cannot hold).
+
+    Raised before anything is written. ``what`` names the argument.
+    """
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(f"{what}: {message}")
+        self.what = what
+
+
 class StoreError(TorporError):
     """The event store failed or was given something it cannot hold."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot write right now (disk full, read-only, connection lost).
+
+    The infrastructure's fault, not the conversation's: nothing of the refused
+    write was stored, and the same call may succeed once the store recovers.
+    """
+
+
+class CorruptStore(StoreError):
+    """The database itself is unreadable (not a torpor store, truncated, or damaged)."""
+
+
+class UnsupportedStoreURL(StoreError, ValueError):
+    """The URL names a backend torpor does not have (or does not have yet)."""
 
 
 class CorruptEvent(StoreError):
@@ -67,6 +101,18 @@ class EventTooLarge(StoreError, ValueError):
         super().__init__(f"event body of {size} bytes exceeds the limit of {limit} bytes")
         self.size = size
         self.limit = limit
+
+
+class IdempotencyConflict(TorporError, ValueError):
+    """An idempotency key was reused with a different message; nothing was written."""
+
+    def __init__(self, conversation_id: str, key: str) -> None:
+        super().__init__(
+            f"conversation {conversation_id!r}: idempotency key {key!r} was already used "
+            "for a different message"
+        )
+        self.conversation_id = conversation_id
+        self.key = key
 
 
 class UnknownConversation(TorporError, LookupError):
@@ -105,6 +151,14 @@ class ToolArgumentError(TorporError, ValueError):
 
 class ModelError(TorporError):
     """The model failed while producing a turn."""
+
+
+class ModelTimeout(ModelError, TimeoutError):
+    """The model's stream produced nothing for longer than the agent's idle timeout."""
+
+
+class InvalidTransition(TorporError, RuntimeError):
+    """An undeclared state change: a bug in the actor, so it crashes (and is restarted)."""
 
 
 class TurnAborted(TorporError):

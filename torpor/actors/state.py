@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from torpor.errors import InvalidTransition
+
 __all__ = ["TRANSITIONS", "AgentState", "InvalidTransition"]
 
 
@@ -40,6 +42,3 @@ TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     S.EVICTED: frozenset({S.REVIVING}),
 }
 
-
-class InvalidTransition(RuntimeError):
-    """An undeclared state change: a bug in the actor, so it crashes (and is restarted)."""

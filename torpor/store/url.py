@@ -10,13 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from torpor.errors import StoreError
+from torpor.errors import UnsupportedStoreURL
 
 __all__ = ["StoreLocation", "UnsupportedStoreURL", "parse_store_url"]
 
-
-class UnsupportedStoreURL(StoreError, ValueError):
-    """The URL names a backend torpor does not have (or does not have yet)."""
 
 
 @dataclass(frozen=True, slots=True)
