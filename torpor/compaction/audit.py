@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import structlog
 
+from torpor.compaction.order import up_to_turn
 from torpor.compaction.policy import CompactionPolicy
 from torpor.compaction.recipe import Recipe, Rendered, text_hash
 from torpor.compaction.render import decisions_of, materialize
@@ -53,6 +54,8 @@ async def rebuild_rendered(
     events: list[Event] = []
     if recipe.tail_start is not None and recipe.tail_end is not None:
         events = await store.read_range(conversation_id, recipe.tail_start, recipe.tail_end)
+        if recipe.turn is not None:
+            events = up_to_turn(events, recipe.turn)
     if text_hash(system_prompt) != recipe.system_hash:
         bound.warning("rebuild_system_prompt_differs")
     if tuple(t.name for t in tools) != recipe.tools:

@@ -65,10 +65,23 @@ def turn_starts(tail: Sequence[Event]) -> list[int]:
             c = issued.get(body.call_id)
             if c is not None and answered_at.get(c, -1) < i:
                 answered_at[c] = i
+    # A cut must also split the tail by position (a checkpoint covers the positions
+    # before it): in turn order, a postponed user message sits after events with
+    # higher positions, and cutting there would fold part of a kept turn.
+    low = [0] * (len(tail) + 1)  # low[i]: lowest position in tail[i:]
+    low[len(tail)] = 1 << 62
+    for i in range(len(tail) - 1, -1, -1):
+        low[i] = min(low[i + 1], tail[i].position)
+    high = -1  # highest position in tail[:i]
     starts: list[int] = []
     for i, event in enumerate(tail):
-        if i > 0 and i > reach and isinstance(event.body, UserMessage):
+        if (
+            i > 0 and i > reach and isinstance(event.body, UserMessage)
+            and high < event.position == low[i]
+        ):
             starts.append(i)
+        if event.position > high:
+            high = event.position
         r = answered_at.get(i)
         if r is not None and r > reach:
             reach = r

@@ -84,6 +84,7 @@ class TailCache:
         "keep_results",
         "last_user",
         "limit",
+        "max_position",
         "messages",
         "orphans",
         "owned_bytes",
@@ -102,6 +103,7 @@ class TailCache:
         self.limit = limit
         self.keep_results = keep_results
         self.done = 0
+        self.max_position = -1  # the tail's highest position (not its last: see compaction.order)
         self.messages: list[ContextMessage] = []
         self.rebuild: dict[int, Rebuild] = {}  # slot -> how its message is made per call
         self.unanswered: dict[str, ToolCall] = {}
@@ -130,6 +132,8 @@ class TailCache:
             raise ValueError("the tail shrank under its render cache")
         for i in range(self.done, len(tail)):
             self._add(tail, i)
+            if tail[i].position > self.max_position:
+                self.max_position = tail[i].position
         self.done = len(tail)
 
     def _add(self, tail: Sequence[Event], i: int) -> None:
@@ -297,7 +301,7 @@ class TailCache:
             checkpoint_position=checkpoint.position if checkpoint is not None else None,
             cycle=checkpoint.cycle if checkpoint is not None else 0,
             tail_start=tail[0].position if tail else None,
-            tail_end=tail[-1].position if tail else None,
+            tail_end=self.max_position if tail else None,
             stubbed=tuple(self.stubbed),
             clipped=tuple(sorted(self.clipped.items())),
             dropped=tuple(self.orphans),
@@ -306,6 +310,7 @@ class TailCache:
             system_hash=text_hash(system_prompt),
             tools=tuple(t.name for t in tools),
             encoding=encoding,
+            turn=tail[-1].turn if tail else None,
         )
         return Rendered(
             messages=messages,

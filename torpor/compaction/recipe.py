@@ -29,6 +29,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tokens kept) for oversized messages. ``dropped``: events left out entirely
     (orphaned tool results, or whole turns dropped to fit the ceiling).
     ``synthesized``: tool call ids answered with an interrupted-result stand-in.
+    ``tail_start``/``tail_end``: the lowest and highest tail positions.
     """
 
     checkpoint_position: int | None
@@ -44,6 +45,9 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tools: tuple[str, ...] = ()
     encoding: str = DEFAULT_ENCODING
     version: int = RECIPE_VERSION
+    # The call's turn: a rebuild keeps events of turns up to it, in turn order (a user
+    # message postponed behind this turn may sit inside the position range).
+    turn: int | None = None
 
 
 class Rendered(msgspec.Struct, frozen=True, gc=False):

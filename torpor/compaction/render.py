@@ -218,7 +218,7 @@ def materialize(
         checkpoint_position=checkpoint.position if checkpoint is not None else None,
         cycle=checkpoint.cycle if checkpoint is not None else 0,
         tail_start=events[0].position if events else None,
-        tail_end=events[-1].position if events else None,
+        tail_end=max(e.position for e in events) if events else None,
         stubbed=tuple(sorted(d.stubbed)),
         clipped=tuple(sorted(d.clipped.items())),
         dropped=tuple(sorted(d.dropped)),
@@ -227,6 +227,7 @@ def materialize(
         system_hash=text_hash(system_prompt),
         tools=tuple(t.name for t in tools),
         encoding=encoding,
+        turn=events[-1].turn if events else None,
     )
     return Rendered(
         messages=messages,

@@ -28,6 +28,7 @@ from torpor.compaction.footprint import (
 )
 from torpor.compaction.incremental import TailCache
 from torpor.compaction.markers import Hints, event_hints, handoff_text
+from torpor.compaction.order import in_turn_order
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
 from torpor.compaction.render import ceiling_of, materialize, plan
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
@@ -103,7 +104,7 @@ class WorkingSet:
             self.apply(checkpoint)
             start = checkpoint.position
             events = [e for e in events if e.position >= start]
-        self._extend(events, extract=False)
+        self._extend(in_turn_order(events), extract=False)
 
     # --- reading ---------------------------------------------------------------------
 
@@ -164,20 +165,26 @@ class WorkingSet:
     # --- changing --------------------------------------------------------------------
 
     def append(self, events: Iterable[Event]) -> None:
-        """Add newly logged events (positions must keep increasing)."""
+        """Add newly logged events, in turn order (see :mod:`torpor.compaction.order`)."""
         self._extend(events, extract=True)
 
     def _extend(self, events: Iterable[Event], *, extract: bool) -> None:
         tail = self._tail
+        # Turn order (see compaction.order): turns never go back, and nothing lands
+        # at or before the checkpoint; a postponed user message may have a lower
+        # position than the end of the turn before it.
+        last_turn = tail[-1].turn if tail else 0
         last = tail[-1].position if tail else -1
         if self._checkpoint is not None:
             last = max(last, self._checkpoint.position - 1)
         for event in events:
-            if event.position <= last:
+            postponed = event.turn > last_turn and type(event.body) is UserMessage
+            if event.turn < last_turn or (event.position <= last and not postponed):
                 raise ValueError(
-                    f"event at position {event.position} does not follow {last} "
-                    f"in conversation {self.conversation_id!r}"
+                    f"event at position {event.position} (turn {event.turn}) does not follow "
+                    f"position {last} (turn {last_turn}) in conversation {self.conversation_id!r}"
                 )
+            last_turn = event.turn
             last = event.position
             tail.append(event)
             hints = event_hints(event) if extract else None
