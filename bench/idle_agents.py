@@ -153,8 +153,8 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
 
         await asyncio.gather(*(one(c) for c in warm))
         for c in warm:
-            rt.admin.evict(c)
-        await wait_for(lambda: rt.admin.stats().tasks == 0)
+            (await rt.admin.evict(c))
+        await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
         if trace:
             tracemalloc.start()
         rss0, traced0 = reading(trace)
@@ -170,15 +170,15 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
                 ws_tokens = [(await rt.admin.inspect(c)).working_set_tokens for c in ws_chunk]
             if state == "hibernated":
                 for c in chunk:
-                    rt.admin.hibernate(c)
-                await wait_for(lambda: rt.admin.stats().tasks == 0)
+                    (await rt.admin.hibernate(c))
+                await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
             elif state == "evicted":
                 for c in chunk:
-                    rt.admin.evict(c)
-                await wait_for(lambda: rt.admin.stats().tasks == 0)
+                    (await rt.admin.evict(c))
+                await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
         seconds = time.perf_counter() - started
         rss1, traced1 = reading(trace)
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
         if trace:
             tracemalloc.stop()
     expected = {"active": stats.with_working_set, "hibernated": stats.hibernated,

@@ -78,8 +78,8 @@ async def torpor_case(url: str, events: int, repeats: int) -> dict[str, Any]:
         await (await rt.send(conv, "fold what came before")).result()  # writes the checkpoint
 
         async def once() -> float:
-            rt.admin.evict(conv)
-            while rt.admin.stats().tasks:  # noqa: ASYNC110 (the agent's task exits on its own)
+            (await rt.admin.evict(conv))
+            while (await rt.admin.stats()).tasks:  # noqa: ASYNC110 (the agent's task exits on its own)
                 await asyncio.sleep(0.001)
             t0 = time.perf_counter()
             await (await rt.send(conv, "and one more thing")).result()
@@ -88,7 +88,7 @@ async def torpor_case(url: str, events: int, repeats: int) -> dict[str, Any]:
         await once()  # warm: tokenizer, statements
         figures = await median_of(once, repeats_for(events, repeats))
         info = await rt.admin.inspect(conv)
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
     return {**figures, "build_seconds": round(build, 2),
             "checkpoint_position": info.checkpoint_position, "tail_events": info.tail_length,
             "revival_p50_ms": stats.revival_p50_ms}

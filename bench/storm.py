@@ -74,7 +74,7 @@ async def storm(url: str, n: int, variant: str, live_cap: int) -> dict[str, Any]
         async def sample() -> None:
             while True:
                 peak["rss"] = max(peak["rss"], rss_bytes())
-                peak["live"] = max(peak["live"], rt.admin.stats().live)
+                peak["live"] = max(peak["live"], (await rt.admin.stats()).live)
                 await asyncio.sleep(0.02)
 
         async def one(conversation_id: str) -> None:
@@ -94,7 +94,7 @@ async def storm(url: str, n: int, variant: str, live_cap: int) -> dict[str, Any]
         await asyncio.gather(*(one(c) for c in names))
         seconds = time.perf_counter() - started
         sampler.cancel()
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
     return {
         "variant": variant,
         "agents": n,

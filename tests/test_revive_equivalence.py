@@ -55,12 +55,13 @@ async def run(plan: list[Action], *, evicting: bool) -> tuple[list[object], list
             if kind in ("evict", "hibernate"):
                 if evicting:
                     await anyio.wait_all_tasks_blocked()
-                    agent = rt.registry.get("c")
+                    agent = rt._registry.get("c")
                     already = agent is None or (kind == "hibernate" and agent.ws is None)
-                    done = rt.admin.evict("c") if kind == "evict" else rt.admin.hibernate("c")
+                    act = rt.admin.evict if kind == "evict" else rt.admin.hibernate
+                    done = await act("c")
                     assert done or already  # the eviction really happened
                     await anyio.wait_all_tasks_blocked()
-                    assert rt.registry.get("c") is None or rt.registry.get("c").ws is None
+                    assert rt._registry.get("c") is None or rt._registry.get("c").ws is None
                 continue
             text = f"user {n} " + "talk " * (size // 3)
             await (await rt.send("c", text)).result()

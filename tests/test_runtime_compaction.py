@@ -78,9 +78,9 @@ async def test_memory_budget_hibernates_least_recently_used_agents() -> None:
     async with Runtime("sqlite://", model=EchoModel(), config=config) as rt:
         for conv in ("a", "b", "c"):
             await (await rt.send(conv, "hello")).result()
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
         assert stats.hibernations >= 2
-        assert rt.admin.stats().live == 3  # hibernated, not evicted
+        assert (await rt.admin.stats()).live == 3  # hibernated, not evicted
 
 
 @pytest.mark.parametrize(

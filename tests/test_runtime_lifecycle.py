@@ -42,16 +42,16 @@ async def test_hibernate_drops_the_working_set_and_the_next_message_reloads_it()
     async with Runtime("sqlite://", model=EchoModel()) as rt:
         await (await rt.send("c", "one")).result()
         await settle()
-        before = rt.admin.stats()
+        before = (await rt.admin.stats())
         assert before.with_working_set == 1 and before.tasks == 1
-        assert rt.admin.hibernate("c") is True
+        assert (await rt.admin.hibernate("c")) is True
         await settle()
         info = await rt.admin.inspect("c")
         assert info.hibernated and info.working_set_bytes == 0 and info.live
-        assert rt.admin.stats().tasks == 0  # a hibernated agent keeps no task
-        revivals = rt.admin.stats().revivals
+        assert (await rt.admin.stats()).tasks == 0  # a hibernated agent keeps no task
+        revivals = (await rt.admin.stats()).revivals
         assert (await (await rt.send("c", "two")).result()).text == "echo: two"
-        assert rt.admin.stats().revivals == revivals + 1
+        assert (await rt.admin.stats()).revivals == revivals + 1
 
 
 async def test_sweep_hibernates_then_evicts_by_idle_time_without_sleeping() -> None:
@@ -61,13 +61,13 @@ async def test_sweep_hibernates_then_evicts_by_idle_time_without_sleeping() -> N
             await (await rt.send(conv, "hi")).result()
         await settle()
         now = time.monotonic()
-        assert rt.lifecycle.sweep(now) == (0, 0)
-        assert rt.lifecycle.sweep(now + 15) == (3, 0)
+        assert await rt.admin.sweep(now) == (0, 0)
+        assert await rt.admin.sweep(now + 15) == (3, 0)
         await settle()
-        assert rt.admin.stats().hibernated == 3
-        assert rt.lifecycle.sweep(now + 25) == (0, 3)
-        assert rt.admin.stats().live == 0
-        assert rt.admin.stats().evictions == 3
+        assert (await rt.admin.stats()).hibernated == 3
+        assert await rt.admin.sweep(now + 25) == (0, 3)
+        assert (await rt.admin.stats()).live == 0
+        assert (await rt.admin.stats()).evictions == 3
         # Evicted, yet nothing is lost: the next message revives from the log.
         assert (await (await rt.send("b", "back")).result()).text == "echo: back"
         assert len(await rt.history("b")) == 4
@@ -82,8 +82,8 @@ async def test_a_streaming_agent_is_never_hibernated_or_evicted() -> None:
     async with Runtime("sqlite://", model=model, config=config) as rt:
         turn = await rt.send("c", "long")
         await settle()
-        assert rt.lifecycle.sweep(time.monotonic() + 100) == (0, 0)
-        assert rt.admin.evict("c") is False
+        assert await rt.admin.sweep(time.monotonic() + 100) == (0, 0)
+        assert (await rt.admin.evict("c")) is False
         go.set()
         assert (await turn.result()).text == "done"
 
@@ -97,7 +97,7 @@ async def test_suspended_survives_evict_and_revive_then_resolves() -> None:
         await settle()
         info = await rt.admin.inspect("c")
         assert info.state == "suspended" and info.pending_calls == ("c1",)
-        assert rt.admin.evict("c") is True
+        assert (await rt.admin.evict("c")) is True
         await settle()
         evicted = await rt.admin.inspect("c")
         assert evicted.state == "evicted" and evicted.pending_calls == ("c1",)
@@ -131,7 +131,7 @@ async def test_suspension_survives_a_full_runtime_restart(tmp_path: Path) -> Non
     async with Runtime(url, model=model, agent=agent) as rt2:
         info = await rt2.admin.inspect("c")
         assert info.state == "evicted" and info.pending_calls == ("c1",)
-        assert rt2.admin.stats().revivals == 0  # inspect did not wake it
+        assert (await rt2.admin.stats()).revivals == 0  # inspect did not wake it
         resumed = await rt2.resolve("c", "c1", "ok")
         assert resumed is not None and (await resumed.result()).text == "deployed"
         # new input while suspended is postponed, not refused, and lands after the answer
@@ -140,29 +140,73 @@ async def test_suspension_survives_a_full_runtime_restart(tmp_path: Path) -> Non
         assert users == ["deploy"]
 
 
-async def test_input_while_suspended_is_postponed_until_resolution() -> None:
+async def test_input_while_suspended_is_logged_at_once_and_runs_after_resolution() -> None:
     model = ScriptedModel([[Call("approve", {"what": "x"}, id="c1")], [Text("ok done")],
                            [Text("next answer")]])
     async with Runtime("sqlite://", model=model, agent=AgentConfig(tools=[APPROVE])) as rt:
         turn = await rt.send("c", "start")
         async for _ in _until_suspended(turn):
             pass
-        later: list[torpor.Turn] = []
-        async with anyio.create_task_group() as tg:
-            async def send_later() -> None:
-                later.append(await rt.send("c", "are you there?"))
-
-            tg.start_soon(send_later)
-            await settle()
-            assert later == []  # postponed: not in the log while suspended
-            assert (await rt.admin.inspect("c")).mailbox_depth == 1
-            resumed = await rt.resolve("c", "c1", "yes")
-            assert resumed is not None
-            assert (await resumed.result()).text == "ok done"
-        assert (await later[0].result()).text == "next answer"
+        suspension = await turn.result()
+        assert isinstance(suspension, Suspended) and suspension.call_ids == ("c1",)
+        later = await rt.send("c", "are you there?")  # returns at once: it is in the log
+        assert later.postponed and not later.done()
+        newest = (await rt.history("c", limit=1))[0]
+        assert isinstance(newest.body, UserMessage) and newest.body.text == "are you there?"
+        assert (await rt.admin.inspect("c")).state == "suspended"
+        resumed = await rt.resolve("c", "c1", "yes")
+        assert resumed is not None and resumed.continuation
+        assert (await resumed.result()).text == "ok done"
+        assert (await later.result()).text == "next answer"
         kinds = [type(e.body).__name__ for e in reversed(await rt.history("c"))]
-        assert kinds == ["UserMessage", "AssistantMessage", "Suspended", "ToolResult",
-                         "Resolved", "AssistantMessage", "UserMessage", "AssistantMessage"]
+        assert kinds == ["UserMessage", "AssistantMessage", "Suspended", "UserMessage",
+                         "ToolResult", "Resolved", "AssistantMessage", "AssistantMessage"]
+        # The model saw the postponed message after the turn it waited behind.
+        assert "are you there?" not in str(model.calls[1])
+        roles = [type(m).__name__ for m in model.calls[2]]
+        assert roles[-3:] == ["ToolResult", "AssistantMessage", "UserMessage"]
+
+
+@pytest.mark.parametrize("how", ["evict", "restart"])
+async def test_input_while_suspended_survives_eviction_and_restart(
+    tmp_path: Path, how: str
+) -> None:
+    url = f"sqlite:///{tmp_path}/p.db"
+    model = ScriptedModel([[Call("approve", {"what": "x"}, id="c1")], [Text("ok done")],
+                           [Text("second answer")], [Text("third answer")]])
+    agent = AgentConfig(tools=[APPROVE])
+    async with Runtime(url, model=model, agent=agent) as rt:
+        await (await rt.send("c", "start")).result()
+        second = await rt.send("c", "second")
+        third = await rt.send("c", "third")
+        await settle()
+        if how == "evict":
+            assert await rt.admin.hibernate("c")
+            await settle()
+            assert not await rt.admin.evict("c")  # postponed turns' handles live on it
+            resumed = await rt.resolve("c", "c1", "yes")
+            assert resumed is not None and (await resumed.result()).text == "ok done"
+            assert (await second.result()).text == "second answer"
+            assert (await third.result()).text == "third answer"
+    if how == "restart":
+        async with Runtime(url, model=model, agent=agent) as rt2:
+            info = await rt2.admin.inspect("c")
+            assert info.state == "evicted" and info.pending_calls == ("c1",)
+            resumed = await rt2.resolve("c", "c1", "yes")
+            assert resumed is not None and (await resumed.result()).text == "ok done"
+            follower = rt2.subscribe("c", after=-1)
+            async with follower:
+                async for item in follower:
+                    if isinstance(item, torpor.Event) and isinstance(
+                        item.body, torpor.AssistantMessage
+                    ) and item.body.text == "third answer":
+                        break
+    async with Runtime(url, model=EchoModel(), agent=agent) as rt3:
+        events = list(reversed(await rt3.history("c")))
+    answers = [e.body.text for e in events if isinstance(e.body, torpor.AssistantMessage)]
+    assert answers[-3:] == ["ok done", "second answer", "third answer"]
+    users = [e.body.text for e in events if isinstance(e.body, UserMessage)]
+    assert users == ["start", "second", "third"]  # each logged once, in order
 
 
 async def test_cancel_a_suspended_turn() -> None:
@@ -202,7 +246,7 @@ async def test_many_concurrent_first_messages_activate_each_conversation_once() 
                 tg.start_soon(send, f"conv-{i % 100}", i)
         for turn in turns:
             await turn.result()
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
         assert stats.activations == 100
         assert stats.revivals == 100
         for n in (0, 57, 99):
@@ -215,15 +259,16 @@ async def test_admin_on_an_evicted_conversation_does_not_revive_it() -> None:
     async with Runtime("sqlite://", model=EchoModel()) as rt:
         await (await rt.send("c", "x")).result()
         await settle()
-        assert rt.admin.evict("c")
+        assert (await rt.admin.evict("c"))
         await settle()
-        revivals, activations = rt.admin.stats().revivals, rt.admin.stats().activations
+        stats = await rt.admin.stats()
+        revivals, activations = stats.revivals, stats.activations
         info = await rt.admin.inspect("c")
         assert info.state == "evicted" and not info.live and info.head == 1
         assert await rt.history("c")
-        assert rt.admin.agents() == []
-        assert rt.admin.stats().revivals == revivals
-        assert rt.admin.stats().activations == activations
+        assert (await rt.admin.agents()) == []
+        assert (await rt.admin.stats()).revivals == revivals
+        assert (await rt.admin.stats()).activations == activations
         with pytest.raises(torpor.UnknownConversation):
             await rt.admin.inspect("never-seen")
 
@@ -243,7 +288,7 @@ async def test_watch_reports_lifecycle_transitions() -> None:
             await settle()
             await (await rt.send("c", "x")).result()
             await settle()
-            rt.admin.evict("c")
+            (await rt.admin.evict("c"))
         assert ("evicted", "reviving") in seen
         assert ("reviving", "awaiting_input") in seen
         assert ("awaiting_input", "streaming") in seen
@@ -257,9 +302,9 @@ async def test_live_agent_cap_evicts_least_recently_used() -> None:
         for conv in ("a", "b", "c", "d", "e"):
             await (await rt.send(conv, "hi")).result()
             await settle()
-        live = {a.conversation_id for a in rt.admin.agents()}
+        live = {a.conversation_id for a in (await rt.admin.agents())}
         assert live == {"c", "d", "e"}
-        assert rt.admin.stats().evictions == 2
+        assert (await rt.admin.stats()).evictions == 2
 
 
 async def test_live_agent_cap_holds_after_a_burst_of_first_messages() -> None:
@@ -276,5 +321,5 @@ async def test_live_agent_cap_holds_after_a_burst_of_first_messages() -> None:
         for turn in turns:
             await turn.result()
         await settle()
-        assert rt.admin.stats().live <= 10
-        assert rt.admin.stats().evictions >= 90
+        assert (await rt.admin.stats()).live <= 10
+        assert (await rt.admin.stats()).evictions >= 90

@@ -48,7 +48,7 @@ async def test_a_crash_loop_ends_parked_durably_and_unpark_lets_it_run(tmp_path:
                     await until(watcher, "c", "awaiting_input", old="reviving")
                 else:
                     await until(watcher, "c", "parked")
-        stats = rt.admin.stats()
+        stats = (await rt.admin.stats())
         assert stats.crashes == 3 and stats.restarts == 2 and stats.parks == 1
         info2 = await rt.admin.inspect("c")
         assert info2.state == "parked" and "summarizer is down" in (info2.parked_cause or "")

@@ -62,9 +62,13 @@ async def test_subscriber_joining_mid_stream_gets_the_full_text_exactly_once() -
     async with Runtime("sqlite://", model=model) as rt:
         turn = await rt.send("c", "hi")
         await reached.wait()
-        sub = rt.subscribe("c")
-        go.set()
-        items = [item async for item in sub]
+        items: list[object] = []
+        async with rt.subscribe("c") as sub:  # follows the conversation until closed
+            go.set()
+            async for item in sub:
+                items.append(item)
+                if isinstance(item, torpor.Event) and isinstance(item.body, AssistantMessage):
+                    break
         text = "".join(i.text for i in items if isinstance(i, TextDelta))
         assert text == "Hello, world!"
         finals = [i for i in items if isinstance(i, torpor.Event)]
@@ -108,7 +112,7 @@ async def test_model_error_mid_stream_is_logged_and_the_agent_lives_on() -> None
         assert aborted.reason == "model_error" and aborted.partial_text == "abc"
         assert "provider hung up" in aborted.detail
         assert (await (await rt.send("c", "y")).result()).text == "fine"
-        assert rt.admin.stats().crashes == 0
+        assert (await rt.admin.stats()).crashes == 0
         calls = await rt.store.model_calls("c")
         assert calls[0].error is not None and calls[1].error is None
 
@@ -155,26 +159,23 @@ async def test_tools_that_raise_time_out_or_do_not_exist_become_error_results() 
         assert ids == ["t1", "t2", "t3", "t4", "t5"]
 
 
-async def test_two_sends_are_serialized_never_interleaved() -> None:
+async def test_a_send_while_streaming_returns_once_logged_and_runs_after() -> None:
     go = anyio.Event()
     model = ScriptedModel([[Wait(go), Text("one")], [Text("two")]])
     async with Runtime("sqlite://", model=model) as rt:
-        second_turn: list[torpor.Turn] = []
-        async with anyio.create_task_group() as tg:
-            first = await rt.send("c", "first")
-
-            async def second() -> None:
-                second_turn.append(await rt.send("c", "second"))
-
-            tg.start_soon(second)
-            await anyio.wait_all_tasks_blocked()
-            assert (await rt.admin.inspect("c")).mailbox_depth == 1
-            go.set()
-            assert (await first.result()).text == "one"
-        assert (await second_turn[0].result()).text == "two"
+        first = await rt.send("c", "first")
+        second = await rt.send("c", "second")  # durable now, though the first still streams
+        assert second.postponed and not first.done()
+        assert (await rt.admin.inspect("c")).postponed == 1
+        go.set()
+        assert (await first.result()).text == "one"
+        assert (await second.result()).text == "two"
         kinds = [(type(e.body).__name__, e.turn) for e in await log_of(rt, "c")]
-        assert kinds == [("UserMessage", 1), ("AssistantMessage", 1),
-                         ("UserMessage", 2), ("AssistantMessage", 2)]
+        assert kinds == [("UserMessage", 1), ("UserMessage", 2),
+                         ("AssistantMessage", 1), ("AssistantMessage", 2)]
+        # Turns never interleave for the model: the second call sees the first answer first.
+        texts = [getattr(m, "text", None) for m in model.calls[1]]
+        assert texts[-3:] == ["first", "one", "second"]
 
 
 async def test_input_beyond_the_mailbox_bound_is_refused_with_busy() -> None:

@@ -599,7 +599,7 @@ async def test_a_whole_runtime_works_on_postgres_including_evict_and_revive(pg_u
     async with Runtime(pg_url, model=EchoModel()) as rt:
         assert (await (await rt.send("c", "hi")).result()).text == "echo: hi"
         with rt.admin.watch() as watcher:
-            while not rt.admin.evict("c"):  # evictable once the turn's bookkeeping is done
+            while not (await rt.admin.evict("c")):  # evictable once the turn's bookkeeping is done
                 await until(watcher, "c", "awaiting_input")
         info = await rt.admin.inspect("c")
         assert info.state == "evicted" and not info.live
@@ -607,7 +607,7 @@ async def test_a_whole_runtime_works_on_postgres_including_evict_and_revive(pg_u
             turn = await rt.send("c", "again")
             await until(watcher, "c", "awaiting_input", old="reviving")
         assert (await turn.result()).text == "echo: again"
-        assert rt.admin.stats().revivals >= 1
+        assert (await rt.admin.stats()).revivals >= 1
     async with Runtime(pg_url, model=EchoModel()) as rt:  # a new process revives from the log
         assert (await (await rt.send("c", "third")).result()).text == "echo: third"
         history = [e.body for e in reversed(await rt.history("c"))]

@@ -39,10 +39,11 @@ class ConfigError(TorporError, ValueError):
         self.field = field
 
 
-class InvalidInput(TorporError, ValueError):
+class InvalidInput(TorporError, ValueError, TypeError):
     """A caller's argument cannot be accepted (type, range, or text the log cannot hold).
 
-    Raised before anything is written. ``what`` names the argument.
+    Raised before anything is written. ``what`` names the argument. Also a
+    ``ValueError`` and a ``TypeError``, so code written against either catches it.
     """
 
     def __init__(self, what: str, message: str) -> None:

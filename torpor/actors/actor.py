@@ -3,28 +3,41 @@
 One asyncio task per live conversation, owned by the runtime's supervisor. It
 returns when hibernated (dropping its caches) and raises when it crashes; the
 supervisor restarts it from the log.
+
+Input and turns: a user message is logged as soon as it is taken, whatever the
+state. If no turn is open its turn starts at once; if one is open (streaming,
+running tools, suspended on an approval) the new turn is *postponed*: it runs
+when the open one ends, in arrival order, and the model sees it after that
+turn (see :mod:`torpor.compaction.order`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
 
+from torpor.actors.agent import Waiting
 from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
-from torpor.actors.turn_loop import ModelFailed, StepLimit, append, run_steps
+from torpor.actors.turn_loop import ModelFailed, StepLimit, append, logged, run_steps
+from torpor.compaction.order import up_to_turn
 from torpor.compaction.working_set import WorkingSet
-from torpor.errors import AgentParked, ConflictError, TurnAborted, UnknownCall
+from torpor.errors import AgentParked, StoreUnavailable, TurnAborted, UnknownCall
 from torpor.events import (
     Aborted,
     AbortReason,
     AssistantMessage,
+    Event,
     Resolved,
+    Suspended,
     ToolResult,
     UserMessage,
 )
@@ -32,7 +45,7 @@ from torpor.events import (
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
 
-__all__ = ["abort_turn", "run_agent"]
+__all__ = ["abort_turn", "postpone", "run_agent"]
 
 
 async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
@@ -43,23 +56,28 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
         if agent.state is AgentState.PARKED:
             _refuse_all(agent)
             return
-        if agent.ws is None and (agent.mailbox_depth() or agent.state is AgentState.REVIVING):
+        if agent.ws is None and (
+            agent.mailbox_depth() or agent.postponed or agent.state is AgentState.REVIVING
+        ):
             await revive(agent, host)  # eager after a restart: it proves the log reads back
             continue
-        message = agent.next_message()
-        if message is None:
-            if agent.hibernate_requested or agent.state is AgentState.STOPPED:
-                _hibernate(agent)
-                return
-            await agent.wait()
-            continue
-        agent.hibernate_requested = False
-        if isinstance(message, SendRequest):
-            await _handle_send(agent, host, message)
-        elif isinstance(message, ResolveRequest):
-            await _handle_resolve(agent, host, message)
+        if agent.postponed and agent.state is AgentState.AWAITING_INPUT:
+            await _run_postponed(agent, host)
         else:
-            await _handle_cancel(agent, host, message)
+            message = agent.next_message()
+            if message is None:
+                if agent.hibernate_requested or agent.state is AgentState.STOPPED:
+                    _hibernate(agent)
+                    return
+                await agent.wait()
+                continue
+            agent.hibernate_requested = False
+            if isinstance(message, SendRequest):
+                await _handle_send(agent, host, message)
+            elif isinstance(message, ResolveRequest):
+                await _handle_resolve(agent, host, message)
+            else:
+                await _handle_cancel(agent, host, message)
         agent.last_active = time.monotonic()
         host.on_idle(agent)
 
@@ -67,6 +85,7 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
 def _hibernate(agent: Agent) -> None:
     agent.ws = None
     agent.hub = None
+    agent.lock = None
     agent.ws_tokens = 0
     agent.ws_bytes = 0
     agent.hibernate_requested = False
@@ -79,13 +98,16 @@ def _refuse_all(agent: Agent) -> None:
         return
     error = AgentParked(agent.id, agent.parked_cause or "parked")
     for message in mailbox.drain():
-        _fail(message, error)
+        fail(message, error)
 
 
-def _fail(message: Message, error: BaseException) -> None:
-    future = message.accepted if isinstance(message, SendRequest) else message.done
+def fail(message: Message, error: BaseException) -> None:
+    """Complete a request's future with ``error`` (if nobody completed it yet)."""
+    future: asyncio.Future[object]
+    future = message.accepted if isinstance(message, SendRequest) else message.done  # type: ignore[assignment]
     if not future.done():
         future.set_exception(error)
+        future.exception()  # a caller that gave up must not leave "never retrieved"
 
 
 async def revive(agent: Agent, host: Host) -> None:
@@ -95,20 +117,42 @@ async def revive(agent: Agent, host: Host) -> None:
     started = time.perf_counter()
     async with host.revival_slot():
         resume = await host.store.resume(agent.id)
-    ws = WorkingSet(agent.id, resume.checkpoint, resume.events)
     restored = restore(resume.events)
+    ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(resume.events, restored.turn))
     agent.ws = ws
+    agent.lock = asyncio.Lock()
     agent.head = resume.head if resume.head is not None else -1
     agent.turn = restored.turn
     agent.cycle = resume.checkpoint.cycle if resume.checkpoint is not None else 0
     agent.pending = restored.pending
     agent.parked_cause = restored.parked_cause
+    _adopt_postponed(agent, host, restored.postponed)
     if restored.unfinished and restored.state is not AgentState.PARKED:
         # The process died mid-turn: the log must say so before anything else happens.
         await append(agent, host, [Aborted("interrupted", detail="found unfinished on revival")])
+    agent.store_failures = 0
     _measure(agent)
     agent.set_state(host, restored.state)
     host.on_revived(agent, time.perf_counter() - started)
+
+
+def _adopt_postponed(agent: Agent, host: Host, events: tuple[Event, ...]) -> None:
+    """Postponed turns found in the log; callers' handles from before a restart are kept."""
+    known = {w.event.position: w for w in agent.postponed} if agent.postponed else {}
+    if not events:
+        agent.postponed = None
+    else:
+        queue: deque[Waiting] = deque()
+        for event in events:
+            waiting = known.pop(event.position, None)
+            if waiting is None:
+                hub = StreamHub(host.followers(agent.id))
+                turn = Turn(agent.id, event.turn, event.position, hub.join(), postponed=True)
+                waiting = Waiting(event, turn, hub)
+            queue.append(waiting)
+        agent.postponed = queue
+    for stale in known.values():  # not in the log after all: nothing of it will run
+        stale.turn._fail(TurnAborted("interrupted", "", "postponed message not found on revival"))
 
 
 def _measure(agent: Agent) -> None:
@@ -121,38 +165,47 @@ def _measure(agent: Agent) -> None:
 async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     if request.accepted.done():  # the caller gave up before its turn came
         return
+    if agent.state is not AgentState.AWAITING_INPUT or agent.postponed:
+        # A turn is open (suspended on an approval): log it now, run it after.
+        try:
+            turn = await postpone(agent, host, request.text, request.key)
+        except StoreUnavailable as exc:
+            fail(request, exc)  # nothing was written; the agent is fine
+            return
+        except Exception as exc:
+            fail(request, exc)
+            if isinstance(exc, ValueError | TypeError):
+                return  # bad input: nothing was written
+            raise
+        if not request.accepted.done():
+            request.accepted.set_result(turn)
+        return
     next_turn = agent.turn + 1
     try:
-        events = await host.store.append_events(
-            agent.id,
-            [UserMessage(request.text)],
-            turn=next_turn,
-            expect_head=agent.head,
-            key=request.key,
-        )
-    except ConflictError as exc:
-        # Someone else wrote this conversation: our view is stale. Fail the send and
-        # crash so the supervisor revives us from the log.
-        request.accepted.set_exception(exc)
-        raise
+        with anyio.CancelScope(shield=True):
+            events = await logged(
+                agent, host, [UserMessage(request.text)], turn=next_turn, key=request.key
+            )
+    except StoreUnavailable as exc:
+        fail(request, exc)
+        return
     except Exception as exc:
-        if not request.accepted.done():
-            request.accepted.set_exception(exc)
-        if isinstance(exc, (ValueError, TypeError)):
+        # A conflict means someone else wrote this conversation: our view is stale, so
+        # fail the send and crash; the supervisor revives us from the log.
+        fail(request, exc)
+        if isinstance(exc, ValueError | TypeError):
             return  # bad input: nothing was written, the agent is fine
         raise
     event = events[0]
-    if event.position <= agent.head:
+    if event.turn != next_turn:  # an idempotent retry of an earlier send
         await _replay(agent, host, request, event.position, event.turn)
         return
     ws = agent.ws
     assert ws is not None
     ws.append(events)
-    agent.head = event.position
     agent.turn = next_turn
     agent.calls = 0
-    hub = StreamHub()
-    hub.subscribers.extend(host.take_subscribers(agent))
+    hub = StreamHub(host.followers(agent.id))
     agent.hub = hub
     turn = Turn(agent.id, next_turn, event.position, hub.join())
     agent.current = turn
@@ -161,32 +214,91 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     await _run_turn(agent, host)
 
 
+async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn:
+    """Log a user message behind the open turn; its turn runs when that one ends.
+
+    Called by the actor (a message taken while suspended) and by ``Runtime.send``
+    itself while the actor is busy streaming, so ``send`` returns as soon as the
+    message is durable. Shielded: once written, the postponed turn is registered
+    even if the caller gave up meanwhile (the log has it; it must be answered).
+    """
+    with anyio.CancelScope(shield=True):
+        events = await logged(agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key)
+        event = events[0]
+        if (agent.postponed and event.turn <= agent.postponed[-1].event.turn) or (
+            event.turn <= agent.turn
+        ):  # an idempotent retry of an earlier send
+            return await _replayed_turn(agent, host, event.position, event.turn)
+        hub = StreamHub(host.followers(agent.id))
+        turn = Turn(agent.id, event.turn, event.position, hub.join(), postponed=True)
+        if agent.postponed is None:
+            agent.postponed = deque()
+        agent.postponed.append(Waiting(event, turn, hub))
+    host.log.debug("postponed", conversation_id=agent.id, turn=event.turn,
+                   position=event.position)
+    return turn
+
+
+def _next_turn(agent: Agent) -> Callable[[], int]:
+    return lambda: agent.last_turn() + 1
+
+
+async def _run_postponed(agent: Agent, host: Host) -> None:
+    postponed = agent.postponed
+    assert postponed
+    waiting = postponed.popleft()
+    if not postponed:
+        agent.postponed = None
+    ws = agent.ws
+    assert ws is not None
+    ws.append([waiting.event])
+    agent.turn = waiting.event.turn
+    agent.calls = 0
+    hub = waiting.hub
+    hub.followers = host.followers(agent.id)
+    agent.hub = hub
+    agent.current = waiting.turn
+    await _run_turn(agent, host)
+
+
 async def _replay(
     agent: Agent, host: Host, request: SendRequest, position: int, number: int
 ) -> None:
     """An idempotent retry: hand back the original turn, running or finished."""
+    turn = await _replayed_turn(agent, host, position, number)
+    if not request.accepted.done():
+        request.accepted.set_result(turn)
+
+
+async def _replayed_turn(agent: Agent, host: Host, position: int, number: int) -> Turn:
     current = agent.current
     if current is not None and current.user_position == position:
-        request.accepted.set_result(current)
-        return
+        return current
+    for waiting in agent.postponed or ():
+        if waiting.event.position == position:
+            return waiting.turn
     hub = StreamHub()
     turn = Turn(agent.id, number, position, hub.join(), replayed=True)
-    final: AssistantMessage | None = None
+    outcome: AssistantMessage | Suspended | None = None
     aborted: Aborted | None = None
     for event in await host.store.read_since(agent.id, position + 1):
         if event.turn != number:
-            break
+            continue  # a postponed message of a later turn may sit inside this one
         body = event.body
-        if isinstance(body, AssistantMessage) and not body.tool_calls:
-            final = body
+        if isinstance(body, Suspended) or (
+            isinstance(body, AssistantMessage) and not body.tool_calls
+        ):
+            outcome = body
+        elif isinstance(body, ToolResult | Resolved):
+            outcome = None  # answered since: the suspension is over
         elif isinstance(body, Aborted):
             aborted = body
-    if final is not None:
-        turn._finish(final)
+    if outcome is not None:
+        turn._finish(outcome)
     else:
         reason = aborted.reason if aborted is not None else "interrupted"
         turn._fail(TurnAborted(reason, aborted.partial_text if aborted else ""))
-    request.accepted.set_result(turn)
+    return turn
 
 
 async def _run_turn(agent: Agent, host: Host) -> None:
@@ -208,34 +320,49 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         if scope.cancelled_caught:
             reason, detail = "cancelled", "cancelled by caller"
     except anyio.get_cancelled_exc_class():
-        reason, detail, crash = "shutdown", "runtime stopped", None
-        with anyio.CancelScope(shield=True):
-            await abort_turn(agent, host, reason, detail, _partial(agent))
+        try:
+            with anyio.CancelScope(shield=True):
+                await abort_turn(agent, host, "shutdown", "runtime stopped", _partial(agent))
+        finally:
+            _answer_cancels(agent, True)
         raise
     except Exception as exc:
         crash = exc
         reason, detail = "crashed", f"{type(exc).__name__}: {exc}"
     finally:
         agent.scope = None
+        agent.cancellable = False
     if reason == "cancelled":
         partial = _partial(agent)
+    if reason is None and final is None and agent.cancels:
+        # Suspended with a cancel waiting: the caller asked to stop this turn.
+        reason, detail = "cancelled", "suspended turn cancelled by caller"
     if reason is not None:
+        if isinstance(crash, StoreUnavailable):
+            raise crash  # nothing more can be logged now; the supervisor retries later
         try:
             await abort_turn(agent, host, reason, detail, partial)
         except Exception:
             if crash is None:
                 raise
+        finally:
+            _answer_cancels(agent, reason == "cancelled")
         if crash is not None:
             raise crash
         return
-    if final is None:  # suspended: the turn stays open
-        agent.set_state(host, AgentState.SUSPENDED)
-        _measure(agent)
-        return
+    _answer_cancels(agent, False)  # the turn got to its end first: too late
     turn = agent.current
     agent.current = None
     hub = agent.hub
     agent.hub = None
+    if final is None:  # suspended: this part of the turn is over, the turn stays open
+        agent.set_state(host, AgentState.SUSPENDED)
+        _measure(agent)
+        if turn is not None:
+            turn._finish(_suspension_of(agent))
+        if hub is not None:
+            hub.close()
+        return
     agent.pending = ()
     agent.set_state(host, AgentState.AWAITING_INPUT)
     _measure(agent)
@@ -243,6 +370,22 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         turn._finish(final)
     if hub is not None:
         hub.close()
+
+
+def _suspension_of(agent: Agent) -> Suspended:
+    ws = agent.ws
+    if ws is not None:
+        for event in reversed(ws.tail):
+            if isinstance(event.body, Suspended):
+                return event.body
+    return Suspended(agent.pending)
+
+
+def _answer_cancels(agent: Agent, took_effect: bool) -> None:
+    cancels, agent.cancels = agent.cancels, None
+    for future in cancels or ():
+        if not future.done():
+            future.set_result(took_effect)
 
 
 def _partial(agent: Agent) -> str:
@@ -253,25 +396,26 @@ def _partial(agent: Agent) -> str:
 async def abort_turn(
     agent: Agent, host: Host, reason: AbortReason, detail: str, partial: str
 ) -> None:
-    """Log an Aborted for the current turn and fail everyone waiting on it."""
+    """Log an Aborted for the current turn, then fail everyone waiting on it.
+
+    The append comes first: if it fails (the store is down) nothing changed here
+    and the caller decides what that means.
+    """
+    if agent.ws is not None:
+        await append(agent, host, [Aborted(reason, partial_text=partial, detail=detail)])
     turn = agent.current
     hub = agent.hub
     agent.current = None
     agent.hub = None
     agent.pending = ()
     error = TurnAborted(reason, partial, detail)
-    try:
-        if agent.ws is not None:
-            await append(agent, host, [Aborted(reason, partial_text=partial, detail=detail)])
-    finally:
-        if turn is not None:
-            turn._fail(error)
-        if hub is not None:
-            hub.close(error)
-        if agent.state not in (AgentState.AWAITING_INPUT, AgentState.PARKED,
-                               AgentState.STOPPED):
-            agent.set_state(host, AgentState.AWAITING_INPUT)
-        _measure(agent)
+    if turn is not None:
+        turn._fail(error)
+    if hub is not None:
+        hub.close(error)
+    if agent.state not in (AgentState.AWAITING_INPUT, AgentState.PARKED, AgentState.STOPPED):
+        agent.set_state(host, AgentState.AWAITING_INPUT)
+    _measure(agent)
 
 
 async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:
@@ -284,18 +428,25 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
     assert ws is not None
     tool = _tool_name(ws, request.call_id)
     result = ToolResult(request.call_id, tool, request.content, is_error=request.is_error)
-    await append(agent, host, [result, Resolved(request.call_id)])
+    try:
+        await append(agent, host, [result, Resolved(request.call_id)])
+    except StoreUnavailable as exc:
+        fail(request, exc)  # nothing was written: still suspended on the same calls
+        return
     agent.pending = tuple(c for c in agent.pending if c != request.call_id)
     if agent.pending:
         request.done.set_result(None)
         _measure(agent)
         return
-    if agent.hub is None:  # revived since the suspension: a fresh fan-out for the rest
-        agent.hub = StreamHub()
-    if agent.current is None:
-        agent.current = Turn(agent.id, agent.turn, _turn_start(ws, agent.turn), agent.hub.join())
+    # The continuation is a new stream: the part before the suspension has ended.
+    hub = StreamHub(host.followers(agent.id))
+    agent.hub = hub
+    agent.current = Turn(
+        agent.id, agent.turn, _turn_start(ws, agent.turn), hub.join(), continuation=True
+    )
     agent.calls = 0
-    request.done.set_result(agent.current)
+    if not request.done.done():
+        request.done.set_result(agent.current)
     await _run_turn(agent, host)
 
 
@@ -320,5 +471,9 @@ async def _handle_cancel(agent: Agent, host: Host, request: CancelRequest) -> No
     if agent.state is not AgentState.SUSPENDED:
         request.done.set_result(False)
         return
-    await abort_turn(agent, host, "cancelled", "suspended turn cancelled by caller", "")
+    try:
+        await abort_turn(agent, host, "cancelled", "suspended turn cancelled by caller", "")
+    except StoreUnavailable as exc:
+        fail(request, exc)  # nothing was written: still suspended
+        return
     request.done.set_result(True)

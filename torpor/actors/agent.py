@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.mailbox import Mailbox, Message
-from torpor.actors.state import TRANSITIONS, AgentState, InvalidTransition
+from torpor.actors.state import TRANSITIONS, AgentState
+from torpor.errors import InvalidTransition
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -20,15 +22,27 @@ if TYPE_CHECKING:
     import anyio
 
     from torpor.actors.config import AgentConfig
-    from torpor.actors.stream import StreamHub, Subscriber
+    from torpor.actors.stream import Follower, StreamHub
     from torpor.actors.tools import Toolbox
     from torpor.actors.turn import Turn
     from torpor.compaction.policy import CompactionPolicy
     from torpor.compaction.working_set import WorkingSet
+    from torpor.events import Event
     from torpor.llm.protocol import Model, ToolSpec
     from torpor.store.protocol import EventStore
 
-__all__ = ["Agent", "Host", "Profile"]
+__all__ = ["Agent", "Host", "Profile", "Waiting"]
+
+
+class Waiting:
+    """A postponed turn: its user message is logged; it runs when the open turn ends."""
+
+    __slots__ = ("event", "hub", "turn")
+
+    def __init__(self, event: Event, turn: Turn, hub: StreamHub) -> None:
+        self.event = event
+        self.turn = turn
+        self.hub = hub
 
 
 class Profile:
@@ -66,7 +80,17 @@ class Host(Protocol):
 
     def on_idle(self, agent: Agent) -> None: ...
 
-    def take_subscribers(self, agent: Agent) -> list[Subscriber]: ...
+    def followers(self, conversation_id: str) -> list[Follower] | None:
+        """The conversation's followers (``Runtime.subscribe``), None when it has none."""
+        ...
+
+    def publish(self, conversation_id: str, events: list[Event]) -> None:
+        """Hand newly logged events to the conversation's followers."""
+        ...
+
+    def abandon(self, task: asyncio.Task[Any], what: str) -> None:
+        """Take over a task that ignored cancellation past its deadline."""
+        ...
 
 
 class Agent:
@@ -76,6 +100,8 @@ class Agent:
         "accounted",
         "calibration",
         "calls",
+        "cancellable",
+        "cancels",
         "compact_requested",
         "crash_times",
         "current",
@@ -86,13 +112,16 @@ class Agent:
         "id",
         "last_active",
         "last_error",
+        "lock",
         "mailbox",
         "parked_cause",
         "pending",
+        "postponed",
         "profile",
         "restarts",
         "scope",
         "state",
+        "store_failures",
         "task",
         "turn",
         "waiter",
@@ -128,6 +157,13 @@ class Agent:
         self.ws_tokens = 0
         self.ws_bytes = 0
         self.accounted = 0  # ws_bytes as last counted into the runtime's memory total
+        # Kept while live only (dropped on hibernation): appends that expect our head are
+        # serialized, since a message sent mid-turn is logged by the sender's task.
+        self.lock: asyncio.Lock | None = None
+        self.postponed: deque[Waiting] | None = None  # turns logged behind the open one
+        self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
+        self.cancellable = False  # the turn is at a point a cancel may interrupt
+        self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
 
     # -- state ---------------------------------------------------------------
     @property
@@ -149,7 +185,23 @@ class Agent:
         if self.state in (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING):
             return True
         mailbox = self.mailbox
-        return mailbox is not None and len(mailbox) > 0
+        if mailbox is not None and len(mailbox) > 0:
+            return True
+        lock = self.lock
+        if lock is not None and lock.locked():  # a message is being logged right now
+            return True
+        # Postponed turns behind a suspension: hibernating is fine (they are in the log),
+        # but the callers' Turn handles live on this record, so it is not evicted.
+        return bool(self.postponed) and self.state is not AgentState.SUSPENDED
+
+    @property
+    def evictable(self) -> bool:
+        return not self.busy and not self.postponed
+
+    def last_turn(self) -> int:
+        """The highest turn number logged (postponed turns included)."""
+        postponed = self.postponed
+        return postponed[-1].event.turn if postponed else self.turn
 
     # -- mailbox ---------------------------------------------------------------
     def post(self, message: Message) -> None:
@@ -167,7 +219,7 @@ class Agent:
         mailbox = self.mailbox
         if mailbox is None:
             return None
-        message = mailbox.take(control_only=self.state is AgentState.SUSPENDED)
+        message = mailbox.take()
         if message is not None and not len(mailbox):
             self.mailbox = None  # an empty deque is ~600 bytes: not kept while idle
         return message
@@ -183,4 +235,6 @@ class Agent:
         return 0 if self.mailbox is None else len(self.mailbox)
 
     def queued_sends(self) -> int:
-        return 0 if self.mailbox is None else self.mailbox.sends
+        """User messages not yet run: in the mailbox, or logged and postponed."""
+        queued = 0 if self.mailbox is None else self.mailbox.sends
+        return queued + (len(self.postponed) if self.postponed else 0)

@@ -37,6 +37,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     tail_turns: int = 4
     keep_tool_results: int = 3
     summarizer: Any = None  # optional torpor.compaction Summarizer
+    # No chunk from the model for this many seconds ends the call (ModelTimeout); None: never.
+    model_idle_timeout: float | None = 300.0
+    # A cancelled or timed-out tool gets this long to stop; then it is abandoned (reported).
+    cancel_deadline: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.system_prompt, str):
@@ -45,6 +49,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("tool_timeout", "must be > 0 seconds")
         if self.max_steps < 1:
             raise ConfigError("max_steps", "must be >= 1")
+        if self.model_idle_timeout is not None and not self.model_idle_timeout > 0:
+            raise ConfigError("model_idle_timeout", "must be > 0 seconds or None")
+        if not self.cancel_deadline > 0:
+            raise ConfigError("cancel_deadline", "must be > 0 seconds")
         self.policy()  # validates every budget field, naming it
 
     def policy(self) -> CompactionPolicy:

@@ -52,9 +52,8 @@ Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest
 class Mailbox:
     """Ordered; user messages bounded, control messages (resolve, cancel) always accepted.
 
-    While the agent is suspended only control messages are taken out; user
-    messages wait behind them in order (postponed, not reordered among
-    themselves).
+    Taken strictly in order. A user message taken while a turn is open (the
+    agent is suspended) is logged at once and its turn postponed behind it.
     """
 
     __slots__ = ("_items", "sends")
@@ -71,28 +70,14 @@ class Mailbox:
             self.sends += 1
         self._items.append(message)
 
-    def take(self, *, control_only: bool) -> Message | None:
+    def take(self) -> Message | None:
         items = self._items
         if not items:
             return None
-        if not control_only:
-            message = items.popleft()
-        else:
-            for i, candidate in enumerate(items):
-                if not isinstance(candidate, SendRequest):
-                    message = candidate
-                    del items[i]
-                    break
-            else:
-                return None
+        message = items.popleft()
         if isinstance(message, SendRequest):
             self.sends -= 1
         return message
-
-    def has_work(self, *, control_only: bool) -> bool:
-        if control_only:
-            return self.sends < len(self._items)
-        return bool(self._items)
 
     def remove(self, message: Message) -> bool:
         try:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from torpor.actors.state import AgentState
+from torpor.compaction.order import in_turn_order
 from torpor.events import (
     Aborted,
     AssistantMessage,
@@ -29,33 +30,51 @@ __all__ = ["Restored", "restore"]
 
 class Restored(msgspec.Struct, frozen=True):
     state: AgentState
-    turn: int
+    turn: int  # the open turn, or the last one run
     pending: tuple[str, ...] = ()  # suspended: the call ids still unanswered
     parked_cause: str | None = None
-    unfinished: bool = False  # the last turn neither finished, aborted nor suspended
+    unfinished: bool = False  # the open turn neither finished, aborted nor suspended
+    postponed: tuple[Event, ...] = ()  # user messages logged behind the open turn, in order
 
 
 def restore(events: Sequence[Event]) -> Restored:
-    """Derive the agent's state from the events since its latest checkpoint."""
+    """Derive the agent's state from the events since its latest checkpoint.
+
+    Events are read in turn order (:mod:`torpor.compaction.order`). A user
+    message met while the turn before it is still open was postponed behind
+    it: it and every later user message wait for their turns, in order.
+    """
     turn = 0
     parked: str | None = None
-    last_assistant: AssistantMessage | None = None
-    answered: set[str] = set()
-    suspended_on: frozenset[str] = frozenset()
-    finished = True
-    for event in events:
+    for event in events:  # parking is about time, not turns: position order
         body = event.body
-        turn = max(turn, event.turn)
         if isinstance(body, Parked):
             parked = body.cause
         elif isinstance(body, Unparked):
             parked = None
-        elif isinstance(body, UserMessage):
+    last_assistant: AssistantMessage | None = None
+    answered: set[str] = set()
+    suspended_on: frozenset[str] = frozenset()
+    finished = True
+    postponed: list[Event] = []
+    for event in in_turn_order(events):
+        body = event.body
+        if postponed:  # behind an open turn only user messages can follow
+            if isinstance(body, UserMessage):
+                postponed.append(event)
+            continue
+        if isinstance(body, UserMessage):
+            if not finished:
+                postponed.append(event)
+                continue
+            turn = max(turn, event.turn)
             finished = False
             last_assistant = None
             answered = set()
             suspended_on = frozenset()
-        elif isinstance(body, AssistantMessage):
+            continue
+        turn = max(turn, event.turn)
+        if isinstance(body, AssistantMessage):
             last_assistant = body
             answered = set()
             suspended_on = frozenset()
@@ -68,10 +87,14 @@ def restore(events: Sequence[Event]) -> Restored:
             finished = True
             last_assistant = None
             suspended_on = frozenset()
+    waiting = tuple(postponed)
     if parked is not None:
-        return Restored(AgentState.PARKED, turn, parked_cause=parked, unfinished=not finished)
+        return Restored(
+            AgentState.PARKED, turn, parked_cause=parked, unfinished=not finished,
+            postponed=waiting,
+        )
     if finished:
-        return Restored(AgentState.AWAITING_INPUT, turn)
+        return Restored(AgentState.AWAITING_INPUT, turn, postponed=waiting)
     if last_assistant is not None and suspended_on:
         pending = tuple(
             c.id for c in last_assistant.tool_calls if c.id not in answered and c.id in suspended_on
@@ -82,5 +105,5 @@ def restore(events: Sequence[Event]) -> Restored:
             if c.id not in answered and c.id not in suspended_on
         ]
         if pending and not unanswered_local:
-            return Restored(AgentState.SUSPENDED, turn, pending=pending)
-    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True)
+            return Restored(AgentState.SUSPENDED, turn, pending=pending, postponed=waiting)
+    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True, postponed=waiting)

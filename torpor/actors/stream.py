@@ -1,21 +1,32 @@
-"""Streaming fan-out: every subscriber of a turn gets every delta, late joiners included.
+"""Streaming fan-out: a turn's readers, and the followers of a whole conversation.
 
 A subscriber is a small buffer plus a future to wake it (far lighter than a
 queue or a memory stream). Consecutive text deltas coalesce in the buffer, so a
-slow reader costs at most the text of the turn, never one object per delta.
+slow reader costs at most the text not yet read, never one object per delta.
+
+Two kinds of reader:
+
+* a :class:`Subscriber` of one turn (what iterating a ``Turn`` reads): the
+  turn's text and logged events; it ends when the turn finishes, suspends or
+  aborts;
+* a :class:`Follower` of a conversation (``Runtime.subscribe``): every event
+  logged after a position, replayed from the log, then the text in flight,
+  then everything live, across turns, until it is closed. Positions order the
+  seam: an event at or below what the replay covered is never delivered twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import TracebackType
 from typing import TypeAlias
 
 from torpor.events import Event
 from torpor.llm.protocol import TextDelta
 
-__all__ = ["StreamHub", "StreamItem", "Subscriber"]
+__all__ = ["Follower", "StreamHub", "StreamItem", "Subscriber"]
 
 StreamItem: TypeAlias = TextDelta | Event
 """Live text (``TextDelta``) or something durably logged (``Event``)."""
@@ -32,6 +43,10 @@ class Subscriber:
         self._closed = False
         self._error: BaseException | None = None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def push(self, item: StreamItem) -> None:
         if self._closed:
             return
@@ -43,6 +58,7 @@ class Subscriber:
         self._wake()
 
     def close(self, error: BaseException | None = None) -> None:
+        """End the stream after what is buffered (``error`` is raised after it)."""
         if not self._closed:
             self._closed = True
             self._error = error
@@ -64,20 +80,99 @@ class Subscriber:
                 if self._error is not None:
                     raise self._error
                 return
-            self._waiter = asyncio.get_running_loop().create_future()
+            await self._wait()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+ReplayFn: TypeAlias = Callable[[int], Awaitable[list[Event]]]
+
+
+class Follower(Subscriber):
+    """Follows one conversation: the log after ``after``, the text in flight, then live.
+
+    Registered the moment it is made, so nothing logged later can be missed; the
+    replay is read lazily on the first iteration. ``cut`` is the highest position
+    the replay must cover (the agent's head when it was made, if it was live);
+    events pushed live at or below it are dropped, since the replay holds them.
+    Close it (``close()``, or leave ``async with``) to release it at once; it
+    also ends when the runtime stops.
+    """
+
+    __slots__ = ("_after", "_cut", "_release", "_replay")
+
+    def __init__(
+        self,
+        after: int | None,
+        cut: int | None,
+        replay: ReplayFn | None,
+        release: Callable[[Follower], None],
+    ) -> None:
+        super().__init__()
+        self._after = after
+        self._cut = cut
+        self._replay = replay
+        self._release: Callable[[Follower], None] | None = release
+
+    def push(self, item: StreamItem) -> None:
+        cut = self._cut
+        if cut is not None and isinstance(item, Event) and item.position <= cut:
+            return
+        super().push(item)
+
+    def close(self, error: BaseException | None = None) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release(self)
+        super().close(error)
+
+    async def __aenter__(self) -> Follower:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def _iterate(self) -> AsyncIterator[StreamItem]:
+        replay, self._replay = self._replay, None
+        if replay is not None and self._after is not None:
             try:
-                await self._waiter
-            finally:
-                self._waiter = None
+                events = await replay(self._after + 1)
+            except BaseException:
+                self.close()
+                raise
+            cut = self._cut
+            if cut is None:  # nothing was live: the replay covers all it read
+                cut = events[-1].position if events else self._after
+                self._cut = cut
+                self._items = deque(
+                    i for i in self._items if not (isinstance(i, Event) and i.position <= cut)
+                )
+            for event in events:
+                if event.position > cut:
+                    break
+                yield event
+        async for item in super()._iterate():
+            yield item
 
 
 class StreamHub:
-    """The fan-out of one turn: its subscribers and the text streamed so far this call."""
+    """The fan-out of one turn: its subscribers, the conversation's followers, the text so far."""
 
-    __slots__ = ("parts", "subscribers")
+    __slots__ = ("followers", "parts", "subscribers")
 
-    def __init__(self) -> None:
+    def __init__(self, followers: list[Follower] | None = None) -> None:
         self.subscribers: list[Subscriber] = []
+        self.followers = followers  # the conversation's, shared with the runtime (None: none)
         self.parts: list[str] = []
 
     def join(self) -> Subscriber:
@@ -93,9 +188,13 @@ class StreamHub:
         item = TextDelta(delta)
         for sub in self.subscribers:
             sub.push(item)
+        followers = self.followers
+        if followers:
+            for follower in followers:
+                follower.push(item)
 
     def logged(self, event: Event) -> None:
-        """A durable event of this turn; the streamed text it finalizes is reset."""
+        """A durable event of this turn (followers get it from the runtime, once)."""
         self.parts.clear()
         for sub in self.subscribers:
             sub.push(event)

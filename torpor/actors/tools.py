@@ -8,6 +8,7 @@ failure: it always propagates, so cancelling a turn stops its tools.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias, overload
@@ -20,6 +21,7 @@ from torpor.actors.tool_schema import check_tool_name, derive_signature
 from torpor.errors import ConfigError, ToolArgumentError
 from torpor.events import ToolCall, ToolResult
 from torpor.llm.protocol import ToolSpec
+from torpor.text import repair_text
 
 __all__ = [
     "ExternalTool",
@@ -163,36 +165,63 @@ async def run_tool(
     call: ToolCall,
     *,
     timeout: float | None,  # noqa: ASYNC109 - a default that the tool's own timeout overrides
+    grace: float = 5.0,
+    abandon: Callable[[asyncio.Task[Any], str], None] | None = None,
 ) -> ToolResult:
     """Run one call of a local tool and always return its result; only cancellation escapes.
 
-    ``timeout`` is the agent's default; the tool's own timeout wins over it. A
-    caller's cancel scope could not express that, hence the parameter.
+    ``timeout`` is the agent's default; the tool's own timeout wins over it. The
+    tool runs in a task of its own, so a tool that ignores cancellation cannot
+    hold the turn: past its timeout (or a cancel) it gets ``grace`` seconds to
+    stop, then it is handed to ``abandon`` (the runtime owns it from there and
+    reports it) and the turn goes on without it.
     """
     limit = tool.timeout if tool.timeout is not None else timeout
     try:
         arguments = tool.validate(call.arguments)
     except ToolArgumentError as exc:
         return _error(call, tool.name, str(exc))
+    task = asyncio.get_running_loop().create_task(tool.fn(**arguments))
+    what = f"tool {tool.name!r} (call {call.id})"
     try:
-        with anyio.fail_after(limit) as scope:
-            value = await tool.fn(**arguments)
-    except TimeoutError as exc:
-        if not scope.cancelled_caught:  # the tool itself raised TimeoutError
-            log.info("tool_failed", tool=tool.name, call_id=call.id, error=repr(exc))
-            return _error(call, tool.name, f"tool {tool.name!r} raised TimeoutError: {exc}")
+        done, _ = await asyncio.wait((task,), timeout=limit)
+    except BaseException:  # the turn was cancelled: stop the tool, within the deadline
+        await _stop(task, grace, abandon, what)
+        raise
+    if not done:
+        await _stop(task, grace, abandon, what)
         log.info("tool_timed_out", tool=tool.name, call_id=call.id, timeout=limit)
         return _error(call, tool.name, f"tool {tool.name!r} timed out after {limit:g} seconds")
-    except Exception as exc:  # a failing tool is news for the model, not a crash
-        log.info("tool_failed", tool=tool.name, call_id=call.id, error=repr(exc))
-        detail = f": {exc}" if str(exc) else ""
-        return _error(call, tool.name, f"tool {tool.name!r} raised {type(exc).__name__}{detail}")
+    failure = task.exception()
+    if failure is not None:  # a failing tool is news for the model, not a crash
+        log.info("tool_failed", tool=tool.name, call_id=call.id, error=repr(failure))
+        detail = f": {failure}" if str(failure) else ""
+        kind = type(failure).__name__
+        return _error(call, tool.name, f"tool {tool.name!r} raised {kind}{detail}")
     try:
-        content = tool.render(value)
-    except (TypeError, msgspec.EncodeError) as exc:
+        content = tool.render(task.result())
+    except (TypeError, ValueError, msgspec.EncodeError) as exc:
         message = f"tool {tool.name!r} returned a value JSON cannot hold: {exc}"
         return _error(call, tool.name, message)
-    return ToolResult(call_id=call.id, tool=tool.name, content=content)
+    return ToolResult(call_id=call.id, tool=tool.name, content=repair_text(content))
+
+
+async def _stop(
+    task: asyncio.Task[Any],
+    grace: float,
+    abandon: Callable[[asyncio.Task[Any], str], None] | None,
+    what: str,
+) -> None:
+    """Cancel ``task`` and wait up to ``grace`` seconds; past that it is abandoned."""
+    task.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.wait((task,), timeout=grace)
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # retrieved: an error while stopping is not news
+        return
+    if abandon is not None:
+        abandon(task, what)
 
 
 class Toolbox:

@@ -6,21 +6,36 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from torpor.actors.stream import StreamItem, Subscriber
-from torpor.events import AssistantMessage
+from torpor.events import AssistantMessage, Suspended
 
 __all__ = ["Turn"]
 
 
 class Turn:
-    """An async-iterable stream of the turn's items; ``await result()`` for the final answer.
+    """An async-iterable stream of the turn's items; ``await result()`` for how it ended.
 
     Iterating yields live ``TextDelta``s and the turn's logged ``Event``s (tool
-    calls, tool results, suspension, the final message or the abort). The final
-    answer is the last assistant message without tool calls; a turn that dies
-    raises ``TurnAborted`` from ``result()`` (and from the iteration).
+    calls, tool results, the final message, a suspension or the abort). The
+    stream ends with the final answer, or at a suspension: ``result()`` then
+    returns the ``Suspended`` body (its ``call_ids`` are what ``resolve``
+    answers), and the continuation after the answers is a new ``Turn``, which
+    ``resolve`` returns and ``Runtime.subscribe`` follows. A turn that dies
+    raises ``TurnAborted`` from ``result()`` and from the iteration.
+
+    ``postponed``: the message arrived while another turn was open (streaming or
+    suspended); it is in the log already and its turn runs when that one ends.
     """
 
-    __slots__ = ("_result", "_sub", "conversation_id", "number", "replayed", "user_position")
+    __slots__ = (
+        "_result",
+        "_sub",
+        "continuation",
+        "conversation_id",
+        "number",
+        "postponed",
+        "replayed",
+        "user_position",
+    )
 
     def __init__(
         self,
@@ -30,28 +45,33 @@ class Turn:
         subscriber: Subscriber,
         *,
         replayed: bool = False,
+        postponed: bool = False,
+        continuation: bool = False,
     ) -> None:
         self.conversation_id = conversation_id
         self.number = number
         self.user_position = user_position
         self.replayed = replayed  # an idempotent retry of an earlier send
+        self.postponed = postponed
+        self.continuation = continuation  # the part after a suspension was answered
         self._sub = subscriber
-        self._result: asyncio.Future[AssistantMessage] = (
+        self._result: asyncio.Future[AssistantMessage | Suspended] = (
             asyncio.get_running_loop().create_future()
         )
 
     def __aiter__(self) -> AsyncIterator[StreamItem]:
         return self._sub.__aiter__()
 
-    async def result(self) -> AssistantMessage:
+    async def result(self) -> AssistantMessage | Suspended:
+        """The final message, or the ``Suspended`` this part of the turn stopped at."""
         return await asyncio.shield(self._result)
 
     def done(self) -> bool:
         return self._result.done()
 
-    def _finish(self, message: AssistantMessage) -> None:
+    def _finish(self, outcome: AssistantMessage | Suspended) -> None:
         if not self._result.done():
-            self._result.set_result(message)
+            self._result.set_result(outcome)
         self._sub.close()
 
     def _fail(self, error: BaseException) -> None:

@@ -8,26 +8,30 @@ far it got (the caller then logs the ``Aborted``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
+from torpor.actors.json_schema import schema_errors
 from torpor.actors.state import AgentState
-from torpor.actors.tools import LocalTool, run_tool
+from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
 from torpor.compaction.recall import recall as recall_hits
+from torpor.errors import ModelTimeout, StoreError
 from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
 from torpor.llm.protocol import TextDelta, ToolCallDelta, Usage
 from torpor.store.protocol import ModelCall
+from torpor.text import repair_text
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
 
-__all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "run_steps"]
+__all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "logged", "run_steps"]
 
 BUILTIN_TOOLS = {RECALL_TOOL.name: RECALL_TOOL, EXPAND_TOOL.name: EXPAND_TOOL}
 
@@ -52,17 +56,52 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     head stale; a cancel takes effect at the next model or tool await instead.
     """
     with anyio.CancelScope(shield=True):
-        events = await host.store.append_events(
-            agent.id, bodies, turn=agent.turn, expect_head=agent.head
-        )
+        events = await logged(agent, host, bodies, turn=agent.turn)
     ws = agent.ws
     assert ws is not None
     ws.append(events)
-    agent.head = events[-1].position
     hub = agent.hub
     if hub is not None:
         for event in events:
             hub.logged(event)
+    return events
+
+
+async def logged(
+    agent: Agent,
+    host: Host,
+    bodies: Sequence[Body],
+    *,
+    turn: int | Callable[[], int],
+    key: str | None = None,
+) -> list[Event]:
+    """Append at our head, one writer at a time, and tell the followers.
+
+    The one place an agent's appends go through: the lock orders the actor's own
+    writes with a message logged mid-turn by the sender's task. ``turn`` may be
+    a function, read once the lock is held (a postponed message's number).
+    """
+    lock = agent.lock
+    if lock is None:
+        return await _at_head(agent, host, bodies, turn, key)
+    async with lock:
+        return await _at_head(agent, host, bodies, turn, key)
+
+
+async def _at_head(
+    agent: Agent,
+    host: Host,
+    bodies: Sequence[Body],
+    turn: int | Callable[[], int],
+    key: str | None,
+) -> list[Event]:
+    number = turn if isinstance(turn, int) else turn()
+    events = await host.store.append_events(
+        agent.id, bodies, turn=number, expect_head=agent.head, key=key
+    )
+    if events[-1].position > agent.head:
+        agent.head = events[-1].position
+        host.publish(agent.id, events)
     return events
 
 
@@ -81,7 +120,8 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
         agent.set_state(host, AgentState.RUNNING_TOOLS)
         external = await _run_tools(agent, host, message.tool_calls)
         if external:
-            await append(agent, host, [Suspended(external, reason="awaiting outside answer")])
+            names = tuple(c.name for c in message.tool_calls if c.id in external)
+            await append(agent, host, [_suspension(external, names)])
             agent.pending = external
             return None
 
@@ -125,40 +165,108 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     usage: Usage | None = None
     started = time.perf_counter()
     first: float | None = None
+    idle = agent.profile.config.model_idle_timeout
+    stream = host.model.stream(rendered.messages, specs)
     try:
-        async for item in host.model.stream(rendered.messages, specs):
-            if isinstance(item, TextDelta):
-                if first is None:
-                    first = time.perf_counter()
-                parts.append(item.text)
-                if hub is not None:
-                    hub.text(item.text)
-            elif isinstance(item, ToolCallDelta):
-                calls.append(item.call)
-            elif isinstance(item, Usage):
-                usage = item
+        with anyio.CancelScope() as watchdog:  # no chunk for `idle` seconds ends the call
+            if idle is not None:
+                watchdog.deadline = anyio.current_time() + idle
+            agent.cancellable = True
+            if agent.cancels:  # a cancel came while the turn could not be interrupted
+                _cancel_turn(agent)
+            async for item in stream:
+                if idle is not None:
+                    watchdog.deadline = anyio.current_time() + idle
+                if isinstance(item, TextDelta):
+                    if first is None:
+                        first = time.perf_counter()
+                    text = repair_text(item.text)
+                    parts.append(text)
+                    if hub is not None:
+                        hub.text(text)
+                elif isinstance(item, ToolCallDelta):
+                    calls.append(_repaired_call(item.call))
+                elif isinstance(item, Usage):
+                    usage = item
+            agent.cancellable = False
+        if watchdog.cancelled_caught:
+            raise ModelTimeout(f"the model sent nothing for {idle:g} seconds")
     except anyio.get_cancelled_exc_class():
+        agent.cancellable = False
         with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
+            await _close(stream)
             await host.store.record_model_call(
                 _model_call(agent, host, rendered, started, first, None, error="cancelled")
             )
         raise
     except Exception as exc:
+        agent.cancellable = False
         with anyio.CancelScope(shield=True):
+            await _close(stream)
             await host.store.record_model_call(
                 _model_call(agent, host, rendered, started, first, None, error=repr(exc))
             )
+        if isinstance(exc, StoreError):  # ours, not the model's
+            raise
         raise ModelFailed(exc, "".join(parts)) from exc
     message = AssistantMessage("".join(parts), tuple(calls))
     audit = _model_call(agent, host, rendered, started, first, usage)
-    # Both writes join the same group commit: one round trip to the store, not two.
-    outcomes = await asyncio.gather(
-        append(agent, host, [message]), _record(host, audit), return_exceptions=True
-    )
+    # Both writes join the same group commit: one round trip to the store, not two. The
+    # commit is one piece: a cancel arriving now finds the message logged (too late).
+    with anyio.CancelScope(shield=True):
+        outcomes = await asyncio.gather(
+            append(agent, host, [message]), _record(host, audit), return_exceptions=True
+        )
     for outcome in outcomes:  # both have finished either way: nothing is left running
         if isinstance(outcome, BaseException):
             raise outcome
     return message
+
+
+def _cancel_turn(agent: Agent) -> None:
+    scope = agent.scope
+    if scope is not None:
+        scope.cancel()
+
+
+async def _close(stream: object) -> None:
+    """Close the model's stream (its HTTP response) at once, within a short deadline."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    # Closing a broken stream may fail again: it is closed either way.
+    with anyio.move_on_after(5.0), contextlib.suppress(Exception):
+        await aclose()
+
+
+def _repaired_call(call: ToolCall) -> ToolCall:
+    """A model's call with text the log cannot hold replaced visibly (U+FFFD)."""
+    name, call_id = repair_text(call.name), repair_text(call.id)
+    arguments = _repaired(call.arguments)
+    if name is call.name and call_id is call.id and arguments is call.arguments:
+        return call
+    return ToolCall(call_id, name, arguments)
+
+
+def _repaired(value: Any) -> Any:
+    if isinstance(value, str):
+        return repair_text(value)
+    if isinstance(value, dict):
+        items = {_repaired(k): _repaired(v) for k, v in value.items()}
+        return value if all(
+            a is b and c is d for (a, c), (b, d) in zip(items.items(), value.items(), strict=True)
+        ) else items
+    if isinstance(value, list):
+        repaired = [_repaired(v) for v in value]
+        return value if all(a is b for a, b in zip(repaired, value, strict=True)) else repaired
+    return value
+
+
+def _suspension(call_ids: tuple[str, ...], names: tuple[str, ...]) -> Suspended:
+    fields = Suspended.__struct_fields__
+    if "tools" in fields:  # the pending-approvals index reads the tool names from it
+        return Suspended(call_ids, "awaiting outside answer", names)  # type: ignore[call-arg]
+    return Suspended(call_ids, reason="awaiting outside answer")
 
 
 async def _record(host: Host, call: ModelCall) -> None:
@@ -209,27 +317,46 @@ def _model_call(
 async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
     """Run local calls concurrently, log their results in call order; return external ids."""
     toolbox = agent.profile.toolbox
-    timeout = agent.profile.config.tool_timeout
+    config = agent.profile.config
+    timeout = config.tool_timeout
+    grace = config.cancel_deadline
     results: dict[str, ToolResult] = {}
     external: list[str] = []
 
     async def one(call: ToolCall) -> None:
-        builtin = BUILTIN_TOOLS.get(call.name) if agent.profile.config.recall_tools else None
+        builtin = BUILTIN_TOOLS.get(call.name) if config.recall_tools else None
         if builtin is not None and toolbox.get(call.name) is None:
             results[call.id] = await _run_builtin(agent, host, call)
             return
         tool = toolbox.get(call.name)
         if isinstance(tool, LocalTool):
-            results[call.id] = await run_tool(tool, call, timeout=timeout)
+            results[call.id] = await run_tool(
+                tool, call, timeout=timeout, grace=grace, abandon=host.abandon
+            )
         else:
             results[call.id] = toolbox.unknown_tool_result(call)
 
-    async with anyio.create_task_group() as tg:
-        for call in calls:
-            if toolbox.is_external(call.name):
-                external.append(call.id)
-            else:
-                tg.start_soon(one, call)
+    agent.cancellable = True
+    try:
+        if agent.cancels:
+            _cancel_turn(agent)
+        async with anyio.create_task_group() as tg:
+            for call in calls:
+                tool = toolbox.get(call.name)
+                if isinstance(tool, ExternalTool):
+                    errors = schema_errors(tool.parameters, call.arguments)
+                    if not errors:
+                        external.append(call.id)
+                        continue
+                    detail = "; ".join(errors[:5])
+                    results[call.id] = ToolResult(
+                        call.id, call.name,
+                        f"invalid arguments for tool {call.name!r}: {detail}", is_error=True,
+                    )
+                else:
+                    tg.start_soon(one, call)
+    finally:
+        agent.cancellable = False
     done = [results[c.id] for c in calls if c.id in results]
     if done:
         await append(agent, host, done)
@@ -255,6 +382,6 @@ async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
             if end - start > 200:
                 raise ValueError("expand returns at most 200 events at once")
             content = format_events(await expand(host.store, agent.id, start, end))
-        return ToolResult(call.id, call.name, content)
+        return ToolResult(call.id, call.name, repair_text(content))
     except (ValueError, msgspec.ValidationError) as exc:
         return ToolResult(call.id, call.name, f"error: {exc}", is_error=True)

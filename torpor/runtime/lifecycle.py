@@ -36,7 +36,7 @@ class Lifecycle:
     def sweep(self, now: float) -> tuple[int, int]:
         """Hibernate and evict what has idled long enough; returns (hibernated, evicted)."""
         rt = self._rt
-        registry = rt.registry
+        registry = rt._registry
         hibernate_before = now - rt.config.hibernate_after
         evict_before = now - rt.config.evict_after
         hibernated = evicted = 0
@@ -59,41 +59,42 @@ class Lifecycle:
         rt = self._rt
         if agent.busy or agent.state not in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):
             return False
-        rt.registry.queue_hibernated(agent)
+        rt._registry.queue_hibernated(agent)
         if agent.ws is None and agent.task is None:
             return False
         agent.hibernate_requested = True
         if agent.task is None:  # no task to do it: drop the caches here
             agent.ws = None
             agent.hub = None
+            agent.lock = None
             agent.hibernate_requested = False
         agent.wake()
-        rt.forget_bytes(agent)
+        rt._host.forget_bytes(agent)
         agent.ws_bytes = 0
-        rt.counters.hibernations += 1
-        rt.transition(agent, agent.state, "hibernated")
+        rt._counters.hibernations += 1
+        rt._host.transition(agent, agent.state, "hibernated")
         return True
 
     def evict(self, agent: Agent) -> bool:
         """Forget the agent entirely (the log keeps everything). Never mid-turn."""
         rt = self._rt
-        if agent.busy or agent.state not in (
+        if not agent.evictable or agent.state not in (
             AgentState.AWAITING_INPUT, AgentState.SUSPENDED, AgentState.PARKED
         ):
-            rt.registry.unqueue(agent)
+            rt._registry.unqueue(agent)
             return False
-        rt.registry.remove(agent)
+        rt._registry.remove(agent)
         agent.hibernate_requested = True
         agent.wake()
-        rt.forget_bytes(agent)
-        rt.counters.evictions += 1
-        rt.transition(agent, agent.state, AgentState.EVICTED)
+        rt._host.forget_bytes(agent)
+        rt._counters.evictions += 1
+        rt._host.transition(agent, agent.state, AgentState.EVICTED)
         return True
 
     def shed_agents(self, *, keep: Agent) -> None:
         """Over ``max_live_agents``: evict the least recently used idle agents."""
         rt = self._rt
-        registry = rt.registry
+        registry = rt._registry
         while len(registry) > rt.config.max_live_agents:
             victim = registry.oldest_hibernated() or registry.oldest_idle()
             if victim is None or victim is keep:
@@ -104,9 +105,9 @@ class Lifecycle:
     def shed_memory(self, *, keep: Agent) -> None:
         """Over ``max_working_set_bytes``: hibernate the least recently used idle agents."""
         rt = self._rt
-        while rt.ws_total > rt.config.max_working_set_bytes:
-            victim = rt.registry.oldest_idle()
+        while rt._host.ws_total > rt.config.max_working_set_bytes:
+            victim = rt._registry.oldest_idle()
             if victim is None or victim is keep:
                 return
-            if not self.hibernate(victim) and victim.id in rt.registry.idle:
-                rt.registry.unqueue(victim)
+            if not self.hibernate(victim) and victim.id in rt._registry.idle:
+                rt._registry.unqueue(victim)

@@ -33,6 +33,7 @@ class Counters:
     """Monotonic counts plus a bounded window of recent revival latencies."""
 
     __slots__ = (
+        "abandoned",
         "activations",
         "crashes",
         "evictions",
@@ -41,6 +42,7 @@ class Counters:
         "restarts",
         "revival_seconds",
         "revivals",
+        "store_failures",
     )
 
     def __init__(self) -> None:
@@ -51,6 +53,8 @@ class Counters:
         self.crashes = 0
         self.restarts = 0
         self.parks = 0
+        self.store_failures = 0  # turns or revivals stopped by StoreUnavailable (not crashes)
+        self.abandoned = 0  # tasks that ignored cancellation past their deadline
         self.revival_seconds: deque[float] = deque(maxlen=4096)
 
 

@@ -2,9 +2,19 @@
 
 An agent task is a bare asyncio task (an anyio task-group child costs ~8 KB;
 a bare task ~1 KB), so ownership is explicit instead: every task is in
-``tasks`` until it ends, and ``stop()`` cancels and awaits all of them. A
-crash restarts the agent from the log after an exponential backoff; more than
-``max_restarts`` crashes within ``restart_window`` parks it, durably.
+``tasks`` until it ends, and ``stop()`` cancels and awaits all of them, up to
+the shutdown deadline. A crash restarts the agent from the log after an
+exponential backoff; more than ``max_restarts`` crashes within
+``restart_window`` parks it, durably.
+
+A store that cannot write is not the agent's fault: ``StoreUnavailable``
+stops the turn (its callers get the error, nothing partial is logged) and the
+agent retries on the same backoff until the store writes again, without
+counting towards parking.
+
+Nothing here may raise out of a supervising task: a failure while handling a
+failure (a log handler that chokes, say) still completes every waiting
+caller and leaves the agent restartable.
 """
 
 from __future__ import annotations
@@ -16,10 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from torpor.actors.actor import run_agent
-from torpor.actors.mailbox import SendRequest
+from torpor.actors.actor import fail, run_agent
 from torpor.actors.state import AgentState
-from torpor.errors import AgentParked, TurnAborted
+from torpor.errors import AgentParked, RuntimeClosed, StoreUnavailable, TurnAborted
 from torpor.events import Parked
 
 if TYPE_CHECKING:
@@ -39,7 +48,10 @@ class Supervisor:
 
     def ensure_running(self, agent: Agent, *, delay: float = 0.0) -> None:
         """Give the agent a task if it has none (a hibernated or new agent has none)."""
-        if agent.task is not None or self.stopping:
+        if agent.task is not None:
+            return
+        if self.stopping:
+            _fail_waiting(agent, RuntimeClosed("the runtime is stopping"))
             return
         task = asyncio.get_running_loop().create_task(self._supervise(agent, delay))
         agent.task = task
@@ -57,34 +69,85 @@ class Supervisor:
         task = asyncio.current_task()
         crash: Exception | None = None
         try:
-            await run_agent(agent, self._rt, delay=delay)
+            await run_agent(agent, self._rt._host, delay=delay)
         except Exception as exc:
             crash = exc
         finally:
             self.tasks.discard(task)
             if agent.task is task:
                 agent.task = None
-        if crash is not None:
-            self._crashed(agent, crash)
-        elif agent.mailbox_depth() and not self.stopping and agent.state is not AgentState.PARKED:
-            self.ensure_running(agent)  # a message arrived as it hibernated
+            if self.stopping:
+                _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
+        try:
+            if isinstance(crash, StoreUnavailable):
+                self._store_down(agent, crash)
+            elif crash is not None:
+                self._crashed(agent, crash)
+            elif (
+                (agent.mailbox_depth() or agent.postponed)
+                and not self.stopping
+                and agent.state is not AgentState.PARKED
+            ):
+                self.ensure_running(agent)  # a message arrived as it hibernated
+        except Exception as exc:  # handling a failure failed: keep every promise anyway
+            _fail_waiting(agent, TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}"))
+            agent.ws = None
+            agent.state = AgentState.REVIVING
+            if not self.stopping:
+                self.ensure_running(agent, delay=self._rt.config.backoff_max)
 
-    def _crashed(self, agent: Agent, exc: BaseException) -> None:
+    def _drop_turn(self, agent: Agent, error: BaseException) -> None:
+        """Fail the open turn's waiters and drop the caches: the restart reads the log."""
         rt = self._rt
-        rt.counters.crashes += 1
-        cause = f"{type(exc).__name__}: {exc}"
-        agent.last_error = cause
-        rt.log.warning("agent crashed", conversation_id=agent.id, error=cause, exc_info=exc)
-        error = TurnAborted("crashed", "", cause)
         if agent.current is not None:
             agent.current._fail(error)
             agent.current = None
         if agent.hub is not None:
             agent.hub.close(error)
             agent.hub = None
+        cancels, agent.cancels = agent.cancels, None
+        for future in cancels or ():
+            if not future.done():
+                future.set_result(False)  # the turn was not cancelled: it broke
         agent.scope = None
+        agent.cancellable = False
         agent.ws = None  # the log is the memory: the restart reads it back
-        rt.forget_bytes(agent)
+        agent.lock = None
+        rt._host.forget_bytes(agent)
+
+    def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
+        rt = self._rt
+        rt._counters.store_failures += 1
+        agent.last_error = f"StoreUnavailable: {exc}"
+        _log(rt, "warning", "store unavailable; retrying", conversation_id=agent.id,
+             error=str(exc))
+        self._drop_turn(agent, exc)
+        # Requests not yet taken could only fail the same way now: tell their callers.
+        mailbox = agent.mailbox
+        agent.mailbox = None
+        for message in mailbox.drain() if mailbox is not None else ():
+            fail(message, exc)
+        if self.stopping:
+            return
+        agent.store_failures += 1
+        delay = min(
+            self._rt.config.backoff_max,
+            self._rt.config.backoff_initial * 2 ** (agent.store_failures - 1),
+        )
+        if agent.state is not AgentState.REVIVING:
+            rt._host.transition(agent, agent.state, AgentState.REVIVING)
+            agent.state = AgentState.REVIVING
+        # Retry until the store writes again: the log may owe an Aborted for the turn
+        # and postponed turns wait to run.
+        self.ensure_running(agent, delay=delay)
+
+    def _crashed(self, agent: Agent, exc: BaseException) -> None:
+        rt = self._rt
+        rt._counters.crashes += 1
+        cause = f"{type(exc).__name__}: {exc}"
+        agent.last_error = cause
+        _log(rt, "warning", "agent crashed", conversation_id=agent.id, error=cause, exc_info=exc)
+        self._drop_turn(agent, TurnAborted("crashed", "", cause))
         if self.stopping:
             return
         now = time.monotonic()
@@ -94,45 +157,72 @@ class Supervisor:
             self.spawn(self._park(agent, cause))
             return
         agent.restarts += 1
-        rt.counters.restarts += 1
+        rt._counters.restarts += 1
         n = len(agent.crash_times)
         delay = min(rt.config.backoff_max, rt.config.backoff_initial * 2 ** (n - 1))
-        rt.transition(agent, agent.state, AgentState.REVIVING)
+        rt._host.transition(agent, agent.state, AgentState.REVIVING)
         agent.state = AgentState.REVIVING
         self.ensure_running(agent, delay=delay)
 
     async def _park(self, agent: Agent, cause: str) -> None:
         rt = self._rt
-        rt.counters.parks += 1
+        rt._counters.parks += 1
         old = agent.state
         agent.state = AgentState.PARKED  # refuse input from now on
         agent.parked_cause = cause
-        rt.registry.unqueue(agent)
+        rt._registry.unqueue(agent)
         error = AgentParked(agent.id, cause)
-        mailbox = agent.mailbox
-        agent.mailbox = None
-        if mailbox is not None:
-            for message in mailbox.drain():
-                future = message.accepted if isinstance(message, SendRequest) else message.done
-                if not future.done():
-                    future.set_exception(error)
+        _fail_waiting(agent, error)
         try:
             with anyio.CancelScope(shield=True):
-                await rt.store.append_events(
+                events = await rt.store.append_events(
                     agent.id, [Parked(cause, restarts=agent.restarts)], turn=agent.turn
                 )
+            agent.head = max(agent.head, events[-1].position)
+            rt._host.publish(agent.id, events)
         except Exception as exc:  # the store may be what keeps failing: stay parked in memory
-            rt.log.error("could not log parking", conversation_id=agent.id, error=repr(exc))
-        rt.log.error("agent parked", conversation_id=agent.id, cause=cause,
-                     restarts=agent.restarts)
-        rt.transition(agent, old, AgentState.PARKED)  # announced once it is in the log
+            _log(rt, "error", "could not log parking", conversation_id=agent.id,
+                 error=repr(exc))
+        _log(rt, "error", "agent parked", conversation_id=agent.id, cause=cause,
+             restarts=agent.restarts)
+        rt._host.transition(agent, old, AgentState.PARKED)  # announced once it is in the log
 
     async def stop(self) -> None:
-        """Cancel every agent task and wait for each to log how its turn ended."""
+        """Cancel every agent task and wait for each to log how its turn ended.
+
+        Waits at most ``shutdown_deadline`` seconds: a task still running then
+        (a tool that ignores cancellation) is abandoned and reported, so leaving
+        the runtime always completes.
+        """
         self.stopping = True
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, pending = await asyncio.wait(tasks, timeout=self._rt.config.shutdown_deadline)
+            for task in pending:
+                self._rt._host.abandon(task, f"agent task {task.get_name()}")
         self.tasks.clear()
+        for agent in list(self._rt._registry):
+            _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
+
+
+def _fail_waiting(agent: Agent, error: BaseException) -> None:
+    """Complete every request and postponed turn waiting on this agent with ``error``."""
+    mailbox = agent.mailbox
+    agent.mailbox = None
+    for message in mailbox.drain() if mailbox is not None else ():
+        fail(message, error)
+    if isinstance(error, AgentParked | RuntimeClosed):
+        postponed, agent.postponed = agent.postponed, None
+        reason = "shutdown" if isinstance(error, RuntimeClosed) else "crashed"
+        for waiting in postponed or ():  # in the log: it runs when the agent next runs
+            waiting.turn._fail(TurnAborted(reason, "", str(error)))
+
+
+def _log(rt: Runtime, level: str, message: str, **fields: Any) -> None:
+    """Log, and never let logging fail the caller (a supervisor must not die of it)."""
+    try:
+        getattr(rt._log, level)(message, **fields)
+    except Exception:
+        pass

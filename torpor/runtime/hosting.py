@@ -1,0 +1,139 @@
+"""What the runtime gives its agents: the actors' ``Host``, kept off the Runtime's public face.
+
+Agents call back into the runtime as their state changes (to be queued for
+hibernation, counted, announced to watchers), as they log events (for the
+conversation's followers) and when a tool ignores cancellation past its
+deadline (the runtime takes the task over). Those hooks live here, so that
+``dir(runtime)`` is the public API and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from torpor.actors.state import AgentState
+from torpor.actors.stream import Follower
+from torpor.events import Event
+
+if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
+
+    from torpor.actors.agent import Agent
+    from torpor.llm.protocol import Model
+    from torpor.runtime.host import Runtime
+    from torpor.store.protocol import EventStore
+
+__all__ = ["AgentHost"]
+
+_BUSY_STATES = (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING)
+
+
+class AgentHost:
+    """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
+
+    __slots__ = ("_rt", "abandoned", "followers_by_id", "log", "model", "revivals", "ws_total")
+
+    def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
+        self._rt = runtime
+        self.model = model
+        self.log = log
+        self.revivals: asyncio.Semaphore | None = None
+        self.followers_by_id: dict[str, list[Follower]] = {}
+        self.abandoned: set[asyncio.Task[Any]] = set()
+        self.ws_total = 0  # estimated bytes of every working set held
+
+    @property
+    def store(self) -> EventStore:
+        return self._rt.store
+
+    def revival_slot(self) -> AbstractAsyncContextManager[None]:
+        assert self.revivals is not None
+        return self.revivals
+
+    # -- state ---------------------------------------------------------------------
+    def on_state(self, agent: Agent, old: AgentState, new: AgentState) -> None:
+        if new in _BUSY_STATES:
+            self._rt._registry.unqueue(agent)
+        self.transition(agent, old, new)
+
+    def transition(self, agent: Agent, old: AgentState | str, new: AgentState | str) -> None:
+        watchers = self._rt._watchers
+        if watchers:
+            watchers.publish(agent.id, str(old), str(new))
+
+    def on_revived(self, agent: Agent, seconds: float) -> None:
+        counters = self._rt._counters
+        counters.revivals += 1
+        counters.revival_seconds.append(seconds)
+        self.account(agent)
+
+    def on_idle(self, agent: Agent) -> None:
+        rt = self._rt
+        registry = rt._registry
+        self.account(agent)
+        if registry.get(agent.id) is not agent or agent.busy:
+            return
+        if agent.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):
+            if agent.ws is not None:
+                registry.queue_idle(agent)
+            else:
+                registry.queue_hibernated(agent)
+        if self.ws_total > rt.config.max_working_set_bytes:
+            rt._lifecycle.shed_memory(keep=agent)
+        if len(registry) > rt.config.max_live_agents:
+            # A burst of first messages can overshoot the cap while all are busy;
+            # shed as soon as agents go idle again.
+            rt._lifecycle.shed_agents(keep=agent)
+
+    # -- memory accounting -----------------------------------------------------------
+    def account(self, agent: Agent) -> None:
+        """Fold the agent's measured working-set size into the runtime's total."""
+        self.ws_total += agent.ws_bytes - agent.accounted
+        agent.accounted = agent.ws_bytes
+
+    def forget_bytes(self, agent: Agent) -> None:
+        self.ws_total -= agent.accounted
+        agent.accounted = 0
+
+    # -- followers ---------------------------------------------------------------------
+    def followers(self, conversation_id: str) -> list[Follower] | None:
+        return self.followers_by_id.get(conversation_id)
+
+    def publish(self, conversation_id: str, events: list[Event]) -> None:
+        followers = self.followers_by_id.get(conversation_id)
+        if followers:
+            for follower in list(followers):
+                for event in events:
+                    follower.push(event)
+
+    def release(self, follower: Follower, conversation_id: str) -> None:
+        followers = self.followers_by_id.get(conversation_id)
+        if followers is None:
+            return
+        try:
+            followers.remove(follower)
+        except ValueError:
+            return
+        if not followers:
+            del self.followers_by_id[conversation_id]
+
+    def close_followers(self) -> None:
+        for followers in list(self.followers_by_id.values()):
+            for follower in list(followers):
+                follower.close()
+        self.followers_by_id.clear()
+
+    # -- tasks that would not stop -------------------------------------------------------
+    def abandon(self, task: asyncio.Task[Any], what: str) -> None:
+        """Own a task that ignored cancellation past its deadline, and report it."""
+        self._rt._counters.abandoned += 1
+        self.abandoned.add(task)
+        self.log.error("abandoned a task that ignored cancellation", task=what)
+
+        def finished(done: asyncio.Task[Any]) -> None:
+            self.abandoned.discard(done)
+            if not done.cancelled():
+                done.exception()  # retrieved: it was reported when abandoned
+
+        task.add_done_callback(finished)
