@@ -20,6 +20,7 @@ caller and leaves the agent restartable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -222,7 +223,5 @@ def _fail_waiting(agent: Agent, error: BaseException) -> None:
 
 def _log(rt: Runtime, level: str, message: str, **fields: Any) -> None:
     """Log, and never let logging fail the caller (a supervisor must not die of it)."""
-    try:
+    with contextlib.suppress(Exception):  # the one place a failure is dropped: logging
         getattr(rt._log, level)(message, **fields)
-    except Exception:
-        pass
