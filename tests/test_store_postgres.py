@@ -33,7 +33,7 @@ from torpor.store.prepare import PREVIEW_BYTES
 
 asyncpg = pytest.importorskip("asyncpg")
 
-from pg_cluster import PgCluster, pg_cluster  # noqa: E402, F401 - the session fixture
+from pg_cluster import PgCluster  # noqa: E402 - pg_cluster itself comes from conftest.py
 from support import until  # noqa: E402
 
 from torpor.store.postgres import PostgresStore  # noqa: E402
@@ -43,7 +43,7 @@ FILLER = "the build ran and the tests passed without any surprises today"
 
 
 @pytest.fixture
-async def pg_url(pg_cluster: PgCluster) -> str:  # noqa: F811
+async def pg_url(pg_cluster: PgCluster) -> str:
     name = "t_" + uuid.uuid4().hex[:16]
     admin = await asyncpg.connect(pg_cluster.url())
     try:

@@ -72,6 +72,11 @@ _LATEST_CHECKPOINT = (
 
 
 def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
+    """Run ``fn`` in one read transaction, always ended: a reader left inside one would
+    see that snapshot forever. (Event rows are fetched whole before they are decoded, so a
+    CorruptEvent never leaves a statement running, which would make ROLLBACK fail.)"""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
     conn.execute("BEGIN")
     try:
         result = fn()
@@ -103,7 +108,7 @@ def read_since(conn: sqlite3.Connection, name: str, position: int) -> list[Event
     if state is None:
         return []
     key, last = state
-    events = to_events(name, conn.execute(_SINCE, (key, position)), position)
+    events = to_events(name, conn.execute(_SINCE, (key, position)).fetchall(), position)
     check_reaches(name, events, position, last)
     return events
 
@@ -113,7 +118,7 @@ def read_range(conn: sqlite3.Connection, name: str, start: int, end: int) -> lis
     if state is None or end < start:
         return []
     key, last = state
-    events = to_events(name, conn.execute(_RANGE, (key, start, end)), start)
+    events = to_events(name, conn.execute(_RANGE, (key, start, end)).fetchall(), start)
     check_reaches(name, events, start, min(end, last))
     return events
 
