@@ -39,6 +39,11 @@ _CORRUPT: tuple[type[BaseException], ...] = (pg.DataCorruptedError, pg.IndexCorr
 def is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _UNAVAILABLE):
         return True
+    if isinstance(exc, pg.InternalClientError):
+        # What asyncpg raises when the server ended an idle session (a terminated
+        # backend) and the connection is used before it noticed: it cannot be used
+        # again, and a new one will do.
+        return True
     # A closed connection used again. (Its subclasses are not: a bad argument, a misuse.)
     return type(exc) is asyncpg.InterfaceError
 

@@ -69,6 +69,13 @@ T = TypeVar("T")
 
 
 _check_id = check_conversation_id
+_DRIVER_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 
 
 class PostgresStore:
@@ -203,15 +210,20 @@ class PostgresStore:
 
         Reads change nothing, so repeating one is safe, and a pooled connection
         the server closed (a restart, ``pg_terminate_backend``) is only found out
-        when it is used: the pool then discards it and the retry gets a fresh one.
+        when it is used; then every pooled connection is replaced (the others
+        were most likely closed too) and the retry gets a fresh one.
         """
         for attempt in (1, 2):
-            if self._pool is None:
+            pool = self._pool
+            if pool is None:
                 raise StoreError("the store is not open")
             try:
-                return await fn(self._pool, *args)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+                return await fn(pool, *args)
+            except Exception as exc:
+                if not isinstance(exc, _DRIVER_ERRORS):
+                    raise
                 if attempt == 1 and is_unavailable(exc):
+                    await pool.expire_connections()
                     continue
                 raise store_error(exc, "read failed") from exc
         raise AssertionError("unreachable")
