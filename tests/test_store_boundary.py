@@ -192,6 +192,9 @@ async def test_absurd_numbers_are_invalid_input_never_overflow(backend: Backend)
             store.put_checkpoint(Checkpoint("c", 5, 0, 1)),  # beyond the head
             store.record_model_call(call(turn=huge)),
             store.record_model_call(call(call_index=2**40)),
+            store.record_model_call(call(reported_prompt_tokens=huge)),
+            store.record_model_call(call(sections={"tail": huge})),
+            store.record_model_call("not a call"),  # type: ignore[arg-type]
             store.put_artifact("c", "not bytes"),  # type: ignore[arg-type]
         ]
         for index, attempt in enumerate(attempts):
@@ -265,6 +268,11 @@ async def test_missing_artifacts_and_bad_audit_text(backend: Backend) -> None:
         await store.record_model_call(call(error=f"bad {SURROGATE} \x00 text", model="m\x00"))
         (stored,) = await store.model_calls("c")
         assert stored.error == "bad \ufffd \ufffd text" and stored.model == "m\ufffd"
+
+
+async def test_both_backends_implement_the_whole_protocol(backend: Backend) -> None:
+    async with backend.open() as store:
+        assert isinstance(store, EventStore)
 
 
 async def test_concurrent_bad_and_good_appends_share_nothing(backend: Backend) -> None:

@@ -175,6 +175,8 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
             raise InvalidInput(at, f"must be a Marker, got {type(marker).__name__}")
         for name in ("start", "end", "start_ms", "end_ms", "level"):
             check_int(getattr(marker, name), f"{at}.{name}", 0, _INT_HIGH >> 1)
+        if not isinstance(marker.topics, tuple | list):
+            raise InvalidInput(f"{at}.topics", "must be a tuple of str")
         for topic_index, topic in enumerate(marker.topics):
             check_text(topic, f"{at}.topics[{topic_index}]")
     return checkpoint
@@ -195,10 +197,20 @@ def admit_model_call(call: object) -> ModelCall:
     check_int(call.compaction_cycle, "call.compaction_cycle", 0, INT32_LIMIT)
     check_int(call.created_at, "call.created_at", 0, _INT_HIGH >> 1)
     check_int(call.estimated_prompt_tokens, "call.estimated_prompt_tokens", 0, _INT_HIGH >> 1)
+    for name in ("reported_prompt_tokens", "completion_tokens"):
+        value = getattr(call, name)
+        if value is not None:
+            check_int(value, f"call.{name}", 0, _INT_HIGH >> 1)
+    for name in ("utilization", "latency_ms", "ttft_ms"):
+        value = getattr(call, name)
+        if value is not None and (type(value) not in (int, float)):
+            raise InvalidInput(f"call.{name}", f"must be a number, got {type(value).__name__}")
     if not isinstance(call.recipe, bytes):
         raise InvalidInput("call.recipe", "must be bytes")
     if not isinstance(call.sections, dict):
         raise InvalidInput("call.sections", "must be a dict of section name to tokens")
+    for size in call.sections.values():
+        check_int(size, "call.sections", _INT_LOW, _INT_HIGH >> 1)
     texts = [call.rendered_hash, call.model, *call.sections]
     if call.error is not None:
         texts.append(call.error)

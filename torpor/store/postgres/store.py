@@ -150,7 +150,7 @@ class PostgresStore:
                 max_size=self._reader_count,
                 server_settings={"application_name": "torpor-reader"},
             )
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except _DRIVER_ERRORS as exc:
             await self._close_connections()
             raise store_error(exc, f"cannot open the PostgreSQL store {_redact(self.dsn)}") from exc
         except BaseException:
