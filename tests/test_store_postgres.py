@@ -2,7 +2,7 @@
 
 Runs against a throwaway cluster (``pg_cluster``, started once per session from
 the machine's PostgreSQL binaries; skipped with the reason if there are none);
-every test gets a fresh database in it.
+every test gets a fresh schema of one database in it (``pg_url``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from torpor.store.prepare import PREVIEW_BYTES
 
 asyncpg = pytest.importorskip("asyncpg")
 
-from pg_cluster import PgCluster  # noqa: E402 - pg_cluster itself comes from conftest.py
 from support import until  # noqa: E402
 
 from torpor.store.postgres import PostgresStore  # noqa: E402
@@ -43,14 +42,16 @@ FILLER = "the build ran and the tests passed without any surprises today"
 
 
 @pytest.fixture
-async def pg_url(pg_cluster: PgCluster) -> str:
-    name = "t_" + uuid.uuid4().hex[:16]
-    admin = await asyncpg.connect(pg_cluster.url())
+async def pg_url(pg_database: str) -> str:
+    """A fresh schema of the session's test database (``search_path`` in the URL): as
+    empty as a new database for the store, at a millisecond instead of a few hundred."""
+    schema = "t_" + uuid.uuid4().hex[:16]
+    admin = await asyncpg.connect(pg_database)
     try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
+        await admin.execute(f"CREATE SCHEMA {schema}")
     finally:
         await admin.close()
-    return pg_cluster.url(name)
+    return f"{pg_database}?search_path={schema}"
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ async def test_both_url_schemes_open_the_postgres_store_and_the_schema_is_versio
         r["column_name"] for r in columns
     }
     with pytest.raises(StoreError, match="cannot open"):
-        async with open_store(pg_url.rsplit("/", 1)[0] + "/no_such_database"):
+        async with open_store(pg_url.split("?")[0].rsplit("/", 1)[0] + "/no_such_database"):
             pass
     await sql(pg_url, "INSERT INTO schema_version (version) VALUES ($1)", SCHEMA_VERSION + 1)
     with pytest.raises(StoreError, match="newer"):
