@@ -37,6 +37,7 @@ from torpor.events import (
 from torpor.store.admit import check_body
 from torpor.store.arguments import (
     MAX_ID_LENGTH,
+    POSITION_LIMIT,
     check_conversation_id,
     check_count,
     check_int,
@@ -159,7 +160,7 @@ class AppendPolicy:
             raise InvalidInput("events", "an append needs at least one event")
         check_turn(turn)
         if expect_head is not None:
-            check_int(expect_head, "expect_head", -1, 1 << 32)
+            check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
         check_key(key)
         created = now_ms()
         prepared = tuple(
