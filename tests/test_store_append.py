@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torpor import ConflictError, EventTooLarge, StoreError
+from torpor import ConflictError, EventTooLarge, InvalidInput, StoreError
 from torpor.events import AssistantMessage, ToolCall, UserMessage
 from torpor.store import SQLiteStore
 
@@ -194,9 +194,9 @@ async def test_bad_appends_are_refused_before_anything_is_written(
     sqlite_store: SQLiteStore,
 ) -> None:
     assert await sqlite_store.append("x" * 256, [UserMessage("longest id is fine")]) == [0]
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         await sqlite_store.append("c", [])
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidInput):
         await sqlite_store.append("c", ["not a body"])  # type: ignore[list-item]
     with pytest.raises(EventTooLarge) as caught:
         await sqlite_store.append("c", [UserMessage("ok"), UserMessage("x" * (1024 * 1024 + 1))])

@@ -2,7 +2,7 @@
 
 Runs against a throwaway cluster (``pg_cluster``, started once per session from
 the machine's PostgreSQL binaries; skipped with the reason if there are none);
-every test gets a fresh database in it.
+every test gets a fresh schema of one database in it (``pg_url``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torpor import (
     CorruptEvent,
     EchoModel,
     EventTooLarge,
+    InvalidInput,
     Runtime,
     StoreError,
 )
@@ -32,7 +33,6 @@ from torpor.store.prepare import PREVIEW_BYTES
 
 asyncpg = pytest.importorskip("asyncpg")
 
-from pg_cluster import PgCluster, pg_cluster  # noqa: E402, F401 - the session fixture
 from support import until  # noqa: E402
 
 from torpor.store.postgres import PostgresStore  # noqa: E402
@@ -42,14 +42,16 @@ FILLER = "the build ran and the tests passed without any surprises today"
 
 
 @pytest.fixture
-async def pg_url(pg_cluster: PgCluster) -> str:  # noqa: F811
-    name = "t_" + uuid.uuid4().hex[:16]
-    admin = await asyncpg.connect(pg_cluster.url())
+async def pg_url(pg_database: str) -> str:
+    """A fresh schema of the session's test database (``search_path`` in the URL): as
+    empty as a new database for the store, at a millisecond instead of a few hundred."""
+    schema = "t_" + uuid.uuid4().hex[:16]
+    admin = await asyncpg.connect(pg_database)
     try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
+        await admin.execute(f"CREATE SCHEMA {schema}")
     finally:
         await admin.close()
-    return pg_cluster.url(name)
+    return f"{pg_database}?search_path={schema}"
 
 
 @pytest.fixture
@@ -101,7 +103,7 @@ async def test_both_url_schemes_open_the_postgres_store_and_the_schema_is_versio
         r["column_name"] for r in columns
     }
     with pytest.raises(StoreError, match="cannot open"):
-        async with open_store(pg_url.rsplit("/", 1)[0] + "/no_such_database"):
+        async with open_store(pg_url.split("?")[0].rsplit("/", 1)[0] + "/no_such_database"):
             pass
     await sql(pg_url, "INSERT INTO schema_version (version) VALUES ($1)", SCHEMA_VERSION + 1)
     with pytest.raises(StoreError, match="newer"):
@@ -249,18 +251,18 @@ async def test_bad_conversation_ids_are_refused(store: PostgresStore, bad: objec
 
 async def test_bad_appends_are_refused_before_anything_is_written(store: PostgresStore) -> None:
     assert await store.append("x" * 256, [UserMessage("longest id is fine")]) == [0]
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         await store.append("c", [])
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidInput):
         await store.append("c", ["not a body"])  # type: ignore[list-item]
     with pytest.raises(EventTooLarge):
         await store.append("c", [UserMessage("ok"), UserMessage("x" * (1024 * 1024 + 1))])
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         await store.append("c", [UserMessage("a")], key="nul\x00")
+    # text no backend can hold as text is refused the same way on both (SQLite too)
+    with pytest.raises(InvalidInput):
+        await store.append("c", [UserMessage("nul \x00 byte")])
     assert await store.head("c") is None
-    # text PostgreSQL cannot hold as text still round-trips through the body
-    assert await store.append("c", [UserMessage("nul \x00 byte")]) == [0]
-    assert text_of((await store.read_since("c", 0))[0]) == "nul \x00 byte"
 
 
 async def test_close_commits_what_is_queued_and_refuses_later_work(pg_url: str) -> None:

@@ -10,10 +10,14 @@ from hypothesis import strategies as st
 from torpor.events import Aborted, AssistantMessage, ToolResult, UserMessage
 from torpor.store import Checkpoint, SQLiteStore
 
+# What the log can hold: no NUL, no lone surrogates; ids non-empty.
+storable = st.characters(exclude_categories=("Cs",), exclude_characters="\x00")
+text = st.text(storable, max_size=40)
+call_id = st.text(storable, min_size=1, max_size=5)
 bodies = st.one_of(
-    st.builds(UserMessage, st.text(max_size=40)),
-    st.builds(AssistantMessage, st.text(max_size=40)),
-    st.builds(ToolResult, st.text(max_size=5), st.just("tool"), st.text(max_size=40)),
+    st.builds(UserMessage, text),
+    st.builds(AssistantMessage, text),
+    st.builds(ToolResult, call_id, st.just("tool"), text),
     st.builds(Aborted, st.sampled_from(["cancelled", "crashed", "model_error"])),
 )
 steps = st.lists(

@@ -21,6 +21,7 @@ __all__ = [
     "ToolArgumentError",
     "TorporError",
     "TurnAborted",
+    "UnknownArtifact",
     "UnknownCall",
     "UnknownConversation",
     "UnsupportedStoreURL",
@@ -114,6 +115,17 @@ class IdempotencyConflict(TorporError, ValueError):
         )
         self.conversation_id = conversation_id
         self.key = key
+
+
+class UnknownArtifact(StoreError, KeyError):
+    """No artifact by that id (a KeyError too, as ``get_artifact`` always promised)."""
+
+    def __init__(self, artifact_id: str) -> None:
+        super().__init__(f"no artifact {artifact_id!r}")
+        self.artifact_id = artifact_id
+
+    def __str__(self) -> str:  # KeyError would show the repr of the message
+        return str(self.args[0])
 
 
 class UnknownConversation(TorporError, LookupError):

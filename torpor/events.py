@@ -44,9 +44,22 @@ class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False):
     text: str
 
 
-class AssistantMessage(msgspec.Struct, tag="assistant", frozen=True, gc=False):
+class AssistantMessage(
+    msgspec.Struct, tag="assistant", frozen=True, gc=False, omit_defaults=True
+):
+    """What the model said, and the tools it asked for.
+
+    A text too large for one row (over the store's ``max_event_bytes``) is
+    clipped on entry like a large tool result: ``text`` holds a preview and
+    ``artifact`` names the stored full text (``full_size`` bytes of UTF-8).
+    ``omit_defaults``: the optional fields cost nothing in the common row, and
+    rows written before they existed still decode.
+    """
+
     text: str
     tool_calls: tuple[ToolCall, ...] = ()
+    artifact: str | None = None
+    full_size: int | None = None
 
 
 class ToolResult(msgspec.Struct, tag="tool_result", frozen=True, gc=False):
@@ -64,11 +77,17 @@ class ToolResult(msgspec.Struct, tag="tool_result", frozen=True, gc=False):
     full_size: int | None = None
 
 
-class Suspended(msgspec.Struct, tag="suspended", frozen=True, gc=False):
-    """The agent waits for outside answers to these tool calls."""
+class Suspended(msgspec.Struct, tag="suspended", frozen=True, gc=False, omit_defaults=True):
+    """The agent waits for outside answers to these tool calls.
+
+    ``tools`` runs parallel to ``call_ids`` (the tool each call is for), so the
+    store's pending-approvals index can name them without reading the log; it
+    is empty in rows written before it existed.
+    """
 
     call_ids: tuple[str, ...]
     reason: str = ""
+    tools: tuple[str, ...] = ()
 
 
 class Resolved(msgspec.Struct, tag="resolved", frozen=True, gc=False):
@@ -87,12 +106,18 @@ AbortReason: TypeAlias = Literal[
 ]
 
 
-class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False):
-    """A turn that did not finish, and any text the model had streamed before it died."""
+class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False, omit_defaults=True):
+    """A turn that did not finish, and any text the model had streamed before it died.
+
+    A ``partial_text`` too large for one row is clipped on entry like an
+    assistant message's text: a preview here, the full text in ``artifact``.
+    """
 
     reason: AbortReason
     partial_text: str = ""
     detail: str = ""
+    artifact: str | None = None
+    full_size: int | None = None
 
 
 class Parked(msgspec.Struct, tag="parked", frozen=True, gc=False):

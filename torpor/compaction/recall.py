@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from torpor.errors import InvalidInput
 from torpor.events import (
     Aborted,
     AssistantMessage,
@@ -25,6 +26,8 @@ from torpor.events import (
     UserMessage,
 )
 from torpor.llm.protocol import ToolSpec
+from torpor.store.arguments import check_limit, check_position, search_query
+from torpor.store.clip import artifact_of, expanded
 from torpor.store.protocol import EventStore, SearchHit
 
 __all__ = ["EXPAND_TOOL", "RECALL_TOOL", "expand", "format_events", "format_hits", "recall"]
@@ -70,25 +73,31 @@ _json = msgspec.json.Encoder(order="deterministic")
 async def recall(
     store: EventStore, conversation_id: str, query: str, k: int = 10
 ) -> list[SearchHit]:
-    """Full-text search over every event of the conversation, best first, scores exposed."""
-    if k < 1:
-        raise ValueError("k must be >= 1")
+    """Full-text search over every event of the conversation, best first, scores exposed.
+
+    Bad arguments (``k`` not a positive int, ``query`` not a str) raise InvalidInput.
+    """
+    check_limit(k, "k")
+    query = search_query(query)
     if not query.strip():
         return []
     return await store.search(conversation_id, query, k)
 
 
 async def expand(store: EventStore, conversation_id: str, start: int, end: int) -> list[Event]:
-    """The exact events start..end (inclusive); clipped tool results carry their full content."""
+    """The exact events start..end (inclusive), each with its full text: tool results,
+    assistant answers and aborted answers that were clipped into artifacts come back whole."""
+    check_position(start, "start")
+    check_position(end, "end")
     if end < start:
-        raise ValueError(f"end ({end}) is before start ({start})")
+        raise InvalidInput("end", f"{end} is before start ({start})")
     events = await store.read_range(conversation_id, start, end)
     out: list[Event] = []
     for event in events:
-        body = event.body
-        if isinstance(body, ToolResult) and body.artifact is not None:
-            data = await store.get_artifact(body.artifact)
-            full = msgspec.structs.replace(body, content=data.decode("utf-8", errors="replace"))
+        artifact = artifact_of(event.body)
+        if artifact is not None:
+            data = await store.get_artifact(artifact)
+            full = expanded(event.body, data.decode("utf-8", errors="replace"))
             event = msgspec.structs.replace(event, body=full)
         out.append(event)
     return out

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["first_match", "match_expression", "query_terms", "snippet"]
+__all__ = ["MAX_QUERY_TERMS", "first_match", "match_expression", "query_terms", "snippet"]
 
 _WORD = re.compile(r"\w+")
 SNIPPET_CHARS = 160
+MAX_QUERY_TERMS = 64  # more is not a query but a document; FTS5 would refuse the expression
 
 
 def query_terms(query: str) -> list[str]:
-    """Whitespace-separated terms that contain at least one word character."""
-    return [term for term in query.split() if _WORD.search(term)]
+    """Whitespace-separated terms that contain at least one word character (the first 64)."""
+    return [term for term in query.split() if _WORD.search(term)][:MAX_QUERY_TERMS]
 
 
 def match_expression(query: str) -> str | None:

@@ -1,15 +1,22 @@
 """Turn an ``append`` call into rows, on the caller's side, before anything is queued.
 
 Everything that can refuse an append without looking at the database happens
-here (bad ids, empty batches, oversized bodies), so a refused append never
-reaches the writer and never shares a transaction with anyone. Large tool
-results are clipped on entry: the row keeps a preview, the full text goes to an
-artifact written in the same transaction, and full-text search indexes the full
-text so a string beyond the preview is still found.
+here (bad ids, text the log cannot hold, empty batches, oversized bodies), so a
+refused append never reaches the writer and never shares a transaction with
+anyone. Bodies too large for a row are clipped on entry (:mod:`.clip`): the
+row keeps a preview, the full text goes to an artifact written in the same
+transaction, and full-text search indexes the full text so a string beyond the
+preview is still found.
+
+A keyed append also gets a *fingerprint* of its first body (the message the
+key is for), stored with the key, so a retry with the same key is recognised
+as the same request and a reuse of the key for a different message is refused
+(IdempotencyConflict).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -17,8 +24,27 @@ from dataclasses import dataclass
 
 import msgspec
 
-from torpor.errors import ConfigError, EventTooLarge
-from torpor.events import Body, ToolResult, encode_body, kind_of, searchable_text
+from torpor.errors import ConfigError, EventTooLarge, InvalidInput
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Body,
+    ToolResult,
+    encode_body,
+    kind_of,
+    searchable_text,
+)
+from torpor.store.admit import check_body
+from torpor.store.arguments import (
+    MAX_ID_LENGTH,
+    POSITION_LIMIT,
+    check_conversation_id,
+    check_count,
+    check_int,
+    check_key,
+    check_turn,
+)
+from torpor.store.clip import PREVIEW_BYTES, clip_aborted, clip_assistant, clip_tool_result
 from torpor.store.protocol import TokenCounter
 
 __all__ = [
@@ -28,13 +54,12 @@ __all__ = [
     "PreparedAppend",
     "PreparedEvent",
     "check_conversation_id",
+    "clip_tool_result",
     "estimate_tokens",
+    "fingerprint",
     "new_artifact_id",
     "now_ms",
 ]
-
-MAX_ID_LENGTH = 256
-PREVIEW_BYTES = 1024
 
 
 def now_ms() -> int:
@@ -46,14 +71,15 @@ def new_artifact_id() -> str:
     return "art-" + uuid.uuid4().hex
 
 
-def check_conversation_id(conversation_id: object) -> str:
-    if not isinstance(conversation_id, str):
-        raise ValueError(f"conversation id must be a str, got {type(conversation_id).__name__}")
-    if not conversation_id or len(conversation_id) > MAX_ID_LENGTH:
-        raise ValueError(
-            f"conversation id must be 1..{MAX_ID_LENGTH} characters, got {len(conversation_id)}"
-        )
-    return conversation_id
+def fingerprint(body: bytes) -> bytes:
+    """What identifies a keyed append: a hash of its first body as the caller gave it.
+
+    The first body only, because that is what a key stands for (the user's
+    message): a retry may carry fewer or other events after it and is still
+    the same request. Over the msgpack encoding of the body before clipping, so
+    a body clipped into an artifact (whose id is random) still matches.
+    """
+    return hashlib.blake2b(body, digest_size=16).digest()
 
 
 def estimate_tokens(body: Body) -> int:
@@ -74,7 +100,7 @@ class PreparedEvent(msgspec.Struct, frozen=True, gc=False):
     value: Body  # the body as stored (clipped)
     body: bytes  # msgpack of ``value``
     text: str  # what full-text search indexes (full text, even when clipped)
-    artifact_id: str | None = None
+    artifact_id: str | None = None  # set when this append clipped the body
     artifact_data: bytes | None = None  # the full content, utf-8, uncompressed
 
 
@@ -83,6 +109,21 @@ class PreparedAppend(msgspec.Struct, frozen=True, gc=False):
     events: tuple[PreparedEvent, ...]
     expect_head: int | None
     key: str | None
+    fingerprint: bytes | None = None  # of the first body, when keyed
+
+    def repeats(self, stored: bytes | None, first_body: bytes | None) -> bool:
+        """Whether this keyed append repeats the one stored under its key.
+
+        ``stored`` is that append's fingerprint. Keys stored before fingerprints
+        existed (None) compare ``first_body``, the stored first body (the message
+        the key was given for), with ours byte for byte.
+        """
+        if stored is not None:
+            return bytes(stored) == self.fingerprint
+        first = self.events[0]
+        if first.artifact_id is not None or first_body is None:
+            return True  # nothing comparable: give the benefit of the doubt, as before
+        return bytes(first_body) == first.body
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +135,11 @@ class AppendPolicy:
     max_event_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.artifact_threshold < PREVIEW_BYTES:
+        if type(self.artifact_threshold) is not int or self.artifact_threshold < PREVIEW_BYTES:
             raise ConfigError(
                 "artifact_threshold", f"must be at least {PREVIEW_BYTES} bytes (the preview size)"
             )
-        if self.max_event_bytes < 2 * PREVIEW_BYTES:
+        if type(self.max_event_bytes) is not int or self.max_event_bytes < 2 * PREVIEW_BYTES:
             raise ConfigError("max_event_bytes", f"must be at least {2 * PREVIEW_BYTES} bytes")
 
     def prepare(
@@ -114,25 +155,27 @@ class AppendPolicy:
         if type(events) not in (list, tuple) and (
             isinstance(events, str | bytes) or not isinstance(events, Sequence)
         ):
-            raise TypeError("events must be a sequence of event bodies")
+            raise InvalidInput("events", "must be a sequence of event bodies")
         if not events:
-            raise ValueError("an append needs at least one event")
-        if type(turn) is not int or turn < 0:
-            raise ValueError(f"turn must be a non-negative int, got {turn!r}")
-        if expect_head is not None and (type(expect_head) is not int or expect_head < -1):
-            raise ValueError(f"expect_head must be None, -1 or a position, got {expect_head!r}")
-        if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH):
-            raise ValueError(f"idempotency key must be 1..{MAX_ID_LENGTH} characters")
+            raise InvalidInput("events", "an append needs at least one event")
+        check_turn(turn)
+        if expect_head is not None:
+            check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
+        check_key(key)
         created = now_ms()
-        prepared = tuple([self._prepare_one(body, turn, created) for body in events])
-        return PreparedAppend(conversation_id, prepared, expect_head, key)
+        prepared = tuple(
+            [self._prepare_one(b, f"events[{i}]", turn, created) for i, b in enumerate(events)]
+        )
+        mark = None
+        if key is not None:
+            first = prepared[0]
+            mark = fingerprint(first.body if first.artifact_id is None else encode_body(events[0]))
+        return PreparedAppend(conversation_id, prepared, expect_head, key, mark)
 
-    def _prepare_one(self, body: Body, turn: int, created: int) -> PreparedEvent:
-        try:
-            kind = kind_of(body)
-        except KeyError:
-            raise TypeError(f"not an event body: {type(body).__name__}") from None
-        text = searchable_text(body)
+    def _prepare_one(self, body: Body, where: str, turn: int, created: int) -> PreparedEvent:
+        check_body(body, where)
+        kind = kind_of(body)
+        text = searchable_text(body)  # of the full body, even if it is clipped below
         stored_text = text  # the text of the body as stored (differs once clipped)
         artifact_id: str | None = None
         artifact_data: bytes | None = None
@@ -145,25 +188,31 @@ class AppendPolicy:
                 stored_text = searchable_text(body)
         encoded = encode_body(body)
         if len(encoded) > self.max_event_bytes:
-            raise EventTooLarge(len(encoded), self.max_event_bytes)
+            clipped = _clip_oversized(body)
+            if clipped is None:
+                raise EventTooLarge(len(encoded), self.max_event_bytes)
+            body, artifact_id, artifact_data = clipped
+            stored_text = searchable_text(body)
+            encoded = encode_body(body)
+            if len(encoded) > self.max_event_bytes:  # what is left (tool calls) is still too big
+                raise EventTooLarge(len(encoded), self.max_event_bytes)
         if self.token_counter is None:
             tokens = len(stored_text.encode()) // 4 + 4  # estimate_tokens, text already at hand
         else:
-            tokens = self.token_counter(body)
+            tokens = check_count(self.token_counter(body), "token_counter result")
         return PreparedEvent(
             kind, turn, tokens, created, body, encoded, text, artifact_id, artifact_data
         )
 
 
-def clip_tool_result(body: ToolResult, full: bytes, artifact_id: str) -> ToolResult:
-    """Keep the first ~1 KiB and say where the rest is, so a reader knows it was clipped."""
-    head = full[:PREVIEW_BYTES].decode("utf-8", "ignore")
-    note = f"\n[… clipped: {len(full):,} bytes in total; the full text is artifact {artifact_id}]"
-    return ToolResult(
-        call_id=body.call_id,
-        tool=body.tool,
-        content=head + note,
-        is_error=body.is_error,
-        artifact=artifact_id,
-        full_size=len(full),
-    )
+def _clip_oversized(body: Body) -> tuple[Body, str, bytes] | None:
+    """Model output too large for a row keeps a preview; caller input (a user message) does not."""
+    if type(body) is AssistantMessage and body.artifact is None:
+        full = body.text.encode()
+        artifact_id = new_artifact_id()
+        return clip_assistant(body, full, artifact_id), artifact_id, full
+    if type(body) is Aborted and body.artifact is None:
+        full = body.partial_text.encode()
+        artifact_id = new_artifact_id()
+        return clip_aborted(body, full, artifact_id), artifact_id, full
+    return None

@@ -20,6 +20,8 @@ __all__ = [
     "EventStore",
     "Marker",
     "ModelCall",
+    "PendingApproval",
+    "PendingCall",
     "Resume",
     "SearchHit",
     "TokenCounter",
@@ -101,6 +103,23 @@ class ModelCall(msgspec.Struct, frozen=True, gc=False):
     error: str | None = None
 
 
+class PendingCall(msgspec.Struct, frozen=True, gc=False):
+    """One tool call waiting for an outside answer (see :meth:`EventStore.pending`)."""
+
+    call_id: str
+    tool: str  # "" for a suspension logged before tool names were recorded
+    since: int  # epoch ms of the Suspended event
+    position: int  # of the Suspended event
+
+
+class PendingApproval(msgspec.Struct, frozen=True, gc=False):
+    """A conversation waiting for outside answers, evicted or not."""
+
+    conversation_id: str
+    calls: tuple[PendingCall, ...]  # in log order
+    since: int  # epoch ms: the oldest call's
+
+
 @runtime_checkable
 class EventStore(Protocol):
     """The append-only log. All methods are coroutines; every one is one trip to the backend."""
@@ -118,8 +137,14 @@ class EventStore(Protocol):
 
         ``expect_head``: the caller's idea of the current head (-1 for an empty
         conversation); a mismatch raises ConflictError and writes nothing.
-        ``key``: idempotency key; a key seen before returns the first positions and
-        writes nothing.
+        ``key``: idempotency key; a key seen before with the same bodies returns the
+        first positions and writes nothing; with different bodies it raises
+        IdempotencyConflict and writes nothing.
+
+        Errors, all raised before anything is written: InvalidInput (an id or
+        text the log cannot hold, a bad argument), EventTooLarge, ConflictError,
+        IdempotencyConflict, StoreUnavailable (the database cannot write now;
+        the same call may succeed later).
         """
         ...
 
@@ -139,7 +164,11 @@ class EventStore(Protocol):
     async def head(self, conversation_id: str) -> int | None: ...
 
     async def read_since(self, conversation_id: str, position: int) -> list[Event]:
-        """Events with position >= ``position``, oldest first."""
+        """Events with position >= ``position``, oldest first.
+
+        Reads check that the log is dense: a missing position raises
+        ``CorruptEvent(conversation_id, position, "missing")``.
+        """
         ...
 
     async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
@@ -179,3 +208,10 @@ class EventStore(Protocol):
     ) -> list[ConversationInfo]: ...
 
     async def conversation(self, conversation_id: str) -> ConversationInfo | None: ...
+
+    async def pending(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[PendingApproval]:
+        """Conversations with tool calls waiting for an outside answer, ordered by id,
+        those after ``after`` (keyset pagination), from an index: never a log scan."""
+        ...

@@ -1,4 +1,11 @@
-"""Rows to records. A row is bytes until it decodes; one that does not is a CorruptEvent."""
+"""Rows to records. A row is bytes until it decodes; one that does not is a CorruptEvent.
+
+So is a row that is not there: positions are dense (0, 1, 2, … per
+conversation), so a read knows which positions it must return and names the
+first one missing (``CorruptEvent(conversation, position, "missing")``)
+instead of skipping it. The check is one comparison per decoded row, plus one
+at the end against the conversation's head.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,27 @@ import msgspec
 
 from torpor.errors import CorruptEvent
 from torpor.events import Event, decode_body
-from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    ModelCall,
+    PendingApproval,
+    PendingCall,
+)
 
 __all__ = [
-    "compress_artifact",
     "EVENT_COLUMNS",
+    "MISSING",
+    "check_count",
+    "check_reaches",
+    "compress_artifact",
     "decode_checkpoint",
     "decode_model_call",
     "encode_checkpoint",
     "encode_model_call",
     "to_conversation_info",
     "to_events",
+    "to_pending_approvals",
 ]
 
 EVENT_COLUMNS = "position, turn, tokens, created_at, body"
@@ -30,18 +47,45 @@ _checkpoint_decoder = msgspec.msgpack.Decoder(Checkpoint)
 _call_decoder = msgspec.msgpack.Decoder(ModelCall)
 
 
-def to_events(conversation_id: str, rows: Iterable[EventRow]) -> list[Event]:
-    return [
-        Event(
-            conversation_id,
-            position,
-            turn,
-            tokens,
-            created_at,
-            decode_body(body, conversation_id=conversation_id, position=position),
+MISSING = "missing"
+
+
+def to_events(
+    conversation_id: str, rows: Iterable[EventRow], first: int | None = None, step: int = 1
+) -> list[Event]:
+    """Decode rows ordered by position; with ``first``, they must run ``first``, ``first +
+    step``, … without a hole (``step`` -1 for newest-first pages)."""
+    events = []
+    expected = first
+    for position, turn, tokens, created_at, body in rows:
+        if position != expected and expected is not None:
+            raise CorruptEvent(conversation_id, expected, MISSING)
+        events.append(
+            Event(
+                conversation_id,
+                position,
+                turn,
+                tokens,
+                created_at,
+                decode_body(body, conversation_id=conversation_id, position=position),
+            )
         )
-        for position, turn, tokens, created_at, body in rows
-    ]
+        expected = position + step
+    return events
+
+
+def check_reaches(conversation_id: str, events: list[Event], start: int, end: int) -> None:
+    """Oldest-first ``events`` read from ``start`` must reach ``end`` (the head, or the end of
+    the range asked for, whichever is lower): the rows after the last one returned exist."""
+    last = events[-1].position if events else start - 1
+    if last < end:
+        raise CorruptEvent(conversation_id, last + 1, MISSING)
+
+
+def check_count(conversation_id: str, events: list[Event], top: int, limit: int) -> None:
+    """A newest-first page from ``top`` must hold ``limit`` events, or every one down to 0."""
+    if len(events) < min(limit, top + 1):
+        raise CorruptEvent(conversation_id, top - len(events), MISSING)
 
 
 def encode_checkpoint(checkpoint: Checkpoint) -> bytes:
@@ -87,3 +131,15 @@ def to_conversation_info(row: ConversationRow) -> ConversationInfo:
 def compress_artifact(data: bytes) -> bytes:
     """zlib; the fastest level for very large data, so one huge result cannot stall a batch."""
     return zlib.compress(data, 6 if len(data) < (1 << 20) else 1)
+
+
+def to_pending_approvals(rows: Iterable[tuple[str, str, str, int, int]]) -> list[PendingApproval]:
+    """Pending-index rows (conversation, call id, tool, since, position), ordered by
+    conversation, as one record per conversation."""
+    grouped: dict[str, list[PendingCall]] = {}
+    for name, call_id, tool, since, position in rows:
+        grouped.setdefault(name, []).append(PendingCall(call_id, tool, since, position))
+    return [
+        PendingApproval(name, tuple(calls), min(call.since for call in calls))
+        for name, calls in grouped.items()
+    ]

@@ -43,9 +43,10 @@ import asyncpg
 import structlog
 
 from torpor.errors import StoreError
+from torpor.store.postgres.errors import is_unavailable
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
-from torpor.store.postgres.statements import CREATE, LOCK, write
-from torpor.store.rows import EVENT_COLUMNS, to_events
+from torpor.store.postgres.statements import CREATE, LOCK, write, write_pending
+from torpor.store.rows import EVENT_COLUMNS, check_reaches, to_events
 
 __all__ = ["BatchStats", "Failed", "run_batch"]
 
@@ -96,8 +97,8 @@ async def run_batch(
             stats.retries += 1
             await asyncio.sleep(random.uniform(0.001, 0.004) * min(2**attempt, 64))
         except asyncpg.PostgresError as exc:
-            if conn.is_closed() or isolated:
-                raise
+            if conn.is_closed() or isolated or is_unavailable(exc):
+                raise  # nobody's fault but the database's: the whole batch fails
             log.info("batch_isolated", ops=len(ops), error=repr(exc))
             stats.isolated += 1
             isolated = True
@@ -108,10 +109,10 @@ async def _load(conn: asyncpg.Connection, view: View, ops: Sequence[WriteOp]) ->
     """Lock and read the conversations of ``ops`` (and their idempotency keys) into ``view``."""
     names = sorted({op.conversation_id for op in ops})
     keys = sorted({op.idempotency_key for op in ops if op.idempotency_key is not None})
-    for key, name, head, idem, first, count in await conn.fetch(LOCK, names, keys):
+    for key, name, head, idem, first, count, mark, body in await conn.fetch(LOCK, names, keys):
         view.states[name] = ConvState(key, head)
         if idem is not None:
-            view.stored_keys[(name, idem)] = (first, count)
+            view.stored_keys[(name, idem)] = (first, count, mark, body)
 
 
 async def _create(conn: asyncpg.Connection, view: View, names: list[str]) -> list[str]:
@@ -152,6 +153,8 @@ async def _bulk(conn: asyncpg.Connection, ops: Sequence[WriteOp], now: int) -> l
             break
         await _load(conn, view, [op for op in ops if op.conversation_id in set(raced)])
     await write(conn, view.writes, view.heads, view.key_of, now)
+    if view.pending:
+        await write_pending(conn, view.pending)
     return await _replays(conn, view, results)
 
 
@@ -165,7 +168,7 @@ async def _isolated(conn: asyncpg.Connection, ops: Sequence[WriteOp], now: int) 
             async with conn.transaction():  # a SAVEPOINT
                 plan = await _isolated_one(conn, view, op)
         except asyncpg.PostgresError as exc:
-            if conn.is_closed() or isinstance(exc, _RETRYABLE):
+            if conn.is_closed() or isinstance(exc, _RETRYABLE) or is_unavailable(exc):
                 raise
             if not existed:  # its row, if this op created it, was rolled back too
                 view.states.pop(op.conversation_id, None)
@@ -178,6 +181,8 @@ async def _isolated(conn: asyncpg.Connection, ops: Sequence[WriteOp], now: int) 
             continue
         view.keep(plan)
         results.append(plan.result)
+    if view.pending:
+        await write_pending(conn, view.pending)
     return await _replays(conn, view, results)
 
 
@@ -210,7 +215,11 @@ async def _replays(conn: asyncpg.Connection, view: View, results: list[object]) 
                 result.first + result.count - 1,
             )
             try:
-                results[index] = to_events(result.conversation_id, rows)
+                events = to_events(result.conversation_id, rows, result.first)
+                check_reaches(
+                    result.conversation_id, events, result.first, result.first + result.count - 1
+                )
+                results[index] = events
             except StoreError as exc:
                 results[index] = Failed(exc)
     return results

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 
-from torpor.store.fulltext import query_terms
+from torpor.store.fulltext import MAX_QUERY_TERMS, query_terms
 
 __all__ = [
     "CHUNK_CHARS",
@@ -50,7 +50,6 @@ __all__ = [
 
 CHUNK_CHARS = 64 * 1024
 MAX_LEXEME_CHARS = 256  # longer identifiers are only indexed by their parts
-MAX_QUERY_TERMS = 64
 
 _EDGE = ".-/@#+~"
 # The maximal run of word characters and _EDGE marks, minus the marks at its edges,
@@ -106,18 +105,15 @@ def query_identifiers(term: str) -> str:
 
 def search_terms(query: str) -> tuple[list[str], list[str]]:
     """The query's terms (at most :data:`MAX_QUERY_TERMS`) and their identifier alternatives."""
-    terms = [t.replace("\x00", " ") for t in query_terms(query)][:MAX_QUERY_TERMS]
+    terms = query_terms(query)  # NUL-free: torpor.store.arguments.search_query
     return terms, [query_identifiers(t) for t in terms]
 
 
 def document_chunks(text: str) -> list[tuple[str, str]]:
     """``(text, identifier lexemes)`` per chunk; cut at whitespace where one is near.
 
-    NUL characters become spaces: PostgreSQL text cannot hold them (the body,
-    stored as bytes, keeps them).
+    The text holds no NUL (PostgreSQL text could not): appends refuse it.
     """
-    if "\x00" in text:
-        text = text.replace("\x00", " ")
     if len(text) <= CHUNK_CHARS:
         return [(text, identifier_lexemes(text))]
     chunks = []

@@ -25,8 +25,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.errors import ConflictError
-from torpor.events import Event
+from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
+from torpor.events import Body, Event
+from torpor.store.arguments import POSITION_LIMIT
+from torpor.store.pending import INDEXED_KINDS, PendingChanges
 from torpor.store.postgres.lexemes import document_chunks
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -69,7 +71,7 @@ class Writes:
     events: list[tuple[str, int, int, str, int, int, bytes]] = field(default_factory=list)
     fts: list[tuple[str, int, int, str, str]] = field(default_factory=list)
     artifacts: list[tuple[str, str, int, int, bytes]] = field(default_factory=list)
-    keys: list[tuple[str, str, int, int, int]] = field(default_factory=list)
+    keys: list[tuple[str, str, int, int, int, bytes | None]] = field(default_factory=list)
     checkpoints: list[tuple[str, int, int, bytes]] = field(default_factory=list)
     model_calls: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
 
@@ -91,14 +93,23 @@ class ReplayEvents:
     count: int
 
 
+PlannedKey = tuple[int, int, tuple[PreparedEvent, ...], bytes | None]
+"""A key planned in this batch: first position, count, prepared events, fingerprint."""
+
+StoredKey = tuple[int, int, bytes | None, bytes | None]
+"""A key found in the database: first position, count, fingerprint, and (only for a key
+stored before fingerprints) the first body."""
+
+
 @dataclass(slots=True)
 class Plan:
     result: object
     name: str | None = None  # the conversation this operation needs to exist
     head: HeadUpdate | None = None  # how it moves that conversation's row
     writes: Writes | None = None
-    # (conversation, idempotency key) -> (first position, count, prepared events)
-    idempotency: tuple[tuple[str, str], tuple[int, int, tuple[PreparedEvent, ...]]] | None = None
+    # (conversation, idempotency key) -> what was planned for it
+    idempotency: tuple[tuple[str, str], PlannedKey] | None = None
+    indexed: list[tuple[int, int, Body]] | None = None  # (position, created_at, body) to index
 
 
 class WriteOp(Protocol):
@@ -117,16 +128,17 @@ class View:
     def __init__(self, now: int) -> None:
         self.now = now
         self.states: dict[str, ConvState] = {}  # read (and locked) from the database
-        self.stored_keys: dict[tuple[str, str], tuple[int, int]] = {}
+        self.stored_keys: dict[tuple[str, str], StoredKey] = {}
         self.creating = False  # the batch has started creating conversations
         self.begin()
 
     def begin(self) -> None:
         """Forget every plan (to plan the batch again)."""
         self.planned: dict[str, ConvState] = {}
-        self.planned_keys: dict[tuple[str, str], tuple[int, int, tuple[PreparedEvent, ...]]] = {}
+        self.planned_keys: dict[tuple[str, str], PlannedKey] = {}
         self.heads: dict[str, HeadUpdate] = {}
         self.writes = Writes()
+        self.pending = PendingChanges()  # the pending-approvals index, net of the batch
 
     def state(self, name: str) -> ConvState:
         return self.planned.get(name) or self.states.get(name) or NEW
@@ -139,6 +151,9 @@ class View:
             self.planned_keys[plan.idempotency[0]] = plan.idempotency[1]
         if plan.name is None:
             return
+        if plan.indexed is not None:
+            for position, created_at, body in plan.indexed:
+                self.pending.apply(plan.name, position, created_at, body)
         state = self.state(plan.name)
         update = plan.head
         if update is not None:
@@ -206,10 +221,14 @@ class AppendOp:
         if append.key is not None:
             planned = view.planned_keys.get((name, append.key))
             if planned is not None:
+                if planned[3] != append.fingerprint:
+                    raise IdempotencyConflict(name, append.key)
                 return Plan(self._result(planned[0], planned[2]))
             stored = view.stored_keys.get((name, append.key))
             if stored is not None:
-                first, count = stored
+                first, count, mark, first_body = stored
+                if not append.repeats(mark, first_body):
+                    raise IdempotencyConflict(name, append.key)
                 if self.with_events:
                     return Plan(ReplayEvents(name, first, count))
                 return Plan(list(range(first, first + count)))
@@ -217,13 +236,20 @@ class AppendOp:
             raise ConflictError(name, append.expect_head, state.head)
         events = append.events
         first = state.head + 1
+        if first + len(events) > POSITION_LIMIT:
+            raise StoreError(f"conversation {name!r} is full (position {first + len(events) - 1})")
         writes = Writes()
         size = 0
+        indexed: list[tuple[int, int, Body]] | None = None
         for offset, e in enumerate(events):
             size += len(e.body)
             writes.events.append(
                 (name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body)
             )
+            if e.kind in INDEXED_KINDS:
+                if indexed is None:
+                    indexed = []
+                indexed.append((first + offset, e.created_at, e.value))
         for index, chunks in self.documents:
             for chunk, (text, lexemes) in enumerate(chunks):
                 writes.fts.append((name, first + index, chunk, text, lexemes))
@@ -233,14 +259,16 @@ class AppendOp:
             writes.artifacts.append((e.artifact_id, name, len(e.artifact_data), e.created_at, data))
         idempotency = None
         if append.key is not None:
-            writes.keys.append((name, append.key, first, len(events), view.now))
-            idempotency = ((name, append.key), (first, len(events), events))
+            mark = append.fingerprint
+            writes.keys.append((name, append.key, first, len(events), view.now, mark))
+            idempotency = ((name, append.key), (first, len(events), events, mark))
         return Plan(
             self._result(first, events),
             name,
             HeadUpdate(first + len(events) - 1, size),
             writes,
             idempotency,
+            indexed,
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
@@ -269,9 +297,10 @@ class CheckpointOp:
         cp = self.checkpoint
         state = view.state(cp.conversation_id)
         if not 0 <= cp.position <= state.head + 1:
-            raise ValueError(
-                f"checkpoint position {cp.position} is outside conversation "
-                f"{cp.conversation_id!r} (head {state.head})"
+            raise InvalidInput(
+                "checkpoint.position",
+                f"{cp.position} is outside conversation {cp.conversation_id!r} "
+                f"(head {state.head})",
             )
         writes = Writes()
         writes.checkpoints.append(

@@ -3,8 +3,11 @@
 A single statement sees a single snapshot, so ``resume`` (the latest checkpoint,
 the head and every event since the checkpoint) needs no explicit transaction:
 it is one ``UNION ALL`` whose first row carries the checkpoint and the head.
-Rows decode exactly as on SQLite (:mod:`torpor.store.sqlite.rows`): a body that
-does not decode raises CorruptEvent naming its conversation and position.
+The other event reads use the same shape (a first row with the head, then the
+events), because the head is what their density check needs.
+Rows decode exactly as on SQLite (:mod:`torpor.store.rows`): a body that
+does not decode, or a position that is missing, raises CorruptEvent naming its
+conversation and position.
 """
 
 from __future__ import annotations
@@ -12,17 +15,27 @@ from __future__ import annotations
 import zlib
 from typing import Any, Protocol
 
-from torpor.errors import StoreError
-from torpor.events import ToolResult, decode_body, kind_of, searchable_text
+from torpor.errors import StoreError, UnknownArtifact
+from torpor.events import Event, decode_body, kind_of, searchable_text
+from torpor.store.clip import artifact_of, expanded
 from torpor.store.fulltext import first_match, snippet
 from torpor.store.postgres.lexemes import search_terms
-from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    ModelCall,
+    PendingApproval,
+    Resume,
+    SearchHit,
+)
 from torpor.store.rows import (
-    EVENT_COLUMNS,
+    check_count,
+    check_reaches,
     decode_checkpoint,
     decode_model_call,
     to_conversation_info,
     to_events,
+    to_pending_approvals,
 )
 
 __all__ = [
@@ -34,6 +47,7 @@ __all__ = [
     "latest_checkpoint",
     "model_calls",
     "page_backward",
+    "pending",
     "read_range",
     "read_since",
     "resume",
@@ -52,10 +66,21 @@ class Reader(Protocol):
 
 
 _KEY = "(SELECT key FROM conversations WHERE external_id = $1)"
-_EVENTS = f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY}"
-_SINCE = f"{_EVENTS} AND position >= $2 ORDER BY position"
-_RANGE = f"{_EVENTS} AND position BETWEEN $2 AND $3 ORDER BY position"
-_BACKWARD = f"{_EVENTS} AND position < $2 ORDER BY position DESC LIMIT $3"
+
+# Row 0: (NULL, head, NULL, NULL, NULL, 0), if the conversation exists; then the events.
+_WITH_HEAD = """
+WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1)
+SELECT NULL::bigint AS pos, head, NULL::bigint, NULL::bigint, NULL::bytea, 0 AS r FROM conv
+UNION ALL
+(SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, 1
+ FROM events AS e, conv WHERE e.conversation_id = conv.key AND {where})
+ORDER BY r, pos {order}
+"""
+_SINCE = _WITH_HEAD.format(where="e.position >= $2", order="")
+_RANGE = _WITH_HEAD.format(where="e.position BETWEEN $2 AND $3", order="")
+_BACKWARD = _WITH_HEAD.format(
+    where="e.position < $2 ORDER BY e.position DESC LIMIT $3", order="DESC"
+)
 _CHECKPOINTS = "SELECT position, body FROM checkpoints WHERE conversation_id = " + _KEY
 _LATEST = f"{_CHECKPOINTS} ORDER BY id DESC LIMIT 1"
 
@@ -111,17 +136,37 @@ async def head(db: Reader, name: str) -> int | None:
     return None if value is None or value < 0 else int(value)
 
 
-async def read_since(db: Reader, name: str, position: int) -> list[Any]:
-    return to_events(name, await db.fetch(_SINCE, name, position))
+def _split(rows: list[Any]) -> tuple[int, list[Any]]:
+    """(recorded head, event rows) of a ``_WITH_HEAD`` result; head -1 if no conversation."""
+    if not rows:
+        return -1, []
+    return int(rows[0][1]), [row[:5] for row in rows[1:]]
 
 
-async def read_range(db: Reader, name: str, start: int, end: int) -> list[Any]:
-    return to_events(name, await db.fetch(_RANGE, name, start, end))
+async def read_since(db: Reader, name: str, position: int) -> list[Event]:
+    last, rows = _split(await db.fetch(_SINCE, name, position))
+    events = to_events(name, rows, position)
+    check_reaches(name, events, position, last)
+    return events
 
 
-async def page_backward(db: Reader, name: str, before: int | None, limit: int) -> list[Any]:
+async def read_range(db: Reader, name: str, start: int, end: int) -> list[Event]:
+    if end < start:
+        return []
+    last, rows = _split(await db.fetch(_RANGE, name, start, end))
+    events = to_events(name, rows, start)
+    check_reaches(name, events, start, min(end, last))
+    return events
+
+
+async def page_backward(db: Reader, name: str, before: int | None, limit: int) -> list[Event]:
     bound = (1 << 62) if before is None else before
-    return to_events(name, await db.fetch(_BACKWARD, name, bound, limit))
+    last, rows = _split(await db.fetch(_BACKWARD, name, bound, limit))
+    top = last if before is None else min(before - 1, last)
+    start = max(top, rows[0][0]) if rows else top  # rows above the head are not holes
+    events = to_events(name, rows, start, -1)
+    check_count(name, events, start, limit)
+    return events
 
 
 async def latest_checkpoint(db: Reader, name: str) -> Checkpoint | None:
@@ -140,7 +185,9 @@ async def resume(db: Reader, name: str) -> Resume:
         return Resume(name, None, None, ())
     _, last, cp_position, _, cp_body, _ = rows[0]
     checkpoint = None if cp_body is None else decode_checkpoint(name, cp_position, cp_body)
-    events = to_events(name, (row[:5] for row in rows[1:]))
+    start = 0 if checkpoint is None else checkpoint.position
+    events = to_events(name, (row[:5] for row in rows[1:]), start)
+    check_reaches(name, events, start, last)
     return Resume(name, None if last < 0 else last, checkpoint, tuple(events))
 
 
@@ -154,10 +201,10 @@ async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
     ):
         body = decode_body(data, conversation_id=name, position=position)
         text = searchable_text(body)
-        beyond_preview = isinstance(body, ToolResult) and first_match(text, query) < 0
-        if beyond_preview and isinstance(body, ToolResult) and body.artifact is not None:
-            full = await get_artifact(db, body.artifact)
-            text = f"{body.tool} {full.decode('utf-8', 'replace')}"
+        artifact = artifact_of(body)
+        if artifact is not None and first_match(text, query) < 0:  # beyond the preview
+            full = await get_artifact(db, artifact)
+            text = searchable_text(expanded(body, full.decode("utf-8", "replace")))
         hits.append(
             SearchHit(
                 position=position,
@@ -174,7 +221,7 @@ async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
 async def get_artifact(db: Reader, artifact_id: str) -> bytes:
     data = await db.fetchval("SELECT data FROM artifacts WHERE id = $1", artifact_id)
     if data is None:
-        raise KeyError(f"no artifact {artifact_id!r}")
+        raise UnknownArtifact(artifact_id)
     try:
         return zlib.decompress(data)
     except zlib.error as exc:
@@ -205,3 +252,20 @@ async def conversations(db: Reader, after: str | None, limit: int) -> list[Conve
 async def conversation(db: Reader, name: str) -> ConversationInfo | None:
     row = await db.fetchrow(f"{_INFO} FROM conversations WHERE external_id = $1", name)
     return None if row is None else to_conversation_info(row)
+
+
+_PENDING = """
+WITH names AS (
+    SELECT DISTINCT conversation FROM pending_calls WHERE conversation > $1
+    ORDER BY conversation LIMIT $2
+)
+SELECT p.conversation, p.call_id, p.tool, p.since, p.position
+FROM pending_calls AS p JOIN names AS n ON n.conversation = p.conversation
+ORDER BY p.conversation, p.position, p.ordinal
+"""
+
+
+async def pending(db: Reader, after: str | None, limit: int) -> list[PendingApproval]:
+    """The next ``limit`` waiting conversations after ``after``, from the index's primary key."""
+    rows = await db.fetch(_PENDING, "" if after is None else after, limit)
+    return to_pending_approvals(tuple(row) for row in rows)

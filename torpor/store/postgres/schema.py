@@ -24,6 +24,13 @@ Same logical tables as the SQLite backend (``conversations``, ``events``,
 * ``artifacts.data`` is already zlib-compressed, so its storage is ``EXTERNAL``
   (TOAST out of line, no second compression attempt).
 
+``pending_calls`` (version 2) is the pending-approvals index
+(:mod:`torpor.store.pending`), keyed by the conversation's text id (``"C"``
+collation, like ``conversations.external_id``) so listing waiting
+conversations in id order is one range scan of its primary key; and
+``idempotency_keys.fingerprint`` (version 2) identifies what a key was first
+used for.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -32,17 +39,21 @@ processes opening a fresh database at once migrate it exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
 
 from torpor.errors import StoreError
+from torpor.events import decode_body
+from torpor.store.pending import PendingChanges, call_names, named, unnamed
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "migrate"]
+__all__ = ["INSERT_PENDING", "MIGRATIONS", "SCHEMA_VERSION", "migrate"]
 
 _MIGRATION_LOCK = 0x746F72706F72  # "torpor": the advisory lock id serialising migrations
 
-_V1: Sequence[str] = (
+Step = str | Callable[[asyncpg.Connection], Awaitable[None]]
+
+_V1: Sequence[Step] = (
     """
     CREATE TABLE conversations (
         key bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -119,7 +130,65 @@ _V1: Sequence[str] = (
     "CREATE INDEX model_calls_by_turn ON model_calls (conversation_id, turn, call_index)",
 )
 
-MIGRATIONS: tuple[Sequence[str], ...] = (_V1,)
+INSERT_PENDING = """
+INSERT INTO pending_calls (conversation, call_id, tool, since, position, ordinal)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::int[])
+ON CONFLICT (conversation, call_id) DO UPDATE SET tool = excluded.tool,
+    since = excluded.since, position = excluded.position, ordinal = excluded.ordinal
+"""
+
+
+async def _backfill_pending(conn: asyncpg.Connection) -> None:
+    """The index as the log implies it; tool names of old suspensions from their calls."""
+    changes = PendingChanges()
+    async for name, position, created_at, body in conn.cursor(
+        "SELECT c.external_id, e.position, e.created_at, e.body FROM events AS e "
+        "JOIN conversations AS c ON c.key = e.conversation_id "
+        "WHERE e.kind IN ('suspended', 'resolved', 'aborted') "
+        "ORDER BY e.conversation_id, e.position",
+        prefetch=1000,
+    ):
+        decoded = decode_body(body, conversation_id=name, position=position)
+        changes.apply(name, position, created_at, decoded)
+    rows = changes.inserted()
+    names: dict[tuple[str, str], str] = {}
+    for name, (latest, calls) in unnamed(rows).items():
+        async for position, body in conn.cursor(
+            "SELECT e.position, e.body FROM events AS e JOIN conversations AS c "
+            "ON c.key = e.conversation_id WHERE c.external_id = $1 AND e.kind = 'assistant' "
+            "AND e.position < $2 ORDER BY e.position DESC",
+            name,
+            latest,
+        ):
+            decoded = decode_body(body, conversation_id=name, position=position)
+            for call_id, tool in call_names(decoded):
+                if call_id in calls:
+                    names[(name, call_id)] = tool
+                    calls.discard(call_id)
+            if not calls:
+                break
+    rows = named(rows, names)
+    if rows:
+        await conn.execute(INSERT_PENDING, *(list(column) for column in zip(*rows, strict=True)))
+
+
+_V2: Sequence[Step] = (
+    "ALTER TABLE idempotency_keys ADD COLUMN fingerprint bytea",
+    """
+    CREATE TABLE pending_calls (
+        conversation text COLLATE "C" NOT NULL,
+        call_id text NOT NULL,
+        tool text NOT NULL,
+        since bigint NOT NULL,
+        position bigint NOT NULL,
+        ordinal integer NOT NULL,
+        PRIMARY KEY (conversation, call_id)
+    )
+    """,
+    _backfill_pending,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """
@@ -146,6 +215,9 @@ async def migrate(conn: asyncpg.Connection) -> int:
                 )
             if version == SCHEMA_VERSION:
                 return version
-            for statement in MIGRATIONS[version]:
-                await conn.execute(statement)
+            for step in MIGRATIONS[version]:
+                if isinstance(step, str):
+                    await conn.execute(step)
+                else:
+                    await step(conn)
             await conn.execute("INSERT INTO schema_version (version) VALUES ($1)", version + 1)

@@ -17,9 +17,11 @@ from typing import Any
 
 import asyncpg
 
+from torpor.store.pending import PendingChanges
 from torpor.store.postgres.plan import HeadUpdate, Writes
+from torpor.store.postgres.schema import INSERT_PENDING
 
-__all__ = ["CREATE", "LOCK", "WRITE", "write"]
+__all__ = ["CREATE", "LOCK", "PENDING_CLEAR", "PENDING_REMOVE", "WRITE", "write", "write_pending"]
 
 # Lock the batch's existing conversations in key order (every writer locks in the same
 # order, so two batches cannot deadlock on them) and read their heads and any
@@ -29,7 +31,11 @@ WITH locked AS MATERIALIZED (
     SELECT key, external_id, head FROM conversations
     WHERE external_id = ANY($1::text[]) ORDER BY key FOR UPDATE
 )
-SELECT l.key, l.external_id, l.head, i.key, i.first_position, i.count
+SELECT l.key, l.external_id, l.head, i.key, i.first_position, i.count, i.fingerprint,
+    CASE WHEN i.key IS NOT NULL AND i.fingerprint IS NULL THEN (
+        SELECT e.body FROM events AS e
+        WHERE e.conversation_id = l.key AND e.position = i.first_position
+    ) END
 FROM locked AS l
 LEFT JOIN idempotency_keys AS i ON i.conversation_id = l.key AND i.key = ANY($2::text[])
 """
@@ -62,26 +68,37 @@ a AS (
     SELECT * FROM unnest($13::text[], $14::bigint[], $15::bigint[], $16::bigint[], $17::bytea[])
 ),
 k AS (
-    INSERT INTO idempotency_keys (conversation_id, key, first_position, count, created_at)
-    SELECT * FROM unnest($18::bigint[], $19::text[], $20::bigint[], $21::int[], $22::bigint[])
+    INSERT INTO idempotency_keys
+        (conversation_id, key, first_position, count, created_at, fingerprint)
+    SELECT * FROM unnest($18::bigint[], $19::text[], $20::bigint[], $21::int[], $22::bigint[],
+                         $23::bytea[])
 ),
 cp AS (
     INSERT INTO checkpoints (conversation_id, position, created_at, body)
-    SELECT * FROM unnest($23::bigint[], $24::bigint[], $25::bigint[], $26::bytea[])
+    SELECT * FROM unnest($24::bigint[], $25::bigint[], $26::bigint[], $27::bytea[])
 ),
 m AS (
     INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body)
-    SELECT * FROM unnest($27::bigint[], $28::int[], $29::int[], $30::bigint[], $31::bytea[])
+    SELECT * FROM unnest($28::bigint[], $29::int[], $30::int[], $31::bigint[], $32::bytea[])
 ),
 h AS (
     UPDATE conversations AS c
     SET head = u.head, bytes = c.bytes + u.added,
-        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $36
-    FROM unnest($32::bigint[], $33::bigint[], $34::bigint[], $35::bigint[])
+        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $37
+    FROM unnest($33::bigint[], $34::bigint[], $35::bigint[], $36::bigint[])
         AS u(key, head, added, cp)
     WHERE c.key = u.key
 )
 SELECT 1
+"""
+
+# The pending-approvals index, from a batch's net changes (torpor.store.pending): separate
+# statements, in this order, because the sub-statements of one statement all see the
+# same snapshot and could not delete a row and insert its replacement.
+PENDING_CLEAR = "DELETE FROM pending_calls WHERE conversation = ANY($1::text[])"
+PENDING_REMOVE = """
+DELETE FROM pending_calls AS p USING unnest($1::text[], $2::text[]) AS u(conversation, call_id)
+WHERE p.conversation = u.conversation AND p.call_id = u.call_id
 """
 
 
@@ -117,10 +134,24 @@ async def write(
         *_keyed(writes.events, 0, key_of, 7),
         *_keyed(writes.fts, 0, key_of, 5),
         *_keyed(writes.artifacts, 1, key_of, 5),
-        *_keyed(writes.keys, 0, key_of, 5),
+        *_keyed(writes.keys, 0, key_of, 6),
         *_keyed(writes.checkpoints, 0, key_of, 4),
         *_keyed(writes.model_calls, 0, key_of, 5),
         *_columns(head_rows, 4),
         now,
     ]
     await conn.execute(WRITE, *args)
+
+
+async def write_pending(conn: asyncpg.Connection, changes: PendingChanges) -> None:
+    """The net changes to the pending-approvals index: at most three statements, only when a
+    batch suspended, resolved or aborted something."""
+    cleared = changes.cleared()
+    if cleared:
+        await conn.execute(PENDING_CLEAR, cleared)
+    removed = changes.removed()
+    if removed:
+        await conn.execute(PENDING_REMOVE, *_columns(removed, 2))
+    inserted = changes.inserted()
+    if inserted:
+        await conn.execute(INSERT_PENDING, *_columns(inserted, 6))

@@ -31,29 +31,35 @@ import asyncpg
 import msgspec
 import structlog
 
-from torpor.errors import ConfigError, StoreError
+from torpor.errors import ConfigError, InvalidInput, StoreError
 from torpor.events import Body, Event
+from torpor.store.admit import admit_model_call, check_checkpoint
+from torpor.store.arguments import (
+    check_after,
+    check_conversation_id,
+    check_limit,
+    check_position,
+    check_turn,
+    search_query,
+)
 from torpor.store.postgres import reads
+from torpor.store.postgres.errors import is_unavailable, store_error
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
-from torpor.store.prepare import (
-    AppendPolicy,
-    PreparedAppend,
-    check_conversation_id,
-    new_artifact_id,
-    now_ms,
-)
+from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, now_ms
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
     ModelCall,
+    PendingApproval,
     Resume,
     SearchHit,
     TokenCounter,
 )
 from torpor.store.rows import compress_artifact
 from torpor.store.sqlite.schema import Durability
+from torpor.text import check_id
 
 __all__ = ["PostgresStore"]
 
@@ -62,16 +68,14 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-def _check_id(conversation_id: str) -> str:
-    check_conversation_id(conversation_id)
-    if "\x00" in conversation_id:
-        raise ValueError("conversation id must not contain NUL (PostgreSQL text cannot hold it)")
-    return conversation_id
-
-
-def _check_limit(limit: int) -> None:
-    if not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive int, got {limit!r}")
+_check_id = check_conversation_id
+_DRIVER_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 
 
 class PostgresStore:
@@ -97,11 +101,11 @@ class PostgresStore:
     ) -> None:
         if durability not in ("normal", "full"):
             raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
-        if readers < 1:
+        if type(readers) is not int or readers < 1:
             raise ConfigError("readers", "at least one reader connection is needed")
-        if writers < 1:
+        if type(writers) is not int or writers < 1:
             raise ConfigError("writers", "at least one writer connection is needed")
-        if max_batch < 1:
+        if type(max_batch) is not int or max_batch < 1:
             raise ConfigError("max_batch", "must be at least 1")
         self.dsn = dsn
         self.durability: Durability = durability
@@ -146,11 +150,9 @@ class PostgresStore:
                 max_size=self._reader_count,
                 server_settings={"application_name": "torpor-reader"},
             )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except _DRIVER_ERRORS as exc:
             await self._close_connections()
-            raise StoreError(
-                f"cannot open the PostgreSQL store {_redact(self.dsn)}: {exc}"
-            ) from exc
+            raise store_error(exc, f"cannot open the PostgreSQL store {_redact(self.dsn)}") from exc
         except BaseException:
             await self._close_connections()
             raise
@@ -204,12 +206,27 @@ class PostgresStore:
         return self._writer
 
     async def _read(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        if self._pool is None:
-            raise StoreError("the store is not open")
-        try:
-            return await fn(self._pool, *args)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-            raise StoreError(f"read failed: {exc!r}") from exc
+        """Run a read on the pool; a read that lost its connection is tried once more.
+
+        Reads change nothing, so repeating one is safe, and a pooled connection
+        the server closed (a restart, ``pg_terminate_backend``) is only found out
+        when it is used; then every pooled connection is replaced (the others
+        were most likely closed too) and the retry gets a fresh one.
+        """
+        for attempt in (1, 2):
+            pool = self._pool
+            if pool is None:
+                raise StoreError("the store is not open")
+            try:
+                return await fn(pool, *args)
+            except Exception as exc:
+                if not isinstance(exc, _DRIVER_ERRORS):
+                    raise
+                if attempt == 1 and is_unavailable(exc):
+                    await pool.expire_connections()
+                    continue
+                raise store_error(exc, "read failed") from exc
+        raise AssertionError("unreachable")
 
     # writes ----------------------------------------------------------------------
 
@@ -221,13 +238,9 @@ class PostgresStore:
         expect_head: int | None,
         key: str | None,
     ) -> PreparedAppend:
-        prepared = self._policy.prepare(
+        return self._policy.prepare(
             conversation_id, events, turn=turn, expect_head=expect_head, key=key
         )
-        _check_id(conversation_id)
-        if key is not None and "\x00" in key:
-            raise ValueError("idempotency key must not contain NUL")
-        return prepared
 
     async def append(
         self,
@@ -256,20 +269,19 @@ class PostgresStore:
         return cast(list[Event], await self._write().submit(op))
 
     async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
-        _check_id(checkpoint.conversation_id)
-        await self._write().submit(CheckpointOp(checkpoint))
+        await self._write().submit(CheckpointOp(check_checkpoint(checkpoint)))
 
     async def put_artifact(self, conversation_id: str, data: bytes) -> str:
         _check_id(conversation_id)
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError("artifact data must be bytes")
+            raise InvalidInput("data", "artifact data must be bytes")
         raw = bytes(data)
         op = ArtifactOp(conversation_id, new_artifact_id(), len(raw), compress_artifact(raw))
         return cast(str, await self._write().submit(op))
 
     async def record_model_call(self, call: ModelCall) -> None:
         """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        _check_id(call.conversation_id)
+        call = admit_model_call(call)
         if not call.created_at:
             call = msgspec.structs.replace(call, created_at=now_ms())
         await self._write().submit(ModelCallOp(call))
@@ -280,16 +292,24 @@ class PostgresStore:
         return await self._read(reads.head, _check_id(conversation_id))
 
     async def read_since(self, conversation_id: str, position: int) -> list[Event]:
-        return await self._read(reads.read_since, _check_id(conversation_id), position)
+        _check_id(conversation_id)
+        check_position(position)
+        return await self._read(reads.read_since, conversation_id, position)
 
     async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
-        return await self._read(reads.read_range, _check_id(conversation_id), start, end)
+        _check_id(conversation_id)
+        check_position(start, "start")
+        check_position(end, "end")
+        return await self._read(reads.read_range, conversation_id, start, end)
 
     async def page_backward(
         self, conversation_id: str, before: int | None = None, limit: int = 50
     ) -> list[Event]:
-        _check_limit(limit)
-        return await self._read(reads.page_backward, _check_id(conversation_id), before, limit)
+        _check_id(conversation_id)
+        if before is not None:
+            check_position(before, "before")
+        check_limit(limit)
+        return await self._read(reads.page_backward, conversation_id, before, limit)
 
     async def resume(self, conversation_id: str) -> Resume:
         """Latest checkpoint, head and every event since: one statement, one snapshot."""
@@ -303,31 +323,42 @@ class PostgresStore:
 
     async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
         """ts_rank-scored events of one conversation; see :mod:`.lexemes` for the matching."""
-        _check_limit(k)
-        return await self._read(reads.search, _check_id(conversation_id), query, k)
+        _check_id(conversation_id)
+        check_limit(k, "k")
+        return await self._read(reads.search, conversation_id, search_query(query), k)
 
     async def get_artifact(self, artifact_id: str) -> bytes:
-        """The full bytes of an artifact; KeyError if there is none by that id."""
-        if not isinstance(artifact_id, str) or "\x00" in artifact_id:
-            raise KeyError(f"no artifact {artifact_id!r}")
-        return await self._read(reads.get_artifact, artifact_id)
+        """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""
+        return await self._read(reads.get_artifact, check_id(artifact_id, "artifact_id"))
 
     async def model_calls(
         self, conversation_id: str, *, turn: int | None = None, limit: int = 100
     ) -> list[ModelCall]:
         """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
-        _check_limit(limit)
-        return await self._read(reads.model_calls, _check_id(conversation_id), turn, limit)
+        _check_id(conversation_id)
+        if turn is not None:
+            check_turn(turn)
+        check_limit(limit)
+        return await self._read(reads.model_calls, conversation_id, turn, limit)
 
     async def conversations(
         self, *, after: str | None = None, limit: int = 100
     ) -> list[ConversationInfo]:
         """Conversations ordered by id (bytewise), those after ``after`` (keyset pagination)."""
-        _check_limit(limit)
+        check_after(after)
+        check_limit(limit)
         return await self._read(reads.conversations, after, limit)
 
     async def conversation(self, conversation_id: str) -> ConversationInfo | None:
         return await self._read(reads.conversation, _check_id(conversation_id))
+
+    async def pending(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[PendingApproval]:
+        """Conversations waiting on outside answers, by id (bytewise), after ``after``."""
+        check_after(after)
+        check_limit(limit)
+        return await self._read(reads.pending, after, limit)
 
 
 def _redact(dsn: str) -> str:

@@ -19,10 +19,16 @@ rows of the conversations they share, which is the per-conversation order
 needed anyway.
 
 A batch runs in its own task, shielded: if a writer task is cancelled mid-batch,
-the batch still finishes and its callers still learn the outcome. A broken
-connection fails the batch in flight (its callers get StoreError; if it broke
-during COMMIT the outcome is unknown, as with any database) and is replaced
-for the next batch.
+the batch still finishes and its callers still learn the outcome.
+
+When the database cannot write (connection lost, server shutting down, disk
+full, a read-only session: see :mod:`.errors`), every caller of the batch gets
+StoreUnavailable and the transaction is rolled back (if the connection broke
+during COMMIT the outcome is unknown, as with any database). The writer then
+drops its connection and opens a fresh one for the next batch, so a session
+that was read-only (``default_transaction_read_only`` is read when a session
+starts) or half-broken is never reused, and writes resume by themselves once
+the server accepts them again.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import structlog
 
 from torpor.errors import StoreError
 from torpor.store.postgres.batch import BatchStats, Failed, run_batch
+from torpor.store.postgres.errors import is_unavailable, store_error
 from torpor.store.postgres.plan import WriteOp
 from torpor.store.prepare import now_ms
 
@@ -134,9 +141,10 @@ class GroupCommitWriter:
             results = await run_batch(conn, ops, now_ms(), self.stats)
         except Exception as exc:
             log.error("group_commit_failed", ops=len(ops), error=repr(exc))
-            error = StoreError(f"group commit of {len(ops)} operations failed: {exc!r}")
-            error.__cause__ = exc
-            results = [Failed(error) for _ in ops]
+            if is_unavailable(exc):
+                self._drop(index)
+            doing = f"group commit of {len(ops)} operations failed"
+            results = [Failed(store_error(exc, doing)) for _ in ops]
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(batch))
         for (_, future), result in zip(batch, results, strict=True):
@@ -146,6 +154,12 @@ class GroupCommitWriter:
                 future.set_exception(result.error)
             else:
                 future.set_result(result)
+
+    def _drop(self, index: int) -> None:
+        """Abandon a writer connection after the database failed us; the next batch reconnects."""
+        conn = self._connections[index]
+        if not conn.is_closed():
+            conn.terminate()
 
     async def _connection(self, index: int) -> asyncpg.Connection:
         conn = self._connections[index]

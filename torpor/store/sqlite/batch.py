@@ -14,9 +14,19 @@ whole transaction is rolled back and the batch is replayed in *isolated* mode:
 each operation planned and written inside its own SAVEPOINT, so the one that
 fails is rolled back alone and reported to its caller only.
 
+If the bulk write fails because the database cannot write at all (disk full,
+read-only, I/O error, locked past the busy timeout: see :mod:`.errors`), there
+is no culprit to find: the transaction is rolled back (SQLite may already have
+done so itself) and every operation of the batch gets the same
+StoreUnavailable. Nothing of the batch is committed; the connection stays
+usable, so the next batch succeeds once the condition clears.
+
 Full-text rows are inserted last and in rowid order: FTS5 flushes its pending
 in-memory index whenever a rowid goes backwards, and interleaved conversations
-would otherwise make it flush after almost every row.
+would otherwise make it flush after almost every row. The pending-approvals
+index is written last too, from the net effect of the batch's kept plans
+(:class:`~torpor.store.pending.PendingChanges`), so statement grouping cannot
+reorder an insertion and a deletion of the same row.
 
 Heads live in :class:`HeadCache` on this thread. A batch sees them through its
 own overlay, and the cache learns the new heads only after COMMIT succeeds, so
@@ -35,7 +45,10 @@ from typing import Protocol
 import msgspec
 
 from torpor.errors import StoreError
-from torpor.store.sqlite.schema import KEY_LIMIT
+from torpor.events import Body
+from torpor.store.pending import PendingChanges
+from torpor.store.sqlite.errors import UNAVAILABLE, primary_code, store_error
+from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
 
 __all__ = [
     "Batch",
@@ -90,8 +103,10 @@ class Plan(msgspec.Struct, gc=False):
     writes: list[tuple[str, Row]] = msgspec.field(default_factory=list)
     fts: list[tuple[int, str]] = msgspec.field(default_factory=list)
     added_bytes: int = 0
-    # (conversation key, idempotency key) -> (first position, count, prepared events)
-    idempotency: tuple[tuple[int, str], tuple[int, int, object]] | None = None
+    # (conversation key, idempotency key) -> (first position, count, prepared events,
+    # fingerprint)
+    idempotency: tuple[tuple[int, str], tuple[int, int, object, bytes | None]] | None = None
+    indexed: list[tuple[int, int, Body]] | None = None  # (position, created_at, body) to index
 
 
 class WriteOp(Protocol):
@@ -121,7 +136,9 @@ class Batch:
         self.now = now
         self._cache = cache
         self.states: dict[str, ConvState] = {}  # as of the operations planned so far
-        self.keys: dict[tuple[int, str], tuple[int, int, object]] = {}  # idempotency keys
+        # idempotency keys planned in this batch
+        self.keys: dict[tuple[int, str], tuple[int, int, object, bytes | None]] = {}
+        self.pending = PendingChanges()
         self._next_key: int | None = None
         self._heads: dict[int, list[int]] = {}  # key -> [head, added bytes]
         self.fts: list[tuple[int, str]] = []
@@ -166,6 +183,9 @@ class Batch:
         self.fts.extend(plan.fts)
         if plan.idempotency is not None:
             self.keys[plan.idempotency[0]] = plan.idempotency[1]
+        if plan.indexed is not None and plan.name is not None:
+            for position, created_at, body in plan.indexed:
+                self.pending.apply(plan.name, position, created_at, body)
 
     def forget(self, name: str) -> None:
         """Our idea of this conversation may be wrong: read it from the database next time."""
@@ -202,8 +222,10 @@ def run_batch(
     try:
         try:
             batch, results = _attempt(conn, cache, ops, now, _write_bulk)
-        except Exception:  # the bulk write failed: find the culprit, one op at a time
-            _rollback(conn)
+        except Exception as exc:
+            if _unavailable(exc):  # nobody's fault but the database's: fail them all
+                raise
+            _rollback(conn)  # the bulk write failed: find the culprit, one op at a time
             for op in ops:
                 cache.forget(op.conversation_id)
             batch, results = _attempt(conn, cache, ops, now, None)
@@ -242,16 +264,14 @@ def _attempt(
                 for sql, row in plan.writes:
                     conn.execute(sql, row)
         except Exception as exc:
+            if isinstance(exc, sqlite3.Error) and (bulk is not None or _unavailable(exc)):
+                raise  # the whole batch fails (bulk: replayed in isolation; else: for all)
             if bulk is None:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
             if isinstance(exc, sqlite3.Error):
-                if bulk is not None:
-                    raise
                 batch.forget(op.conversation_id)
-                error = StoreError(f"write to {op.conversation_id!r} failed: {exc}")
-                error.__cause__ = exc
-                exc = error
+                exc = store_error(exc, f"write to {op.conversation_id!r} failed")
             results.append(Failed(exc))
             continue
         if bulk is None:
@@ -265,8 +285,27 @@ def _attempt(
     if batch.fts:
         batch.fts.sort()
         conn.executemany("INSERT INTO events_fts (rowid, text) VALUES (?, ?)", batch.fts)
+    if batch.pending:
+        _write_pending(conn, batch.pending)
     conn.execute("COMMIT")
     return batch, results
+
+
+def _write_pending(conn: sqlite3.Connection, changes: PendingChanges) -> None:
+    """Clear, then remove, then insert: the order the net changes are defined in."""
+    cleared = changes.cleared()
+    if cleared:
+        conn.executemany(
+            "DELETE FROM pending_calls WHERE conversation = ?", [(name,) for name in cleared]
+        )
+    removed = changes.removed()
+    if removed:
+        conn.executemany(
+            "DELETE FROM pending_calls WHERE conversation = ? AND call_id = ?", removed
+        )
+    inserted = changes.inserted()
+    if inserted:
+        conn.executemany(INSERT_PENDING, inserted)
 
 
 def _write_bulk(conn: sqlite3.Connection, plans: list[Plan]) -> None:
@@ -291,7 +330,13 @@ def _rollback(conn: sqlite3.Connection) -> None:
             conn.execute("ROLLBACK")
 
 
+def _unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) and primary_code(exc) in UNAVAILABLE
+
+
 def _batch_error(size: int, cause: BaseException) -> StoreError:
+    if isinstance(cause, sqlite3.Error):
+        return store_error(cause, f"group commit of {size} operations failed")
     error = StoreError(f"group commit of {size} operations failed: {cause!r}")
     error.__cause__ = cause
     return error

@@ -1,27 +1,44 @@
 """The read side, as it runs on a reader connection's thread (one hop per public call).
 
-Reads that need more than one statement (resume, search, conversation info)
-wrap them in one deferred transaction so they see a single WAL snapshot: a
-checkpoint and the events after it always belong together.
+Reads that need more than one statement (resume, search, pending) wrap them in
+one deferred transaction so they see a single WAL snapshot: a checkpoint and
+the events after it always belong together.
+
+Event reads check that positions are dense (:mod:`torpor.store.rows`) against
+the conversation's recorded head. Outside a snapshot the head is read
+*before* the events: the log only grows, so the events read afterwards reach
+at least that head, and a shortfall is a hole, never a race with a writer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
-from torpor.errors import StoreError
-from torpor.events import Event, ToolResult, decode_body, kind_of, searchable_text
+from torpor.errors import StoreError, UnknownArtifact
+from torpor.events import Body, Event, decode_body, kind_of, searchable_text
+from torpor.store.clip import artifact_of, expanded
 from torpor.store.fulltext import first_match, snippet
-from torpor.store.protocol import Checkpoint, ConversationInfo, ModelCall, Resume, SearchHit
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    ModelCall,
+    PendingApproval,
+    Resume,
+    SearchHit,
+)
 from torpor.store.rows import (
     EVENT_COLUMNS,
+    check_count,
+    check_reaches,
     decode_checkpoint,
     decode_model_call,
     to_conversation_info,
     to_events,
+    to_pending_approvals,
 )
 
 __all__ = [
@@ -33,6 +50,7 @@ __all__ = [
     "latest_checkpoint",
     "model_calls",
     "page_backward",
+    "pending",
     "read_range",
     "read_since",
     "resume",
@@ -42,10 +60,11 @@ __all__ = [
 T = TypeVar("T")
 
 _KEY = "(SELECT key FROM conversations WHERE external_id = ?)"
-_SINCE = (
-    f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
-    "AND position >= ? ORDER BY position"
-)
+_STATE = "SELECT key, head FROM conversations WHERE external_id = ?"
+_EVENTS = f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = ?"
+_SINCE = f"{_EVENTS} AND position >= ? ORDER BY position"
+_RANGE = f"{_EVENTS} AND position BETWEEN ? AND ? ORDER BY position"
+_BACKWARD = f"{_EVENTS} AND position < ? ORDER BY position DESC LIMIT ?"
 _LATEST_CHECKPOINT = (
     f"SELECT position, body FROM checkpoints WHERE conversation_id = {_KEY} "
     "ORDER BY id DESC LIMIT 1"
@@ -53,11 +72,21 @@ _LATEST_CHECKPOINT = (
 
 
 def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
+    """Run ``fn`` in one read transaction, always ended: a reader left inside one would
+    see that snapshot forever. (Event rows are fetched whole before they are decoded, so a
+    CorruptEvent never leaves a statement running, which would make ROLLBACK fail.)"""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
     conn.execute("BEGIN")
     try:
-        return fn()
-    finally:
-        conn.execute("COMMIT")
+        result = fn()
+    except BaseException:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
 
 
 def head(conn: sqlite3.Connection, name: str) -> int | None:
@@ -68,28 +97,47 @@ def head(conn: sqlite3.Connection, name: str) -> int | None:
     return None if row is None or row[0] is None else int(row[0])
 
 
+def _state(conn: sqlite3.Connection, name: str) -> tuple[int, int] | None:
+    """(key, recorded head) of a conversation, read before its events (see the module doc)."""
+    row = conn.execute(_STATE, (name,)).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
 def read_since(conn: sqlite3.Connection, name: str, position: int) -> list[Event]:
-    return to_events(name, conn.execute(_SINCE, (name, position)))
+    state = _state(conn, name)
+    if state is None:
+        return []
+    key, last = state
+    events = to_events(name, conn.execute(_SINCE, (key, position)).fetchall(), position)
+    check_reaches(name, events, position, last)
+    return events
 
 
 def read_range(conn: sqlite3.Connection, name: str, start: int, end: int) -> list[Event]:
-    rows = conn.execute(
-        f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
-        "AND position BETWEEN ? AND ? ORDER BY position",
-        (name, start, end),
-    )
-    return to_events(name, rows)
+    state = _state(conn, name)
+    if state is None or end < start:
+        return []
+    key, last = state
+    events = to_events(name, conn.execute(_RANGE, (key, start, end)).fetchall(), start)
+    check_reaches(name, events, start, min(end, last))
+    return events
 
 
 def page_backward(
     conn: sqlite3.Connection, name: str, before: int | None, limit: int
 ) -> list[Event]:
-    rows = conn.execute(
-        f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = {_KEY} "
-        "AND position < ? ORDER BY position DESC LIMIT ?",
-        (name, (1 << 62) if before is None else before, limit),
-    )
-    return to_events(name, rows)
+    state = _state(conn, name)
+    if state is None:
+        return []
+    key, last = state
+    top = last if before is None else min(before - 1, last)
+    bound = (1 << 62) if before is None else before
+    rows = conn.execute(_BACKWARD, (key, bound, limit)).fetchall()
+    # Rows above the recorded head (written behind the store's back) are not holes.
+    start = max(top, rows[0][0]) if rows else top
+    events = to_events(name, rows, start, -1)
+    check_count(name, events, start, limit)
+    return events
 
 
 def latest_checkpoint(conn: sqlite3.Connection, name: str) -> Checkpoint | None:
@@ -140,7 +188,7 @@ def search(
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
             text = searchable_text(body)
-            if isinstance(body, ToolResult) and body.artifact is not None:
+            if artifact_of(body) is not None:
                 text = _full_text(conn, body, text, query)
             hits.append(
                 SearchHit(
@@ -157,18 +205,19 @@ def search(
     return _snapshot(conn, read)
 
 
-def _full_text(conn: sqlite3.Connection, body: ToolResult, preview: str, query: str) -> str:
-    """The clipped result's full text when the match lies beyond its preview."""
-    if first_match(preview, query) >= 0 or body.artifact is None:
+def _full_text(conn: sqlite3.Connection, body: Body, preview: str, query: str) -> str:
+    """A clipped body's full searchable text when the match lies beyond its preview."""
+    artifact = artifact_of(body)
+    if first_match(preview, query) >= 0 or artifact is None:
         return preview
-    data = get_artifact(conn, body.artifact)
-    return f"{body.tool} {data.decode('utf-8', 'replace')}"
+    data = get_artifact(conn, artifact)
+    return searchable_text(expanded(body, data.decode("utf-8", "replace")))
 
 
 def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:
     row = conn.execute("SELECT data FROM artifacts WHERE id = ?", (artifact_id,)).fetchone()
     if row is None:
-        raise KeyError(f"no artifact {artifact_id!r}")
+        raise UnknownArtifact(artifact_id)
     try:
         return zlib.decompress(row[0])
     except zlib.error as exc:
@@ -210,3 +259,26 @@ def conversations(
 def conversation(conn: sqlite3.Connection, name: str) -> ConversationInfo | None:
     row = conn.execute(f"{_INFO} FROM conversations WHERE external_id = ?", (name,)).fetchone()
     return None if row is None else to_conversation_info(row)
+
+
+def pending(conn: sqlite3.Connection, after: str | None, limit: int) -> list[PendingApproval]:
+    """Two range scans of the index's primary key, in one snapshot: the next ``limit``
+    conversation ids after ``after``, then their calls."""
+
+    def read() -> list[PendingApproval]:
+        names = conn.execute(
+            "SELECT DISTINCT conversation FROM pending_calls WHERE conversation > ? "
+            "ORDER BY conversation LIMIT ?",
+            ("" if after is None else after, limit),
+        ).fetchall()
+        if not names:
+            return []
+        rows = conn.execute(
+            "SELECT conversation, call_id, tool, since, position FROM pending_calls "
+            "WHERE conversation BETWEEN ? AND ? ORDER BY conversation, position, ordinal",
+            (names[0][0], names[-1][0]),
+        )
+        return to_pending_approvals(rows)
+
+    return _snapshot(conn, read)
+

@@ -21,9 +21,18 @@ interleaved appends from 1,000 conversations, 30-word bodies):
 * ``conversations.head``/``bytes`` are denormalised for listings; positions are
   always derived from the events themselves (see :mod:`.batch`).
 
+* ``pending_calls`` (version 2) is the pending-approvals index
+  (:mod:`torpor.store.pending`): derived from the log, maintained in the
+  append transaction, keyed by the conversation's *text* id so that listing
+  waiting conversations in id order is one range scan of its primary key.
+* ``idempotency_keys.fingerprint`` (version 2) identifies what a key was
+  first used for, so reusing it for something else is refused.
+
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
-version bump, so a crash mid-migration leaves the old version intact.
+version bump, so a crash mid-migration leaves the old version intact. A step
+is SQL or, where the log must be read (backfilling a derived table), a
+function of the connection.
 
 Durability levels are described in :mod:`torpor.store.sqlite.store`.
 """
@@ -31,12 +40,16 @@ Durability levels are described in :mod:`torpor.store.sqlite.store`.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 from torpor.errors import StoreError
+from torpor.events import Body, decode_body
+from torpor.store.arguments import POSITION_LIMIT
+from torpor.store.pending import backfill_rows, call_names, named, unnamed
 
 __all__ = [
+    "INSERT_PENDING",
     "KEY_LIMIT",
     "MIGRATIONS",
     "POSITION_LIMIT",
@@ -50,7 +63,6 @@ __all__ = [
 Durability = Literal["normal", "full"]
 
 KEY_LIMIT = 1 << 31
-POSITION_LIMIT = 1 << 32
 
 _V1: Sequence[str] = (
     """
@@ -124,7 +136,64 @@ _V1: Sequence[str] = (
     "CREATE INDEX model_calls_by_turn ON model_calls (conversation_id, turn, call_index)",
 )
 
-MIGRATIONS: tuple[Sequence[str], ...] = (_V1,)
+Step = str | Callable[[sqlite3.Connection], None]
+
+INSERT_PENDING = (
+    "INSERT OR REPLACE INTO pending_calls "
+    "(conversation, call_id, tool, since, position, ordinal) VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+def _indexed_events(conn: sqlite3.Connection) -> Iterator[tuple[str, int, int, Body]]:
+    rows = conn.execute(
+        "SELECT c.external_id, e.position, e.created_at, e.body FROM events AS e "
+        "JOIN conversations AS c ON c.key = e.conversation_id "
+        "WHERE e.kind IN ('suspended', 'resolved', 'aborted') "
+        "ORDER BY e.conversation_id, e.position"
+    )
+    for name, position, created_at, body in rows:
+        yield name, position, created_at, decode_body(body, conversation_id=name, position=position)
+
+
+def _backfill_pending(conn: sqlite3.Connection) -> None:
+    """The index as the log implies it; tool names of old suspensions from their calls."""
+    rows = backfill_rows(_indexed_events(conn))
+    names: dict[tuple[str, str], str] = {}
+    for name, (latest, calls) in unnamed(rows).items():
+        assistants = conn.execute(
+            "SELECT e.position, e.body FROM events AS e JOIN conversations AS c "
+            "ON c.key = e.conversation_id WHERE c.external_id = ? AND e.kind = 'assistant' "
+            "AND e.position < ? ORDER BY e.position DESC",
+            (name, latest),
+        )
+        for position, body in assistants:  # newest first: the call is usually just before
+            decoded = decode_body(body, conversation_id=name, position=position)
+            for call_id, tool in call_names(decoded):
+                if call_id in calls:
+                    names[(name, call_id)] = tool
+                    calls.discard(call_id)
+            if not calls:
+                break
+    conn.executemany(INSERT_PENDING, named(rows, names))
+
+
+_V2: Sequence[Step] = (
+    "ALTER TABLE idempotency_keys ADD COLUMN fingerprint BLOB",
+    """
+    CREATE TABLE pending_calls (
+        conversation TEXT NOT NULL,
+        call_id TEXT NOT NULL,
+        tool TEXT NOT NULL,
+        since INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        ordinal INTEGER NOT NULL,
+        PRIMARY KEY (conversation, call_id)
+    ) WITHOUT ROWID
+    """,
+    _backfill_pending,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -139,25 +208,33 @@ def migrate(conn: sqlite3.Connection) -> int:
     while version < SCHEMA_VERSION:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for statement in MIGRATIONS[version]:
-                conn.execute(statement)
+            for step in MIGRATIONS[version]:
+                if isinstance(step, str):
+                    conn.execute(step)
+                else:
+                    step(conn)
             version += 1
             conn.execute(f"PRAGMA user_version = {version}")
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
     return version
 
 
-def _common(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA busy_timeout = 10000")
+def _common(conn: sqlite3.Connection, busy_ms: int) -> None:
+    # How long a statement waits for another process's lock before SQLITE_BUSY
+    # (then StoreUnavailable): a writer elsewhere holding the file.
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     conn.execute("PRAGMA temp_store = MEMORY")
     conn.execute("PRAGMA cache_size = -32768")  # 32 MiB per connection
 
 
-def configure_writer(conn: sqlite3.Connection, durability: Durability, *, file: bool) -> None:
-    _common(conn)
+def configure_writer(
+    conn: sqlite3.Connection, durability: Durability, *, file: bool, busy_ms: int = 10_000
+) -> None:
+    _common(conn, busy_ms)
     if file:
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
@@ -165,7 +242,7 @@ def configure_writer(conn: sqlite3.Connection, durability: Durability, *, file: 
     conn.execute(f"PRAGMA synchronous = {durability.upper()}")
 
 
-def configure_reader(conn: sqlite3.Connection) -> None:
-    _common(conn)
+def configure_reader(conn: sqlite3.Connection, busy_ms: int = 10_000) -> None:
+    _common(conn, busy_ms)
     conn.execute("PRAGMA mmap_size = 268435456")
     conn.execute("PRAGMA query_only = 1")

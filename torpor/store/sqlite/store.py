@@ -35,28 +35,35 @@ import aiosqlite
 import msgspec
 import structlog
 
-from torpor.errors import ConfigError, StoreError
+from torpor.errors import ConfigError, InvalidInput, StoreError
 from torpor.events import Body, Event
-from torpor.store.fulltext import match_expression
-from torpor.store.prepare import (
-    AppendPolicy,
+from torpor.store.admit import admit_model_call, check_checkpoint
+from torpor.store.arguments import (
+    check_after,
     check_conversation_id,
-    new_artifact_id,
-    now_ms,
+    check_limit,
+    check_position,
+    check_turn,
+    search_query,
 )
+from torpor.store.fulltext import match_expression
+from torpor.store.prepare import AppendPolicy, new_artifact_id, now_ms
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
     ModelCall,
+    PendingApproval,
     Resume,
     SearchHit,
     TokenCounter,
 )
 from torpor.store.sqlite import reads
+from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
 from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.sqlite.writer import GroupCommitWriter
+from torpor.text import check_id
 
 __all__ = ["SQLiteStore"]
 
@@ -65,9 +72,15 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
-def _setup_writer(conn: sqlite3.Connection, durability: Durability, file: bool) -> int:
-    configure_writer(conn, durability, file=file)
+def _setup_writer(
+    conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int
+) -> int:
+    configure_writer(conn, durability, file=file, busy_ms=busy_ms)
     return migrate(conn)
+
+
+def _configure_writer(conn: sqlite3.Connection, durability: Durability, busy_ms: int) -> None:
+    configure_writer(conn, durability, file=True, busy_ms=busy_ms)
 
 
 class _Readers:
@@ -82,6 +95,8 @@ class _Readers:
         self._busy[index] += 1
         try:
             return await hop(self.conns[index], fn, *args)
+        except sqlite3.Error as exc:
+            raise store_error(exc, "read failed") from exc
         finally:
             self._busy[index] -= 1
 
@@ -92,6 +107,12 @@ class SQLiteStore:
     Use as an async context manager (or through :func:`torpor.store.open_store`):
     entering opens the connections, migrates the schema and starts the writer
     task; leaving commits whatever is queued, stops the writer and closes.
+
+    Errors: a file that is not a torpor database (garbage, truncated) raises
+    CorruptStore, at open or on the read that finds the damage; a database
+    that cannot write (disk full, read-only, locked for longer than
+    ``busy_timeout`` seconds) makes writes raise StoreUnavailable while reads
+    go on, and writes resume by themselves once it can write again.
     """
 
     def __init__(
@@ -104,13 +125,18 @@ class SQLiteStore:
         max_event_bytes: int = 1024 * 1024,
         readers: int = 2,
         max_batch: int = 2048,
+        busy_timeout: float = 10.0,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
-        if readers < 1:
+        if type(readers) is not int or readers < 1:
             raise ConfigError("readers", "at least one reader connection is needed")
-        if max_batch < 1:
+        if type(max_batch) is not int or max_batch < 1:
             raise ConfigError("max_batch", "must be at least 1")
+        if not isinstance(busy_timeout, int | float) or not 0 <= busy_timeout <= 3600:
+            raise ConfigError("busy_timeout", "must be 0..3600 seconds")
+        if path is not None and (not isinstance(path, str) or "\x00" in path):
+            raise ConfigError("path", "must be a file path without NUL, or None for memory")
         self.path = path
         self.durability: Durability = durability
         self._policy = AppendPolicy(
@@ -120,6 +146,7 @@ class SQLiteStore:
         )
         self._reader_count = readers
         self._max_batch = max_batch
+        self._busy_ms = int(busy_timeout * 1000)
         self._conns: list[aiosqlite.Connection] = []
         self._writer: GroupCommitWriter | None = None
         self._readers: _Readers | None = None
@@ -144,17 +171,25 @@ class SQLiteStore:
             raise StoreError("the store is already open")
         try:
             writer = await self._connect()
-            version = await hop(writer, _setup_writer, self.durability, self.path is not None)
+            version = await hop(
+                writer, _setup_writer, self.durability, self.path is not None, self._busy_ms
+            )
             readers = [writer]
             if self.path is not None:
                 readers = [await self._connect() for _ in range(self._reader_count)]
                 for reader in readers:
-                    await hop(reader, configure_reader)
-        except BaseException:
+                    await hop(reader, configure_reader, self._busy_ms)
+        except BaseException as exc:
             await self._close_connections()
+            if isinstance(exc, sqlite3.Error):
+                raise store_error(exc, f"cannot open the store {self.path!r}") from exc
             raise
         self._readers = _Readers(readers)
-        self._writer = GroupCommitWriter(writer, max_batch=self._max_batch)
+        self._writer = GroupCommitWriter(
+            writer,
+            reconnect=None if self.path is None else self._reconnect_writer,
+            max_batch=self._max_batch,
+        )
         self._writer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
 
@@ -164,6 +199,29 @@ class SQLiteStore:
         )
         self._conns.append(conn)
         await conn
+        return conn
+
+    async def _reconnect_writer(self, old: aiosqlite.Connection) -> aiosqlite.Connection:
+        """A fresh writer connection for a file store, configured like the first one.
+
+        Used after errors that can leave a connection unable to write for good
+        (one opened while the file was read-only stays read-only). The old one is
+        closed only once the new one works, so a failed attempt changes nothing.
+        """
+        conn = await self._connect()
+        try:
+            await hop(conn, _configure_writer, self.durability, self._busy_ms)
+        except BaseException as exc:
+            self._conns.remove(conn)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(conn.close())
+            if isinstance(exc, sqlite3.Error):
+                raise store_error(exc, "cannot reopen the writer connection") from exc
+            raise
+        if old in self._conns:
+            self._conns.remove(old)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(old.close())
         return conn
 
     async def close(self) -> None:
@@ -181,7 +239,7 @@ class SQLiteStore:
         cancelled: asyncio.CancelledError | None = None
         for conn in conns:  # close every one, even if cancelled: each owns a thread
             try:
-                with contextlib.suppress(ValueError):  # it never finished connecting
+                with contextlib.suppress(ValueError, sqlite3.Error):  # never connected
                     await asyncio.shield(conn.close())
             except asyncio.CancelledError as exc:
                 cancelled = exc
@@ -197,6 +255,14 @@ class SQLiteStore:
         if self._readers is None:
             raise StoreError("the store is not open")
         return self._readers
+
+    async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(sqlite3_connection, *args)`` on the writer connection's thread.
+
+        For tests and maintenance only (e.g. ``PRAGMA max_page_count`` to make
+        the database fill up): it bypasses the queue, so it must not write.
+        """
+        return await hop(self._write().connection, fn, *args)
 
     # writes ----------------------------------------------------------------------
 
@@ -231,19 +297,18 @@ class SQLiteStore:
         return cast(list[Event], await self._write().submit(op))
 
     async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
-        check_conversation_id(checkpoint.conversation_id)
-        await self._write().submit(CheckpointOp(checkpoint))
+        await self._write().submit(CheckpointOp(check_checkpoint(checkpoint)))
 
     async def put_artifact(self, conversation_id: str, data: bytes) -> str:
         check_conversation_id(conversation_id)
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError("artifact data must be bytes")
+            raise InvalidInput("data", "artifact data must be bytes")
         op = ArtifactOp(conversation_id, new_artifact_id(), bytes(data))
         return cast(str, await self._write().submit(op))
 
     async def record_model_call(self, call: ModelCall) -> None:
         """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        check_conversation_id(call.conversation_id)
+        call = admit_model_call(call)
         if not call.created_at:
             call = msgspec.structs.replace(call, created_at=now_ms())
         await self._write().submit(ModelCallOp(call))
@@ -256,17 +321,22 @@ class SQLiteStore:
 
     async def read_since(self, conversation_id: str, position: int) -> list[Event]:
         check_conversation_id(conversation_id)
+        check_position(position)
         return await self._read().run(reads.read_since, conversation_id, position)
 
     async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
         check_conversation_id(conversation_id)
+        check_position(start, "start")
+        check_position(end, "end")
         return await self._read().run(reads.read_range, conversation_id, start, end)
 
     async def page_backward(
         self, conversation_id: str, before: int | None = None, limit: int = 50
     ) -> list[Event]:
         check_conversation_id(conversation_id)
-        _check_limit(limit)
+        if before is not None:
+            check_position(before, "before")
+        check_limit(limit)
         return await self._read().run(reads.page_backward, conversation_id, before, limit)
 
     async def resume(self, conversation_id: str) -> Resume:
@@ -284,14 +354,16 @@ class SQLiteStore:
     async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
         """bm25-ranked events of one conversation; every term of ``query`` is matched literally."""
         check_conversation_id(conversation_id)
-        _check_limit(k)
+        check_limit(k, "k")
+        query = search_query(query)
         expression = match_expression(query)
         if expression is None:
             return []
         return await self._read().run(reads.search, conversation_id, expression, query, k)
 
     async def get_artifact(self, artifact_id: str) -> bytes:
-        """The full bytes of an artifact; KeyError if there is none by that id."""
+        """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""
+        check_id(artifact_id, "artifact_id")
         return await self._read().run(reads.get_artifact, artifact_id)
 
     async def model_calls(
@@ -299,21 +371,27 @@ class SQLiteStore:
     ) -> list[ModelCall]:
         """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
         check_conversation_id(conversation_id)
-        _check_limit(limit)
+        if turn is not None:
+            check_turn(turn)
+        check_limit(limit)
         return await self._read().run(reads.model_calls, conversation_id, turn, limit)
 
     async def conversations(
         self, *, after: str | None = None, limit: int = 100
     ) -> list[ConversationInfo]:
         """Conversations ordered by id, those after ``after`` (keyset pagination)."""
-        _check_limit(limit)
+        check_after(after)
+        check_limit(limit)
         return await self._read().run(reads.conversations, after, limit)
 
     async def conversation(self, conversation_id: str) -> ConversationInfo | None:
         check_conversation_id(conversation_id)
         return await self._read().run(reads.conversation, conversation_id)
 
-
-def _check_limit(limit: int) -> None:
-    if not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive int, got {limit!r}")
+    async def pending(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[PendingApproval]:
+        """Conversations waiting on outside answers, by id, after ``after``: from the index."""
+        check_after(after)
+        check_limit(limit)
+        return await self._read().run(reads.pending, after, limit)

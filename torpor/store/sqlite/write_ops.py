@@ -13,12 +13,14 @@ from typing import Any
 
 import msgspec
 
-from torpor.errors import ConflictError, StoreError
-from torpor.events import Event
+from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
+from torpor.events import Body, Event
+from torpor.store.pending import INDEXED_KINDS
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
 from torpor.store.rows import (
     EVENT_COLUMNS,
+    check_reaches,
     compress_artifact,
     encode_checkpoint,
     encode_model_call,
@@ -38,8 +40,16 @@ INSERT_ARTIFACT = (
     "INSERT INTO artifacts (id, conversation_id, size, created_at, data) VALUES (?, ?, ?, ?, ?)"
 )
 INSERT_KEY = (
-    "INSERT INTO idempotency_keys (conversation_id, key, first_position, count, created_at) "
-    "VALUES (?, ?, ?, ?, ?)"
+    "INSERT INTO idempotency_keys "
+    "(conversation_id, key, first_position, count, created_at, fingerprint) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+# The key's first use, and (for a key stored before fingerprints) its first body.
+_READ_KEY = (
+    "SELECT i.first_position, i.count, i.fingerprint, "
+    "CASE WHEN i.fingerprint IS NULL THEN e.body END FROM idempotency_keys AS i "
+    "LEFT JOIN events AS e ON e.conversation_id = i.conversation_id "
+    "AND e.position = i.first_position WHERE i.conversation_id = ? AND i.key = ?"
 )
 
 
@@ -71,6 +81,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         key = state.key
         writes = batch.creating(name, state)
         size = 0
+        indexed: list[tuple[int, int, Body]] | None = None
         for offset, e in enumerate(events):
             size += len(e.body)
             writes.append(
@@ -83,8 +94,13 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
                 data = compress_artifact(e.artifact_data)
                 row = (e.artifact_id, key, len(e.artifact_data), e.created_at, data)
                 writes.append((INSERT_ARTIFACT, row))
+            if e.kind in INDEXED_KINDS:
+                if indexed is None:
+                    indexed = []
+                indexed.append((first + offset, e.created_at, e.value))
+        mark = append.fingerprint
         if append.key is not None:
-            writes.append((INSERT_KEY, (key, append.key, first, len(events), batch.now)))
+            writes.append((INSERT_KEY, (key, append.key, first, len(events), batch.now, mark)))
         base = key << 32
         return Plan(
             result=self._result(first, events),
@@ -95,7 +111,8 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
             added_bytes=size,
             idempotency=None
             if append.key is None
-            else ((key, append.key), (first, len(events), events)),
+            else ((key, append.key), (first, len(events), events, mark)),
+            indexed=indexed,
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
@@ -108,34 +125,41 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         ]
 
     def _replay(self, batch: Batch, key: int, idem: str) -> list[Any] | None:
-        """The first append with this key, if there was one: its positions or events."""
+        """The first append with this key, if there was one: its positions or events.
+
+        Raises IdempotencyConflict if that append was not this one (other bodies).
+        """
+        append = self.append
         planned = batch.keys.get((key, idem))
         if planned is not None:
-            first, _, events = planned
+            first, _, events, mark = planned
             assert isinstance(events, tuple)
+            if mark != append.fingerprint:
+                raise IdempotencyConflict(append.conversation_id, idem)
             return self._result(first, events)
-        row = batch.conn.execute(
-            "SELECT first_position, count FROM idempotency_keys "
-            "WHERE conversation_id = ? AND key = ?",
-            (key, idem),
-        ).fetchone()
+        row = batch.conn.execute(_READ_KEY, (key, idem)).fetchone()
         if row is None:
             return None
-        first, count = int(row[0]), int(row[1])
+        first, count, stored_mark, first_body = int(row[0]), int(row[1]), row[2], row[3]
+        if not append.repeats(stored_mark, first_body):
+            raise IdempotencyConflict(append.conversation_id, idem)
         if not self.with_events:
             return list(range(first, first + count))
-        return _read_events(batch.conn, self.append.conversation_id, key, first, count)
+        return _read_events(batch.conn, append.conversation_id, key, first, count)
 
 
 def _read_events(
     conn: sqlite3.Connection, name: str, key: int, first: int, count: int
 ) -> list[Event]:
+    last = first + count - 1
     rows = conn.execute(
         f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = ? "
         "AND position BETWEEN ? AND ? ORDER BY position",
-        (key, first, first + count - 1),
+        (key, first, last),
     )
-    return to_events(name, rows)
+    events = to_events(name, rows, first)
+    check_reaches(name, events, first, last)
+    return events
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +174,10 @@ class CheckpointOp:
         cp = self.checkpoint
         state = batch.conversation(cp.conversation_id)
         if not 0 <= cp.position <= state.head + 1:
-            raise ValueError(
-                f"checkpoint position {cp.position} is outside conversation "
-                f"{cp.conversation_id!r} (head {state.head})"
+            raise InvalidInput(
+                "checkpoint.position",
+                f"{cp.position} is outside conversation {cp.conversation_id!r} "
+                f"(head {state.head})",
             )
         writes = batch.creating(cp.conversation_id, state)
         writes.append(

@@ -7,21 +7,30 @@ each caller's future resolves once the COMMIT that contains its operation has
 returned. While a batch is on the writer thread the next one accumulates, so
 under load a batch holds roughly everything that arrived during the previous
 commit: the per-transaction cost is shared instead of paid per append.
+
+When the database cannot write (see :mod:`.errors`), the whole batch fails
+with StoreUnavailable and the writer carries on: the next batch is tried as
+usual, so writes resume by themselves once the condition clears. After the
+errors that can leave the connection itself unable to write (read-only, I/O),
+the store's ``reconnect`` replaces it before the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiosqlite
 import structlog
 
-from torpor.errors import StoreError
+from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.prepare import now_ms
 from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
+from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
 from torpor.store.sqlite.hop import hop
 
 __all__ = ["GroupCommitWriter"]
@@ -29,6 +38,7 @@ __all__ = ["GroupCommitWriter"]
 log = structlog.get_logger(__name__)
 
 _Pending = tuple[WriteOp, "asyncio.Future[Any]"]
+Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
 
 
 class GroupCommitWriter:
@@ -41,9 +51,16 @@ class GroupCommitWriter:
     """
 
     def __init__(
-        self, conn: aiosqlite.Connection, *, max_batch: int = 2048, cache_size: int = 65536
+        self,
+        conn: aiosqlite.Connection,
+        *,
+        reconnect: Reconnect | None = None,
+        max_batch: int = 2048,
+        cache_size: int = 65536,
     ) -> None:
         self._conn = conn
+        self._reconnect = reconnect  # None: keep the connection (an in-memory database)
+        self._stale = False  # replace the connection before the next batch
         self._max_batch = max_batch
         self._cache = HeadCache(cache_size)
         self._pending: deque[_Pending] = deque()
@@ -105,6 +122,10 @@ class GroupCommitWriter:
                 batch.append(item)
         return batch
 
+    @property
+    def connection(self) -> aiosqlite.Connection:
+        return self._conn
+
     async def _commit(self, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         futures = [future for _, future in batch]
@@ -114,12 +135,24 @@ class GroupCommitWriter:
 
         ops = [op for op, _ in batch]
         try:
+            if self._stale and self._reconnect is not None:
+                self._conn = await self._reconnect(self._conn)
+                self._stale = False
+                log.info("writer_reconnected")
             failures = await hop(self._conn, run_batch, self._cache, ops, now_ms(), deliver)
-        except Exception as exc:  # already delivered to every caller as a StoreError
+        except Exception as exc:
             log.error("group_commit_failed", ops=len(ops), error=repr(exc))
+            if isinstance(exc, sqlite3.Error) and primary_code(exc) in RECONNECT:
+                self._stale = True
+            # Callers run_batch has told already are done; anyone else (the reconnect or
+            # the hop itself failed) learns it here, so no future is ever left waiting.
+            for future in futures:
+                if not future.done():
+                    future.set_exception(_unavailable(exc))
             return
         if failures:
             log.debug("group_commit", ops=len(ops), failed=failures)
+
 
     def _delivered(self, futures: list[asyncio.Future[Any]], results: list[object]) -> None:
         self.batches += 1
@@ -137,3 +170,18 @@ class GroupCommitWriter:
             _, future = self._pending.popleft()
             if not future.done():
                 future.set_exception(error)
+
+
+def _unavailable(exc: Exception) -> StoreError:
+    """A fresh error per caller (one exception object must not be raised in many tasks)."""
+    if isinstance(exc, sqlite3.Error):
+        return store_error(exc, "the writer connection failed")
+    error: StoreError
+    if isinstance(exc, CorruptStore):
+        error = CorruptStore(str(exc))
+    elif isinstance(exc, StoreError) and not isinstance(exc, StoreUnavailable):
+        error = StoreError(str(exc))
+    else:
+        error = StoreUnavailable(f"the writer connection failed: {exc}")
+    error.__cause__ = exc
+    return error

@@ -1,0 +1,228 @@
+"""What a write may hold: bodies, checkpoints, audit rows, checked before anything is queued.
+
+msgspec does not check a Struct's field types when it is built, so without
+this a ``UserMessage(5)`` would be written and then fail to decode forever
+after (a CorruptEvent made by ourselves), a lone surrogate would surface as a
+bare ``UnicodeEncodeError`` from the encoder, and NUL would be accepted by
+SQLite but refused by PostgreSQL. Here every id (call ids) must pass
+:func:`torpor.text.check_id` and every text :func:`torpor.text.check_text`,
+so both backends refuse the same bodies with the same
+:class:`~torpor.errors.InvalidInput`, naming the field.
+
+Cost: one regex search per text field (the same characters the encoder is
+about to read anyway) and a few type checks per event.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import msgspec
+
+from torpor.errors import InvalidInput
+from torpor.events import (
+    Aborted,
+    AbortReason,
+    AssistantMessage,
+    Body,
+    Parked,
+    Resolved,
+    Suspended,
+    ToolCall,
+    ToolResult,
+    Unparked,
+    UserMessage,
+)
+from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
+from torpor.store.protocol import Checkpoint, Marker, ModelCall
+from torpor.text import check_id, check_text, is_storable, repair_text
+
+__all__ = ["admit_model_call", "check_body", "check_checkpoint"]
+
+_ABORT_REASONS = frozenset(get_args(AbortReason))
+_MAX_DEPTH = 64  # nesting of tool-call arguments; deeper is not a real tool call
+_INT_LOW, _INT_HIGH = -(1 << 63), 1 << 64  # what msgpack (and so the log) can hold
+
+
+def check_body(body: Body, where: str) -> None:
+    """Raise InvalidInput (``what`` names the field) unless every backend can store ``body``."""
+    if isinstance(body, UserMessage):
+        check_text(body.text, f"{where}.text")
+    elif isinstance(body, AssistantMessage):
+        _assistant(body, where)
+    elif isinstance(body, ToolResult):
+        _tool_result(body, where)
+    elif isinstance(body, Suspended):
+        _suspended(body, where)
+    elif isinstance(body, Resolved):
+        check_id(body.call_id, f"{where}.call_id")
+    elif isinstance(body, Aborted):
+        _aborted(body, where)
+    elif isinstance(body, Parked):
+        check_text(body.cause, f"{where}.cause")
+        _int(body.restarts, f"{where}.restarts")
+    elif isinstance(body, Unparked):
+        check_text(body.by, f"{where}.by")
+    else:
+        raise InvalidInput(where, f"not an event body: {type(body).__name__}")
+
+
+def _assistant(body: AssistantMessage, where: str) -> None:
+    check_text(body.text, f"{where}.text")
+    calls = body.tool_calls
+    if not isinstance(calls, tuple | list):
+        raise InvalidInput(f"{where}.tool_calls", "must be a tuple of ToolCall")
+    for index, call in enumerate(calls):
+        at = f"{where}.tool_calls[{index}]"
+        if type(call) is not ToolCall:
+            raise InvalidInput(at, f"must be a ToolCall, got {type(call).__name__}")
+        check_id(call.id, f"{at}.id")
+        check_text(call.name, f"{at}.name")
+        if not isinstance(call.arguments, dict):
+            raise InvalidInput(f"{at}.arguments", "must be a dict")
+        _value(call.arguments, f"{at}.arguments", 0)
+    _artifact(body.artifact, body.full_size, where)
+
+
+def _tool_result(body: ToolResult, where: str) -> None:
+    check_id(body.call_id, f"{where}.call_id")
+    check_text(body.tool, f"{where}.tool")
+    check_text(body.content, f"{where}.content")
+    if type(body.is_error) is not bool:
+        raise InvalidInput(f"{where}.is_error", "must be a bool")
+    _artifact(body.artifact, body.full_size, where)
+
+
+def _suspended(body: Suspended, where: str) -> None:
+    if not isinstance(body.call_ids, tuple | list):
+        raise InvalidInput(f"{where}.call_ids", "must be a tuple of call ids")
+    for index, call_id in enumerate(body.call_ids):
+        check_id(call_id, f"{where}.call_ids[{index}]")
+    check_text(body.reason, f"{where}.reason")
+    if not isinstance(body.tools, tuple | list):
+        raise InvalidInput(f"{where}.tools", "must be a tuple of tool names")
+    if body.tools and len(body.tools) != len(body.call_ids):
+        raise InvalidInput(
+            f"{where}.tools",
+            f"must name one tool per call id ({len(body.call_ids)}), got {len(body.tools)}",
+        )
+    for index, tool in enumerate(body.tools):
+        check_text(tool, f"{where}.tools[{index}]")
+
+
+def _aborted(body: Aborted, where: str) -> None:
+    if body.reason not in _ABORT_REASONS:
+        raise InvalidInput(f"{where}.reason", f"must be one of {sorted(_ABORT_REASONS)}")
+    check_text(body.partial_text, f"{where}.partial_text")
+    check_text(body.detail, f"{where}.detail")
+    _artifact(body.artifact, body.full_size, where)
+
+
+def _artifact(artifact: object, full_size: object, where: str) -> None:
+    """A caller may hand in an already clipped body: its reference must be sound too."""
+    if artifact is not None:
+        check_id(artifact, f"{where}.artifact")
+    if full_size is not None:
+        _int(full_size, f"{where}.full_size")
+
+
+def _int(value: object, what: str) -> None:
+    if type(value) is not int or value < 0 or value >= _INT_HIGH:
+        raise InvalidInput(what, f"must be a non-negative int, got {value!r}")
+
+
+def _value(value: Any, what: str, depth: int) -> None:
+    """A JSON-like value whose strings (keys included) the log can hold."""
+    if isinstance(value, str):
+        if not is_storable(value):
+            check_text(value, what)  # raises, naming the character
+    elif value is None or isinstance(value, bool | float):
+        pass
+    elif isinstance(value, int):
+        if not _INT_LOW <= value < _INT_HIGH:
+            raise InvalidInput(what, f"integer {value} is out of the storable range")
+    elif depth >= _MAX_DEPTH:
+        raise InvalidInput(what, f"nested deeper than {_MAX_DEPTH} levels")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput(what, f"keys must be str, got {type(key).__name__}")
+            if not is_storable(key):
+                check_text(key, f"{what} key")
+            _value(item, f"{what}[{key!r}]", depth + 1)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _value(item, f"{what}[{index}]", depth + 1)
+    else:
+        raise InvalidInput(what, f"{type(value).__name__} is not a JSON value")
+
+
+def check_checkpoint(checkpoint: object) -> Checkpoint:
+    """A checkpoint every backend can store (its handoff text included)."""
+    if not isinstance(checkpoint, Checkpoint):
+        raise InvalidInput("checkpoint", f"must be a Checkpoint, got {type(checkpoint).__name__}")
+    check_id(checkpoint.conversation_id, "checkpoint.conversation_id")
+    check_int(checkpoint.position, "checkpoint.position", 0, POSITION_LIMIT + 1)
+    check_int(checkpoint.created_at, "checkpoint.created_at", 0, _INT_HIGH >> 1)
+    check_int(checkpoint.cycle, "checkpoint.cycle", 0, INT32_LIMIT)
+    check_int(checkpoint.tokens, "checkpoint.tokens", 0, INT32_LIMIT)
+    check_text(checkpoint.summary, "checkpoint.summary")
+    if not isinstance(checkpoint.markers, tuple | list):
+        raise InvalidInput("checkpoint.markers", "must be a tuple of Marker")
+    for index, marker in enumerate(checkpoint.markers):
+        at = f"checkpoint.markers[{index}]"
+        if not isinstance(marker, Marker):
+            raise InvalidInput(at, f"must be a Marker, got {type(marker).__name__}")
+        for name in ("start", "end", "start_ms", "end_ms", "level"):
+            check_int(getattr(marker, name), f"{at}.{name}", 0, _INT_HIGH >> 1)
+        if not isinstance(marker.topics, tuple | list):
+            raise InvalidInput(f"{at}.topics", "must be a tuple of str")
+        for topic_index, topic in enumerate(marker.topics):
+            check_text(topic, f"{at}.topics[{topic_index}]")
+    return checkpoint
+
+
+def admit_model_call(call: object) -> ModelCall:
+    """An audit row every backend can store.
+
+    Its ids and numbers are checked like any caller input; its free text (the
+    model's name, an error message, which may quote whatever a provider sent)
+    is repaired instead, because the audit must not fail a turn over text.
+    """
+    if not isinstance(call, ModelCall):
+        raise InvalidInput("call", f"must be a ModelCall, got {type(call).__name__}")
+    check_id(call.conversation_id, "call.conversation_id")
+    check_int(call.turn, "call.turn", 0, INT32_LIMIT)
+    check_int(call.call_index, "call.call_index", 0, INT32_LIMIT)
+    check_int(call.compaction_cycle, "call.compaction_cycle", 0, INT32_LIMIT)
+    check_int(call.created_at, "call.created_at", 0, _INT_HIGH >> 1)
+    check_int(call.estimated_prompt_tokens, "call.estimated_prompt_tokens", 0, _INT_HIGH >> 1)
+    for name in ("reported_prompt_tokens", "completion_tokens"):
+        value = getattr(call, name)
+        if value is not None:
+            check_int(value, f"call.{name}", 0, _INT_HIGH >> 1)
+    for name in ("utilization", "latency_ms", "ttft_ms"):
+        value = getattr(call, name)
+        if value is not None and (type(value) not in (int, float)):
+            raise InvalidInput(f"call.{name}", f"must be a number, got {type(value).__name__}")
+    if not isinstance(call.recipe, bytes):
+        raise InvalidInput("call.recipe", "must be bytes")
+    if not isinstance(call.sections, dict):
+        raise InvalidInput("call.sections", "must be a dict of section name to tokens")
+    for size in call.sections.values():
+        check_int(size, "call.sections", _INT_LOW, _INT_HIGH >> 1)
+    texts = [call.rendered_hash, call.model, *call.sections]
+    if call.error is not None:
+        texts.append(call.error)
+    for text in texts:
+        if not isinstance(text, str):
+            raise InvalidInput("call", f"text fields must be str, got {type(text).__name__}")
+    if all(is_storable(text) for text in texts):
+        return call
+    return msgspec.structs.replace(
+        call,
+        rendered_hash=repair_text(call.rendered_hash),
+        model=repair_text(call.model),
+        sections={repair_text(name): size for name, size in call.sections.items()},
+        error=None if call.error is None else repair_text(call.error),
+    )
