@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
-import structlog
 from rich.console import Console
 
+from torpor._logging import ROOT_LOGGER
 from torpor.store.url import UnsupportedStoreURL, parse_store_url
 
 __all__ = [
@@ -191,10 +191,12 @@ def machine() -> dict[str, Any]:
 
 
 def configure_logging(verbose: int) -> None:
-    """Library logs go to stderr, warnings and up unless ``-v`` asks for more."""
-    level = logging.WARNING - 10 * min(verbose, 2)
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+    """The command is an application, so it configures logging: one line per record on stderr.
+
+    torpor's own loggers show warnings and up, or more with ``-v``; other
+    libraries' loggers (asyncio's, say) warnings and up.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("torpor: %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger(ROOT_LOGGER).setLevel(logging.WARNING - 10 * min(verbose, 2))

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import structlog
-
+from torpor._logging import get_logger
 from torpor.compaction.policy import CompactionPolicy
 from torpor.compaction.recipe import Recipe, Rendered, text_hash
 from torpor.compaction.render import decisions_of, materialize
@@ -22,7 +21,7 @@ from torpor.store.protocol import Checkpoint, EventStore
 
 __all__ = ["rebuild_rendered"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 async def rebuild_rendered(

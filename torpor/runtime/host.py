@@ -9,8 +9,7 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
+from torpor._logging import get_logger
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
 from torpor.actors.mailbox import CancelRequest, ResolveRequest, SendRequest
@@ -81,7 +80,7 @@ class Runtime:
         self.agent_config = agent if agent is not None else AgentConfig()
         self._agent_for = agent_for
         self._encoding = encoding
-        self.log: Any = structlog.get_logger("torpor.runtime")
+        self.log: Any = get_logger("torpor.runtime")
         self.registry = Registry()
         self.counters = Counters()
         self.watchers = Watchers()

@@ -29,8 +29,8 @@ from typing import Any, Self, TypeVar, cast
 
 import asyncpg
 import msgspec
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import ConfigError, StoreError
 from torpor.events import Body, Event
 from torpor.store.postgres import reads
@@ -57,7 +57,7 @@ from torpor.store.sqlite.schema import Durability
 
 __all__ = ["PostgresStore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

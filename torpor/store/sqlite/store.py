@@ -33,8 +33,8 @@ from typing import Any, Self, TypeVar, cast
 
 import aiosqlite
 import msgspec
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import ConfigError, StoreError
 from torpor.events import Body, Event
 from torpor.store.fulltext import match_expression
@@ -60,7 +60,7 @@ from torpor.store.sqlite.writer import GroupCommitWriter
 
 __all__ = ["SQLiteStore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

@@ -17,8 +17,8 @@ from collections import deque
 from typing import Any
 
 import aiosqlite
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import StoreError
 from torpor.store.prepare import now_ms
 from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
@@ -26,7 +26,7 @@ from torpor.store.sqlite.hop import hop
 
 __all__ = ["GroupCommitWriter"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Pending = tuple[WriteOp, "asyncio.Future[Any]"]
 
