@@ -112,7 +112,6 @@ def test_chat_streams_tools_and_suspension_then_inspect_reads_the_log(tmp_path: 
         ["loadtest", "--agents", "0"],
         ["loadtest", "--active-ratio", "1.5"],
         ["loadtest", "--duration", "soon"],
-        ["loadtest", "--db", "postgres://nowhere/x"],
         ["loadtest", "--db", "sqlite:////no/such/dir/x.db"],
         ["loadtest", "--hibernate-after", "5", "--evict-after", "1"],
         ["inspect", "--db", "sqlite:////no/such/file.db"],

@@ -2,15 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import msgspec
 
-from torpor.compaction.policy import CompactionPolicy
+from torpor.actors.tools import Toolbox
+from torpor.compaction.policy import BUDGET_RELATIONS, CompactionPolicy
 from torpor.errors import ConfigError
+from torpor.validation import (
+    Relation,
+    Rule,
+    check_fields,
+    custom,
+    flag,
+    integer,
+    optional,
+    seconds,
+    text,
+)
 
 __all__ = ["AgentConfig"]
+
+
+def _tools_problem(value: object) -> str | None:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return f" ({type(value).__name__}, not a list or tuple of tools)"
+    try:
+        Toolbox(value)  # what the runtime builds from it later: refuse now what it would refuse
+    except ConfigError as exc:
+        return f" ({str(exc).removeprefix('tools: ')})"
+    except Exception as exc:  # a function whose signature has no JSON schema, say
+        return f" ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _summarizer_problem(value: object) -> str | None:
+    try:
+        summarize = getattr(value, "summarize", None)
+    except Exception:  # a hostile __getattr__ is a bad summarizer, not a crash
+        summarize = None
+    if value is None or inspect.iscoroutinefunction(summarize):
+        return None
+    return f" ({type(value).__name__}, without an async summarize method)"
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,7 +59,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     system_prompt: str = "You are a helpful assistant."
-    tools: Sequence[Any] = ()  # LocalTool (from torpor.tool) or ExternalTool
+    tools: Sequence[Any] = ()  # LocalTool (from torpor.tool), ExternalTool or an async function
     tool_timeout: float = 30.0  # seconds per local tool call (a tool's own timeout wins)
     max_steps: int = 8  # model calls per turn before the turn is cut off
     recall_tools: bool = True  # offer the built-in recall/expand tools to the model
@@ -42,18 +77,28 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A cancelled or timed-out tool gets this long to stop; then it is abandoned (reported).
     cancel_deadline: float = 5.0
 
+    # One rule per field (check_fields refuses a field without one); then the relations.
+    RULES: ClassVar[Mapping[str, Rule]] = {
+        "system_prompt": text(),
+        "tools": custom("a list of LocalTool, ExternalTool or async functions", _tools_problem),
+        "tool_timeout": seconds(),
+        "max_steps": integer(1),
+        "recall_tools": flag(),
+        **{name: CompactionPolicy.RULES[name] for name in (
+            "context_window", "max_output_tokens", "safety_margin", "working_budget",
+            "hard_ceiling_ratio", "compaction_trigger_ratio", "tail_turns", "keep_tool_results",
+        )},
+        "summarizer": custom("None or an object with an async summarize method",
+                             _summarizer_problem),
+        "model_idle_timeout": optional(seconds()),
+        "cancel_deadline": seconds(),
+    }
+    RELATIONS: ClassVar[tuple[Relation, ...]] = BUDGET_RELATIONS
+
     def __post_init__(self) -> None:
-        if not isinstance(self.system_prompt, str):
-            raise ConfigError("system_prompt", "must be a string")
-        if not self.tool_timeout > 0:
-            raise ConfigError("tool_timeout", "must be > 0 seconds")
-        if self.max_steps < 1:
-            raise ConfigError("max_steps", "must be >= 1")
-        if self.model_idle_timeout is not None and not self.model_idle_timeout > 0:
-            raise ConfigError("model_idle_timeout", "must be > 0 seconds or None")
-        if not self.cancel_deadline > 0:
-            raise ConfigError("cancel_deadline", "must be > 0 seconds")
-        self.policy()  # validates every budget field, naming it
+        check_fields(self, self.RULES, self.RELATIONS)
+        if isinstance(self.tools, list):  # a tuple: the caller's list can't change it later
+            msgspec.structs.force_setattr(self, "tools", tuple(self.tools))
 
     def policy(self) -> CompactionPolicy:
         return CompactionPolicy(

@@ -15,8 +15,8 @@ from typing import Any, TypeAlias, overload
 
 import anyio
 import msgspec
-import structlog
 
+from torpor._logging import get_logger
 from torpor.actors.tool_schema import check_tool_name, derive_signature
 from torpor.errors import ConfigError, ToolArgumentError
 from torpor.events import ToolCall, ToolResult
@@ -32,7 +32,7 @@ __all__ = [
     "tool",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 ToolFunction: TypeAlias = Callable[..., Awaitable[Any]]
 

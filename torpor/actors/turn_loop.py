@@ -263,10 +263,8 @@ def _repaired(value: Any) -> Any:
 
 
 def _suspension(call_ids: tuple[str, ...], names: tuple[str, ...]) -> Suspended:
-    fields = Suspended.__struct_fields__
-    if "tools" in fields:  # the pending-approvals index reads the tool names from it
-        return Suspended(call_ids, "awaiting outside answer", names)  # type: ignore[call-arg]
-    return Suspended(call_ids, reason="awaiting outside answer")
+    # The tool names feed the store's index of pending approvals.
+    return Suspended(call_ids, reason="awaiting outside answer", tools=names)
 
 
 async def _record(host: Host, call: ModelCall) -> None:

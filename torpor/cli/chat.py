@@ -11,16 +11,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import sys
 import threading
-from typing import Any, TextIO
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
 from torpor.actors.config import AgentConfig
 from torpor.actors.turn import Turn
-from torpor.cli.common import DEFAULT_DB, CliError, non_negative_float, store_url
+from torpor.cli.common import (
+    DEFAULT_DB,
+    conversation_id,
+    display_url,
+    non_negative_float,
+    store_url,
+    unstorable,
+)
 from torpor.cli.demo_model import DEMO_HELP, DemoModel, demo_tools
 from torpor.cli.render import body_text, call_text, clip, event_line
 from torpor.errors import TorporError, TurnAborted, UnknownConversation
@@ -45,35 +55,71 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
                    help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
-    p.add_argument("--conversation", "-c", default="chat", metavar="ID",
+    p.add_argument("--conversation", "-c", type=conversation_id, default="chat", metavar="ID",
                    help="conversation id (default 'chat'); an existing one is continued")
     p.add_argument("--delay", type=non_negative_float, default=None, metavar="SEC",
                    help="model delay per streamed chunk (default 0.02 on a terminal, else 0)")
     p.set_defaults(run=run)
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An input line the log cannot hold: reported, never sent, and reading goes on."""
+
+    number: int
+    reason: str  # "is not valid UTF-8 (byte 0xff at offset 3)", "contains NUL at …"
+
+
+def decode_line(raw: bytes, number: int, encoding: str) -> str | Refused:
+    """One line of input as text, or why it is refused (bytes that don't decode, NUL, …)."""
+    try:
+        line = raw.decode(encoding).rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        return Refused(number, f"is not valid {exc.encoding.upper()} (byte 0x{raw[exc.start]:02x} "
+                               f"at offset {exc.start})")
+    reason = unstorable(line)
+    return line if reason is None else Refused(number, reason)
+
+
 class LineReader:
-    """stdin lines for the event loop, read on a daemon thread so exit never waits for it."""
+    """stdin lines for the event loop, read on a daemon thread so exit never waits for it.
+
+    Bytes are read and decoded here, line by line, so one line that does not
+    decode is refused on its own instead of ending the input.
+    """
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[str | Refused | None] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._ended = False
         threading.Thread(target=self._pump, name="torpor-chat-stdin", daemon=True).start()
 
+    def _items(self) -> Iterator[str | Refused]:
+        buffer: IO[bytes] | None = getattr(self._stream, "buffer", None)
+        if buffer is None:  # a text stream with no bytes underneath (embedding, tests)
+            for number, line in enumerate(self._stream, 1):
+                text = line.rstrip("\r\n")
+                reason = unstorable(text)
+                yield text if reason is None else Refused(number, reason)
+            return
+        encoding = getattr(self._stream, "encoding", None) or "utf-8"
+        for number, raw in enumerate(buffer, 1):
+            yield decode_line(raw, number, encoding)
+
     def _pump(self) -> None:
+        put = self._queue.put_nowait
         try:
-            for line in self._stream:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, line.rstrip("\r\n"))
-        except (OSError, ValueError):
+            for item in self._items():
+                self._loop.call_soon_threadsafe(put, item)
+        except (OSError, ValueError):  # stdin closed under us: the input ends
             pass
         finally:
             with contextlib.suppress(RuntimeError):  # the loop may have closed already
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+                self._loop.call_soon_threadsafe(put, None)
 
-    async def read(self) -> str | None:
-        """The next line, or None at (and after) the end of input."""
+    async def read(self) -> str | Refused | None:
+        """The next line (or its refusal), or None at (and after) the end of input."""
         if self._ended:
             return None
         line = await self._queue.get()
@@ -95,9 +141,14 @@ class Chat:
         sys.stdout.flush()
 
     async def ask(self, prompt: str) -> str | None:
-        if self.interactive:
-            self.write(prompt)
-        return await self.reader.read()
+        """The next line the log can hold; a refused one is reported and the prompt repeated."""
+        while True:
+            if self.interactive:
+                self.write(prompt)
+            line = await self.reader.read()
+            if not isinstance(line, Refused):
+                return line
+            self.write(f"[refused input line {line.number}: it {line.reason}; nothing was sent]\n")
 
     # -- turns ----------------------------------------------------------------------
     async def follow(self, turn: Turn) -> None:
@@ -256,13 +307,16 @@ async def _chat(args: argparse.Namespace, console: Console) -> None:
         if interactive:
             existing = await rt.store.conversation(args.conversation)
             count = existing.event_count if existing is not None else 0
-            console.print(f"conversation [bold]{args.conversation}[/] on {args.db} "
+            console.print(f"conversation [bold]{args.conversation}[/] on {display_url(args.db)} "
                           f"({count} events so far). {HELP}")
         await chat.loop()
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.conversation or len(args.conversation) > 256:
-        raise CliError("--conversation must be 1 to 256 characters")
+    # Replies echo what the model wrote: a terminal that cannot show a character gets an
+    # escape for it, not a UnicodeEncodeError that ends the chat.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     asyncio.run(_chat(args, Console(highlight=False)))
     return 0

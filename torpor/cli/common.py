@@ -9,20 +9,24 @@ everything meant for people to stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
-import structlog
 from rich.console import Console
 
+from torpor._logging import ROOT_LOGGER
+from torpor.errors import InvalidInput
 from torpor.store.url import UnsupportedStoreURL, parse_store_url
+from torpor.text import check_id, check_text
 
 __all__ = [
     "DEFAULT_DB",
@@ -30,6 +34,8 @@ __all__ = [
     "OneLineParser",
     "configure_logging",
     "consoles",
+    "conversation_id",
+    "display_url",
     "existing_store_url",
     "machine",
     "non_negative_float",
@@ -37,9 +43,11 @@ __all__ = [
     "positive_float",
     "positive_int",
     "ratio",
+    "require_postgres_store",
     "sqlite_path",
     "store_url",
     "to_jsonable",
+    "unstorable",
     "write_json",
 ]
 
@@ -117,13 +125,25 @@ def ratio(text: str) -> float:
 
 
 def store_url(text: str) -> str:
-    """A store URL the runtime can open; a bare file path is taken as a SQLite file."""
+    """A store URL the runtime can open; a bare file path is taken as a SQLite file.
+
+    ``postgresql://`` (or ``postgres://``) URLs are passed through as they are;
+    they need the ``postgres`` extra, and saying so now beats failing later.
+    """
     if "://" not in text:
         text = "sqlite:///" + text  # "x.db" -> sqlite:///x.db, "/a/x.db" -> sqlite:////a/x.db
     try:
         location = parse_store_url(text)
     except UnsupportedStoreURL as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if location.backend == "postgres":
+        try:
+            importlib.import_module("asyncpg")
+        except ImportError:
+            raise argparse.ArgumentTypeError(
+                f"{display_url(text)} needs asyncpg: pip install 'torpor[postgres]'"
+            ) from None
+        return text
     if location.path is not None:
         parent = Path(location.path).expanduser().resolve().parent
         if not parent.is_dir():
@@ -131,20 +151,85 @@ def store_url(text: str) -> str:
     return text
 
 
+def display_url(url: str) -> str:
+    """The URL without its password: for output, reports and error messages."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    return f"{scheme}{sep}{credentials.split(':', 1)[0]}:***@{host}"
+
+
 def sqlite_path(url: str) -> Path | None:
-    """The file a SQLite URL names (None for an in-memory store)."""
-    path = parse_store_url(url).path
-    return None if path is None else Path(path)
+    """The file a SQLite URL names (None for an in-memory store or another backend)."""
+    location = parse_store_url(url)
+    return None if location.backend != "sqlite" or location.path is None else Path(location.path)
 
 
 def existing_store_url(url: str) -> str:
-    """For read-only commands: the database must already exist (opening would create it)."""
+    """For read-only commands: the store must already exist (opening would create it).
+
+    A SQLite file is checked here; a PostgreSQL database once connected
+    (:func:`require_postgres_store`), since only the server knows.
+    """
+    if parse_store_url(url).backend == "postgres":
+        return url
     path = sqlite_path(url)
     if path is None:
         raise CliError(f"{url}: an in-memory store is empty; pass --db with a database file")
     if not path.is_file():
         raise CliError(f"{url}: no database at {path}")
     return url
+
+
+async def require_postgres_store(url: str) -> None:
+    """Refuse a PostgreSQL database without torpor's schema (opening would create it)."""
+    import asyncpg  # present: store_url checked
+
+    try:
+        conn = await asyncpg.connect(url)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise CliError(f"cannot connect to {display_url(url)}: {exc}", code=1) from None
+    try:
+        found = await conn.fetchval("SELECT to_regclass('schema_version') IS NOT NULL")
+    finally:
+        await conn.close()
+    if not found:
+        raise CliError(f"{display_url(url)}: no torpor store in this database")
+
+
+# -- text from the terminal ---------------------------------------------------------------
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def unstorable(text: str) -> str | None:
+    """Why the log cannot hold ``text`` (None when it can): "is not valid UTF-8 (…)", say.
+
+    Bytes that did not decode reach Python as lone surrogates U+DC80..U+DCFF
+    (``surrogateescape``, how argv and a non-UTF-8 stdin arrive): name the byte.
+    """
+    escaped = _ESCAPED_BYTE.search(text)
+    if escaped is not None:
+        byte = ord(escaped.group()) - 0xDC00
+        return f"is not valid UTF-8 (byte 0x{byte:02x} at index {escaped.start()})"
+    try:
+        check_text(text, "text")
+    except InvalidInput as exc:
+        return str(exc).removeprefix("text: ")
+    return None
+
+
+def conversation_id(text: str) -> str:
+    """An argument naming a conversation: 1..256 characters the log can hold."""
+    reason = unstorable(text)
+    if reason is not None:
+        raise argparse.ArgumentTypeError(f"conversation id {text!r} {reason}")
+    try:
+        return check_id(text, "conversation id")
+    except InvalidInput as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # -- output ------------------------------------------------------------------------
@@ -191,10 +276,12 @@ def machine() -> dict[str, Any]:
 
 
 def configure_logging(verbose: int) -> None:
-    """Library logs go to stderr, warnings and up unless ``-v`` asks for more."""
-    level = logging.WARNING - 10 * min(verbose, 2)
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
+    """The command is an application, so it configures logging: one line per record on stderr.
+
+    torpor's own loggers show warnings and up, or more with ``-v``; other
+    libraries' loggers (asyncio's, say) warnings and up.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("torpor: %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger(ROOT_LOGGER).setLevel(logging.WARNING - 10 * min(verbose, 2))

@@ -20,9 +20,12 @@ from torpor.actors.revive import restore
 from torpor.cli.common import (
     DEFAULT_DB,
     consoles,
+    conversation_id,
+    display_url,
     existing_store_url,
     non_negative_int,
     positive_int,
+    require_postgres_store,
     store_url,
     to_jsonable,
     write_json,
@@ -31,6 +34,7 @@ from torpor.cli.render import clip, event_json, event_line
 from torpor.errors import UnknownConversation
 from torpor.store import open_store
 from torpor.store.protocol import ConversationInfo, EventStore, ModelCall
+from torpor.store.url import parse_store_url
 
 __all__ = ["add_parser", "run"]
 
@@ -45,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
                     "conversations with head, checkpoint, event count and size; with one, its "
                     "checkpoints, markers, last events, model calls and context anatomy.",
     )
-    p.add_argument("conversation", nargs="?", metavar="CONVERSATION")
+    p.add_argument("conversation", nargs="?", type=conversation_id, metavar="CONVERSATION")
     p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
                    help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
     p.add_argument("--json", metavar="FILE", help="write everything as JSON ('-' for stdout)")
@@ -215,6 +219,8 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
 
 
 async def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    if parse_store_url(args.db).backend == "postgres":
+        await require_postgres_store(args.db)
     async with open_store(args.db) as store:
         if args.conversation is None:
             return await _listing(store, args.limit)
@@ -231,5 +237,5 @@ def run(args: argparse.Namespace) -> int:
         _print_detail(out, data)
     if args.json:
         data.pop("_lines", None)
-        write_json(args.json, {"command": "inspect", "db": args.db, **data})
+        write_json(args.json, {"command": "inspect", "db": display_url(args.db), **data})
     return 0

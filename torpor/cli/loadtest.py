@@ -21,6 +21,7 @@ from typing import Any
 from torpor.cli.common import (
     CliError,
     consoles,
+    display_url,
     machine,
     non_negative_float,
     non_negative_int,
@@ -45,7 +46,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "loadtest",
         help="create N agents with history, drive a fraction, let the rest hibernate and evict",
-        description="Load test: N conversations with M events each on SQLite; activate them "
+        description="Load test: N conversations with M events each (a temporary SQLite file, "
+                    "or --db, SQLite or PostgreSQL); activate them "
                     "all, drive a fraction R with turns for S seconds while the lifecycle "
                     "hibernates and evicts the idle ones; report agents per state over time, "
                     "memory per agent per state, turns/s and revival latency.",
@@ -129,7 +131,7 @@ async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,
             "history": args.history,
             "active_ratio": args.active_ratio,
             "duration": args.duration,
-            "db": url if args.db else "temporary SQLite file",
+            "db": display_url(url) if args.db else "temporary SQLite file",
             "hibernate_after": config.hibernate_after,
             "evict_after": config.evict_after,
             "sweep_interval": config.sweep_every,

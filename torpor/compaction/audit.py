@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import structlog
-
+from torpor._logging import get_logger
 from torpor.compaction.order import up_to_turn
 from torpor.compaction.policy import CompactionPolicy
 from torpor.compaction.recipe import Recipe, Rendered, text_hash
@@ -23,7 +22,7 @@ from torpor.store.protocol import Checkpoint, EventStore
 
 __all__ = ["rebuild_rendered"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 async def rebuild_rendered(

@@ -8,12 +8,57 @@ ceiling* (never exceeded by what is sent, whatever the conversation holds).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
 import msgspec
 
 from torpor.compaction.tokens import DEFAULT_ENCODING
-from torpor.errors import ConfigError
+from torpor.validation import Relation, Rule, check_fields, integer, number, text
 
-__all__ = ["CompactionPolicy"]
+__all__ = ["BUDGET_RELATIONS", "CompactionPolicy"]
+
+
+# The budgets read off any object with the budget fields (AgentConfig has them too).
+def _input_budget(c: Any) -> int:
+    return int(c.context_window - c.max_output_tokens - c.safety_margin)
+
+
+def _no_input_budget(c: Any) -> str | None:
+    if _input_budget(c) > 0:
+        return None
+    return (
+        f"max_output_tokens + safety_margin ({c.max_output_tokens} + {c.safety_margin}) "
+        f"leave no input budget in a {c.context_window}-token window"
+    )
+
+
+def _no_ceiling(c: Any) -> str | None:
+    if int(c.context_window * c.hard_ceiling_ratio) > 0:
+        return None
+    return f"leaves a hard ceiling of 0 tokens in a {c.context_window}-token window"
+
+
+def _budget_over_ceiling(c: Any) -> str | None:
+    ceiling = min(int(c.context_window * c.hard_ceiling_ratio), _input_budget(c))
+    if c.working_budget <= ceiling:
+        return None
+    return (
+        f"{c.working_budget} exceeds the hard ceiling of {ceiling} tokens (min of "
+        "hard_ceiling_ratio * context_window and the input budget)"
+    )
+
+
+BUDGET_RELATIONS: tuple[Relation, ...] = (
+    Relation(("max_output_tokens", "safety_margin", "context_window"), _no_input_budget),
+    Relation(("hard_ceiling_ratio", "context_window"), _no_ceiling),
+    Relation(
+        ("working_budget", "context_window", "hard_ceiling_ratio", "max_output_tokens",
+         "safety_margin"),
+        _budget_over_ceiling,
+    ),
+)
+"""Constraints between the budget fields, checked after each field's own rule."""
 
 
 class CompactionPolicy(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +77,24 @@ class CompactionPolicy(msgspec.Struct, frozen=True, kw_only=True):
     max_markers: int = 8  # pointer markers kept in a checkpoint (merged beyond that)
     max_topics: int = 8  # topic hints per marker
     encoding: str = DEFAULT_ENCODING
+
+    # One rule per field (check_fields refuses a field without one); then the relations.
+    RULES: ClassVar[Mapping[str, Rule]] = {
+        "context_window": integer(1),
+        "max_output_tokens": integer(1),
+        "safety_margin": integer(0),
+        "working_budget": integer(1),
+        "hard_ceiling_ratio": number(0.0, 1.0, open_min=True),
+        "compaction_trigger_ratio": number(0.0, 1.0, open_min=True),
+        "tail_turns": integer(1),
+        "keep_tool_results": integer(0),
+        "stub_tokens": integer(1),
+        "clip_tokens": integer(1),
+        "max_markers": integer(1),
+        "max_topics": integer(1),
+        "encoding": text(empty=False),
+    }
+    RELATIONS: ClassVar[tuple[Relation, ...]] = BUDGET_RELATIONS
 
     def __post_init__(self) -> None:
         self.validate()
@@ -62,50 +125,4 @@ class CompactionPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     def validate(self) -> None:
         """Raise ConfigError(field, why) for the first invalid value."""
-        for name in (
-            "context_window",
-            "max_output_tokens",
-            "working_budget",
-            "tail_turns",
-            "stub_tokens",
-            "clip_tokens",
-            "max_markers",
-            "max_topics",
-        ):
-            _positive_int(name, getattr(self, name))
-        for name in ("safety_margin", "keep_tool_results"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
-        for name in ("hard_ceiling_ratio", "compaction_trigger_ratio"):
-            ratio = getattr(self, name)
-            if not isinstance(ratio, int | float) or isinstance(ratio, bool):
-                raise ConfigError(name, f"must be a number, got {ratio!r}")
-            if not 0.0 < ratio <= 1.0:
-                raise ConfigError(name, f"must be in (0, 1], got {ratio!r}")
-        if self.input_budget <= 0:
-            raise ConfigError(
-                "max_output_tokens",
-                f"max_output_tokens + safety_margin ({self.max_output_tokens} + "
-                f"{self.safety_margin}) leave no input budget in a "
-                f"{self.context_window}-token window",
-            )
-        if self.hard_ceiling <= 0:
-            raise ConfigError("hard_ceiling_ratio", "leaves a hard ceiling of 0 tokens")
-        if self.working_budget > self.effective_ceiling:
-            raise ConfigError(
-                "working_budget",
-                f"{self.working_budget} exceeds the hard ceiling of {self.effective_ceiling} "
-                "tokens (min of hard_ceiling_ratio * context_window and the input budget)",
-            )
-        if not isinstance(self.encoding, str) or not self.encoding:
-            raise ConfigError("encoding", "must name a tiktoken encoding")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ConfigError(name, f"must be an integer > 0, got {value!r}")
+        check_fields(self, self.RULES, self.RELATIONS)

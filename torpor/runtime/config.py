@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from torpor.errors import ConfigError
+from torpor.validation import (
+    Relation,
+    Rule,
+    check_fields,
+    choice,
+    integer,
+    optional,
+    seconds,
+)
 
 __all__ = ["RuntimeConfig"]
+
+
+def _evict_before_hibernate(c: Any) -> str | None:
+    if c.evict_after >= c.hibernate_after:
+        return None
+    return f"must be >= hibernate_after ({c.hibernate_after:g}), got {c.evict_after:g}"
 
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,31 +58,28 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # still running then (a tool ignoring cancellation) is abandoned and reported.
     shutdown_deadline: float = 10.0
 
+    # One rule per field (check_fields refuses a field without one); then the relations.
+    RULES: ClassVar[Mapping[str, Rule]] = {
+        "hibernate_after": seconds(),
+        "evict_after": seconds(),
+        "sweep_interval": optional(seconds()),
+        "max_live_agents": integer(1),
+        "max_working_set_bytes": integer(1),
+        "max_concurrent_revivals": integer(1),
+        "max_restarts": integer(0),
+        "restart_window": seconds(),
+        "backoff_initial": seconds(zero=True),
+        "backoff_max": seconds(),
+        "mailbox_bound": integer(1),
+        "durability": choice("normal", "full"),
+        "shutdown_deadline": seconds(),
+    }
+    RELATIONS: ClassVar[tuple[Relation, ...]] = (
+        Relation(("evict_after", "hibernate_after"), _evict_before_hibernate),
+    )
+
     def __post_init__(self) -> None:
-        positive = {
-            "hibernate_after": self.hibernate_after,
-            "evict_after": self.evict_after,
-            "restart_window": self.restart_window,
-            "backoff_max": self.backoff_max,
-            "shutdown_deadline": self.shutdown_deadline,
-        }
-        for name, value in positive.items():
-            if not value > 0:
-                raise ConfigError(name, f"must be > 0, got {value!r}")
-        if self.backoff_initial < 0:
-            raise ConfigError("backoff_initial", "must be >= 0")
-        if self.evict_after < self.hibernate_after:
-            raise ConfigError("evict_after", "must be >= hibernate_after")
-        if self.sweep_interval is not None and not self.sweep_interval > 0:
-            raise ConfigError("sweep_interval", "must be > 0")
-        for name in ("max_live_agents", "max_working_set_bytes", "max_concurrent_revivals",
-                     "mailbox_bound"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, "must be >= 1")
-        if self.max_restarts < 0:
-            raise ConfigError("max_restarts", "must be >= 0")
-        if self.durability not in ("normal", "full"):
-            raise ConfigError("durability", "must be 'normal' or 'full'")
+        check_fields(self, self.RULES, self.RELATIONS)
 
     @property
     def sweep_every(self) -> float:

@@ -9,8 +9,7 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
-import structlog
-
+from torpor._logging import get_logger
 from torpor.actors.actor import postpone
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
@@ -103,7 +102,7 @@ class Runtime:
         self.admin = Admin(self)
         self._agent_for = agent_for
         self._encoding = encoding
-        self._log: Any = structlog.get_logger("torpor.runtime")
+        self._log: Any = get_logger("torpor.runtime")
         self._registry = Registry()
         self._counters = Counters()
         self._watchers = Watchers()

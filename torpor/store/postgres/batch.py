@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import asyncpg
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import StoreError
 from torpor.store.postgres.errors import is_unavailable
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
@@ -50,7 +50,7 @@ from torpor.store.rows import EVENT_COLUMNS, check_reaches, to_events
 
 __all__ = ["BatchStats", "Failed", "run_batch"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 STEP3_LOCK_TIMEOUT = "200ms"
 _RETRIES = 12

@@ -29,8 +29,8 @@ from typing import Any, Self, TypeVar, cast
 
 import asyncpg
 import msgspec
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import ConfigError, InvalidInput, StoreError
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
@@ -63,7 +63,7 @@ from torpor.text import check_id
 
 __all__ = ["PostgresStore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

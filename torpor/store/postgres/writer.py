@@ -40,8 +40,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import StoreError
 from torpor.store.postgres.batch import BatchStats, Failed, run_batch
 from torpor.store.postgres.errors import is_unavailable, store_error
@@ -50,7 +50,7 @@ from torpor.store.prepare import now_ms
 
 __all__ = ["GroupCommitWriter"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Pending = tuple[WriteOp, "asyncio.Future[Any]"]
 Connect = Callable[[], Awaitable[asyncpg.Connection]]

@@ -33,8 +33,8 @@ from typing import Any, Self, TypeVar, cast
 
 import aiosqlite
 import msgspec
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import ConfigError, InvalidInput, StoreError
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
@@ -67,7 +67,7 @@ from torpor.text import check_id
 
 __all__ = ["SQLiteStore"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

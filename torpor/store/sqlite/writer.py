@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiosqlite
-import structlog
 
+from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.prepare import now_ms
 from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
@@ -35,7 +35,7 @@ from torpor.store.sqlite.hop import hop
 
 __all__ = ["GroupCommitWriter"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _Pending = tuple[WriteOp, "asyncio.Future[Any]"]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
