@@ -56,9 +56,8 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
         if agent.state is AgentState.PARKED:
             _refuse_all(agent)
             return
-        if agent.ws is None and (
-            agent.mailbox_depth() or agent.postponed or agent.state is AgentState.REVIVING
-        ):
+        if agent.ws is None and (agent.mailbox_depth() or agent.runnable_postponed()
+                                 or agent.state is AgentState.REVIVING):
             await revive(agent, host)  # eager after a restart: it proves the log reads back
             continue
         if agent.postponed and agent.state is AgentState.AWAITING_INPUT:

@@ -108,6 +108,7 @@ class Agent:
         "cycle",
         "head",
         "hibernate_requested",
+        "logging_sends",
         "hub",
         "id",
         "last_active",
@@ -161,6 +162,7 @@ class Agent:
         # serialized, since a message sent mid-turn is logged by the sender's task.
         self.lock: asyncio.Lock | None = None
         self.postponed: deque[Waiting] | None = None  # turns logged behind the open one
+        self.logging_sends = 0  # sends being logged by their callers' tasks right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
@@ -192,11 +194,15 @@ class Agent:
             return True
         # Postponed turns behind a suspension: hibernating is fine (they are in the log),
         # but the callers' Turn handles live on this record, so it is not evicted.
-        return bool(self.postponed) and self.state is not AgentState.SUSPENDED
+        return self.runnable_postponed()
 
     @property
     def evictable(self) -> bool:
         return not self.busy and not self.postponed
+
+    def runnable_postponed(self) -> bool:
+        """Postponed turns that could run now (not waiting behind a suspension)."""
+        return bool(self.postponed) and self.state is not AgentState.SUSPENDED
 
     def last_turn(self) -> int:
         """The highest turn number logged (postponed turns included)."""
@@ -237,4 +243,5 @@ class Agent:
     def queued_sends(self) -> int:
         """User messages not yet run: in the mailbox, or logged and postponed."""
         queued = 0 if self.mailbox is None else self.mailbox.sends
+        queued += self.logging_sends
         return queued + (len(self.postponed) if self.postponed else 0)

@@ -85,7 +85,7 @@ class Supervisor:
             elif crash is not None:
                 self._crashed(agent, crash)
             elif (
-                (agent.mailbox_depth() or agent.postponed)
+                (agent.mailbox_depth() or agent.runnable_postponed())
                 and not self.stopping
                 and agent.state is not AgentState.PARKED
             ):
