@@ -45,7 +45,7 @@ from torpor.events import (
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
 
-__all__ = ["abort_turn", "postpone", "run_agent"]
+__all__ = ["abort_turn", "fail", "postpone", "replayed_turn", "run_agent"]
 
 
 async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
@@ -116,7 +116,10 @@ async def revive(agent: Agent, host: Host) -> None:
     started = time.perf_counter()
     async with host.revival_slot():
         resume = await host.store.resume(agent.id)
-    restored = restore(resume.events)
+    # Turns this record holds handles for were postponed, even where the turn before
+    # them had ended (a conversation that queued for a slot): they run, not abort.
+    held = frozenset(w.event.position for w in agent.postponed) if agent.postponed else None
+    restored = restore(resume.events, postponed=held)
     ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(resume.events, restored.turn))
     agent.ws = ws
     agent.lock = asyncio.Lock()
@@ -227,7 +230,7 @@ async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn
         if (agent.postponed and event.turn <= agent.postponed[-1].event.turn) or (
             event.turn <= agent.turn
         ):  # an idempotent retry of an earlier send
-            return await _replayed_turn(agent, host, event.position, event.turn)
+            return await replayed_turn(agent, host, event.position, event.turn)
         hub = StreamHub(host.followers(agent.id))
         turn = Turn(agent.id, event.turn, event.position, hub.join(), postponed=True)
         if agent.postponed is None:
@@ -264,12 +267,12 @@ async def _replay(
     agent: Agent, host: Host, request: SendRequest, position: int, number: int
 ) -> None:
     """An idempotent retry: hand back the original turn, running or finished."""
-    turn = await _replayed_turn(agent, host, position, number)
+    turn = await replayed_turn(agent, host, position, number)
     if not request.accepted.done():
         request.accepted.set_result(turn)
 
 
-async def _replayed_turn(agent: Agent, host: Host, position: int, number: int) -> Turn:
+async def replayed_turn(agent: Agent, host: Host, position: int, number: int) -> Turn:
     current = agent.current
     if current is not None and current.user_position == position:
         return current

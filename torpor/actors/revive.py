@@ -37,12 +37,14 @@ class Restored(msgspec.Struct, frozen=True):
     postponed: tuple[Event, ...] = ()  # user messages logged behind the open turn, in order
 
 
-def restore(events: Sequence[Event]) -> Restored:
+def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) -> Restored:
     """Derive the agent's state from the events since its latest checkpoint.
 
     Events are read in turn order (:mod:`torpor.compaction.order`). A user
     message met while the turn before it is still open was postponed behind
     it: it and every later user message wait for their turns, in order.
+    ``postponed``: positions known to be postponed turns that have not started
+    (their record says so), whatever precedes them.
     """
     turn = 0
     parked: str | None = None
@@ -56,16 +58,17 @@ def restore(events: Sequence[Event]) -> Restored:
     answered: set[str] = set()
     suspended_on: frozenset[str] = frozenset()
     finished = True
-    postponed: list[Event] = []
+    waiting: list[Event] = []
+    held = postponed or frozenset()
     for event in in_turn_order(events):
         body = event.body
-        if postponed:  # behind an open turn only user messages can follow
+        if waiting:  # behind an open turn only user messages can follow
             if isinstance(body, UserMessage):
-                postponed.append(event)
+                waiting.append(event)
             continue
         if isinstance(body, UserMessage):
-            if not finished:
-                postponed.append(event)
+            if not finished or event.position in held:
+                waiting.append(event)
                 continue
             turn = max(turn, event.turn)
             finished = False
@@ -87,14 +90,14 @@ def restore(events: Sequence[Event]) -> Restored:
             finished = True
             last_assistant = None
             suspended_on = frozenset()
-    waiting = tuple(postponed)
+    queued = tuple(waiting)
     if parked is not None:
         return Restored(
             AgentState.PARKED, turn, parked_cause=parked, unfinished=not finished,
-            postponed=waiting,
+            postponed=queued,
         )
     if finished:
-        return Restored(AgentState.AWAITING_INPUT, turn, postponed=waiting)
+        return Restored(AgentState.AWAITING_INPUT, turn, postponed=queued)
     if last_assistant is not None and suspended_on:
         pending = tuple(
             c.id for c in last_assistant.tool_calls if c.id not in answered and c.id in suspended_on
@@ -105,5 +108,5 @@ def restore(events: Sequence[Event]) -> Restored:
             if c.id not in answered and c.id not in suspended_on
         ]
         if pending and not unanswered_local:
-            return Restored(AgentState.SUSPENDED, turn, pending=pending, postponed=waiting)
-    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True, postponed=waiting)
+            return Restored(AgentState.SUSPENDED, turn, pending=pending, postponed=queued)
+    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True, postponed=queued)

@@ -64,6 +64,9 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int
     parks: int
     store_failures: int  # turns or revivals stopped by StoreUnavailable (not crashes)
+    queued: int  # conversations waiting for a live slot (max_live_agents), in no state
+    queue_wait_p50_ms: float | None
+    queue_wait_p99_ms: float | None
     abandoned: int  # tasks that ignored cancellation past their deadline
     revival_p50_ms: float | None
     revival_p99_ms: float | None
@@ -174,6 +177,7 @@ class Admin:
         p50 = percentile(samples, 50)
         p99 = percentile(samples, 99)
         c = rt._counters
+        wait50, wait99 = rt._admission.wait_percentiles()
         return RuntimeStats(
             states=states,
             live=len(rt._registry),
@@ -189,6 +193,9 @@ class Admin:
             restarts=c.restarts,
             parks=c.parks,
             store_failures=c.store_failures,
+            queued=len(rt._admission),
+            queue_wait_p50_ms=None if wait50 is None else wait50 * 1000,
+            queue_wait_p99_ms=None if wait99 is None else wait99 * 1000,
             abandoned=c.abandoned,
             revival_p50_ms=None if p50 is None else p50 * 1000,
             revival_p99_ms=None if p99 is None else p99 * 1000,
@@ -215,7 +222,10 @@ class Admin:
         lifecycle = self._rt._lifecycle
         if agent.ws is not None and not lifecycle.hibernate(agent) and agent.busy:
             return False
-        return lifecycle.evict(agent)
+        evicted = lifecycle.evict(agent)
+        if evicted and self._rt._admission:
+            self._rt._admission.admit()  # the slot goes to a conversation waiting for one
+        return evicted
 
     async def sweep(self, now: float | None = None) -> tuple[int, int]:
         """Run the lifecycle sweep now, as if the clock read ``now`` (time.monotonic()).

@@ -28,12 +28,14 @@ from torpor.errors import (
     ConfigError,
     InvalidInput,
     RuntimeClosed,
+    TurnAborted,
     UnknownConversation,
 )
 from torpor.events import Event
 from torpor.llm.echo import EchoModel
 from torpor.llm.protocol import Model, TextDelta
 from torpor.runtime.admin import Admin
+from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
@@ -109,6 +111,7 @@ class Runtime:
         self._host = AgentHost(self, self.model, self._log)
         self._supervisor = Supervisor(self)
         self._lifecycle = Lifecycle(self)
+        self._admission = Admission(self)
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
@@ -154,6 +157,7 @@ class Runtime:
         self._log.debug("runtime stopped")
 
     async def _stop_agents(self) -> None:
+        self._admission.close(TurnAborted("shutdown", "", "the runtime stopped"))
         await self._supervisor.stop()
         self._watchers.close()
         self._host.close_followers()
@@ -191,8 +195,14 @@ class Runtime:
         return profile
 
     def _agent(self, conversation_id: str) -> Agent:
-        """The conversation's agent, created (not yet revived) if not in memory."""
+        """The conversation's agent, created (not yet revived) if not in memory.
+
+        A conversation queued for a slot is let in at once: whoever asks for its
+        agent (a resolve, a cancel) needs it now.
+        """
         agent = self._registry.get(conversation_id)
+        if agent is None:
+            agent = self._admission.take(conversation_id)
         if agent is None:
             agent = Agent(conversation_id, self._profile_for(conversation_id))
             self._registry.add(agent)
@@ -202,9 +212,16 @@ class Runtime:
                 self._lifecycle.shed_agents(keep=agent)
         return agent
 
+    def _check_bound(self, agent: Agent) -> None:
+        if agent.queued_sends() >= self.config.mailbox_bound:
+            raise Busy(
+                f"{agent.id}: {agent.queued_sends()} messages already wait "
+                f"(mailbox_bound={self.config.mailbox_bound})"
+            )
+
     async def _known(self, conversation_id: str) -> Agent | None:
         """The agent if the conversation exists (in memory or in the log); never invents one."""
-        agent = self._registry.get(conversation_id)
+        agent = self._registry.get(conversation_id) or self._admission.take(conversation_id)
         if agent is not None:
             return agent
         if await self.store.head(conversation_id) is None:
@@ -227,14 +244,17 @@ class Runtime:
         check_text(text, "text")
         if key is not None:
             check_id(key, "key")
-        agent = self._agent(conversation_id)
+        agent = self._registry.get(conversation_id)
+        if agent is None and self._admission.must_wait(conversation_id):
+            # Over the live-agent cap: durable now, run when a slot frees (fair order).
+            agent = self._admission.waiting(conversation_id)
+            self._check_bound(agent)
+            return await self._admission.send(agent, text, key)
+        if agent is None:
+            agent = self._agent(conversation_id)
         if agent.state is AgentState.PARKED:
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
-        if agent.queued_sends() >= self.config.mailbox_bound:
-            raise Busy(
-                f"{conversation_id}: {agent.queued_sends()} messages already wait "
-                f"(mailbox_bound={self.config.mailbox_bound})"
-            )
+        self._check_bound(agent)
         if agent.scope is not None and agent.ws is not None and not agent.mailbox_depth():
             # The actor is inside a turn and will not read its mailbox until the turn
             # ends: log the message from here, so send returns once it is durable.

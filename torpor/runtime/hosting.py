@@ -81,9 +81,10 @@ class AgentHost:
                 registry.queue_hibernated(agent)
         if self.ws_total > rt.config.max_working_set_bytes:
             rt._lifecycle.shed_memory(keep=agent)
-        if len(registry) > rt.config.max_live_agents:
-            # A burst of first messages can overshoot the cap while all are busy;
-            # shed as soon as agents go idle again.
+        if rt._admission:
+            rt._admission.admit()  # conversations wait for a slot: idle ones make room
+        elif len(registry) > rt.config.max_live_agents:
+            # Over the cap (a resolve let a queued conversation in): shed as agents idle.
             rt._lifecycle.shed_agents(keep=agent)
 
     # -- memory accounting -----------------------------------------------------------

@@ -52,6 +52,8 @@ class Lifecycle:
                 break
             if self.evict(agent):
                 evicted += 1
+        if rt._admission:
+            rt._admission.admit()
         return hibernated, evicted
 
     def hibernate(self, agent: Agent) -> bool:
@@ -91,11 +93,13 @@ class Lifecycle:
         rt._host.transition(agent, agent.state, AgentState.EVICTED)
         return True
 
-    def shed_agents(self, *, keep: Agent) -> None:
-        """Over ``max_live_agents``: evict the least recently used idle agents."""
+    def shed_agents(self, *, keep: Agent | None, below: int | None = None) -> None:
+        """Evict the least recently used idle agents while the registry is over the cap
+        (or, with ``below``, until it holds fewer than ``below``: room for a newcomer)."""
         rt = self._rt
         registry = rt._registry
-        while len(registry) > rt.config.max_live_agents:
+        limit = rt.config.max_live_agents if below is None else below - 1
+        while len(registry) > limit:
             victim = registry.oldest_hibernated() or registry.oldest_idle()
             if victim is None or victim is keep:
                 return

@@ -1,0 +1,144 @@
+"""Admission: the live-agent cap holds in an activation storm.
+
+When ``max_live_agents`` agents are in memory and none of them is idle enough
+to give up its slot, a message for another conversation is still made durable
+at once (its sender's ``send`` returns as usual) but its conversation waits
+here, in arrival order, holding no working set and no task: only its record
+and the handles of its logged, postponed turns. A slot opens whenever an idle
+agent is hibernated and evicted (least recently used first) or leaves by
+itself; the head of the queue then revives and runs its turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from torpor.actors.actor import replayed_turn
+from torpor.actors.agent import Agent, Waiting
+from torpor.actors.stream import StreamHub
+from torpor.actors.turn import Turn
+from torpor.events import UserMessage
+from torpor.runtime.stats import percentile
+
+if TYPE_CHECKING:
+    from torpor.runtime.host import Runtime
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    __slots__ = ("_rt", "admitted", "queue", "since", "waits")
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self.queue: OrderedDict[str, Agent] = OrderedDict()  # arrival order
+        self.since: dict[str, float] = {}  # monotonic time each entered the queue
+        self.waits: deque[float] = deque(maxlen=4096)  # seconds from queue to slot
+        self.admitted = 0
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def must_wait(self, conversation_id: str) -> bool:
+        """Whether a conversation not in memory has to queue for a slot now."""
+        rt = self._rt
+        if conversation_id in self.queue:
+            return True
+        if self.queue:
+            self.admit()  # free slots go to those already waiting first
+            if self.queue:
+                return True  # fair: nobody overtakes them
+        cap = rt.config.max_live_agents
+        if len(rt._registry) >= cap:
+            rt._lifecycle.shed_agents(keep=None, below=cap)
+        return len(rt._registry) >= cap
+
+    def waiting(self, conversation_id: str) -> Agent:
+        """The queued record of a conversation (made on its first message)."""
+        agent = self.queue.get(conversation_id)
+        if agent is None:
+            rt = self._rt
+            agent = Agent(conversation_id, rt._profile_for(conversation_id))
+            self.queue[conversation_id] = agent
+            self.since[conversation_id] = time.monotonic()
+            rt._counters.activations += 1
+        return agent
+
+    def take(self, conversation_id: str) -> Agent | None:
+        """Out of the queue at once (a resolve or cancel for it must not wait)."""
+        agent = self.queue.pop(conversation_id, None)
+        if agent is not None:
+            self._admit(agent)
+        return agent
+
+    def admit(self) -> None:
+        """Give free slots to the queue's head, evicting idle agents to make them."""
+        rt = self._rt
+        cap = rt.config.max_live_agents
+        while self.queue:
+            if len(rt._registry) >= cap:
+                rt._lifecycle.shed_agents(keep=None, below=cap)
+                if len(rt._registry) >= cap:
+                    return
+            _, agent = self.queue.popitem(last=False)
+            self._admit(agent)
+
+    def _admit(self, agent: Agent) -> None:
+        rt = self._rt
+        started = self.since.pop(agent.id, None)
+        if started is not None:
+            self.waits.append(time.monotonic() - started)
+        self.admitted += 1
+        rt._registry.add(agent)
+        rt._host.transition(agent, "queued", agent.state)
+        rt._supervisor.ensure_running(agent)
+
+    def wait_percentiles(self) -> tuple[float | None, float | None]:
+        samples = list(self.waits)
+        return percentile(samples, 50), percentile(samples, 99)
+
+    async def send(self, agent: Agent, text: str, key: str | None) -> Turn:
+        """Log a message for a queued conversation; its turn runs once it has a slot."""
+        rt = self._rt
+        store = rt.store
+        if agent.lock is None:
+            agent.lock = asyncio.Lock()
+        with anyio.CancelScope(shield=True):  # once written, it must be answered
+            async with agent.lock:
+                if agent.head < 0 and agent.postponed is None:
+                    # Where the conversation stands, without reading its working set:
+                    # postponed input sits near the head, within the mailbox bound.
+                    recent = await store.page_backward(
+                        agent.id, None, rt.config.mailbox_bound + 2
+                    )
+                    if recent:
+                        agent.head = recent[0].position
+                        agent.turn = max(e.turn for e in recent)
+                number = agent.last_turn() + 1
+                events = await store.append_events(
+                    agent.id, [UserMessage(text)], turn=number, expect_head=agent.head, key=key
+                )
+                event = events[0]
+                if event.turn != number:  # an idempotent retry of an earlier send
+                    return await replayed_turn(agent, rt._host, event.position, event.turn)
+                agent.head = event.position
+                rt._host.publish(agent.id, events)
+                hub = StreamHub(rt._host.followers(agent.id))
+                turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
+                if agent.postponed is None:
+                    agent.postponed = deque()
+                agent.postponed.append(Waiting(event, turn, hub))
+        return turn
+
+    def close(self, error: BaseException) -> None:
+        for agent in self.queue.values():
+            for waiting in agent.postponed or ():
+                waiting.turn._fail(error)
+            agent.postponed = None
+        self.queue.clear()
+        self.since.clear()
