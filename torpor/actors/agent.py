@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.mailbox import Mailbox, Message
@@ -161,7 +160,7 @@ class Agent:
         # Kept while live only (dropped on hibernation): appends that expect our head are
         # serialized, since a message sent mid-turn is logged by the sender's task.
         self.lock: asyncio.Lock | None = None
-        self.postponed: deque[Waiting] | None = None  # turns logged behind the open one
+        self.postponed: list[Waiting] | None = None  # turns logged behind the open one
         self.logging_sends = 0  # sends being logged by their callers' tasks right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt

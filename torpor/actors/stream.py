@@ -38,7 +38,7 @@ class Subscriber:
     __slots__ = ("_closed", "_error", "_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: deque[StreamItem] = deque()
+        self._items: deque[StreamItem] | None = None  # made on the first push (760 bytes)
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._error: BaseException | None = None
@@ -51,6 +51,8 @@ class Subscriber:
         if self._closed:
             return
         items = self._items
+        if items is None:
+            items = self._items = deque()
         if items and isinstance(item, TextDelta) and isinstance(items[-1], TextDelta):
             items[-1] = TextDelta(items[-1].text + item.text)
         else:
@@ -76,6 +78,7 @@ class Subscriber:
         while True:
             while self._items:
                 yield self._items.popleft()
+            self._items = None  # drained: a long-lived follower keeps no empty deque
             if self._closed:
                 if self._error is not None:
                     raise self._error
@@ -154,9 +157,11 @@ class Follower(Subscriber):
             if cut is None:  # nothing was live: the replay covers all it read
                 cut = events[-1].position if events else self._after
                 self._cut = cut
-                self._items = deque(
-                    i for i in self._items if not (isinstance(i, Event) and i.position <= cut)
-                )
+                if self._items:
+                    self._items = deque(
+                        i for i in self._items
+                        if not (isinstance(i, Event) and i.position <= cut)
+                    )
             for event in events:
                 if event.position > cut:
                     break

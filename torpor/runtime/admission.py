@@ -113,9 +113,11 @@ class Admission:
                 if agent.head < 0 and agent.postponed is None:
                     # Where the conversation stands, without reading its working set:
                     # postponed input sits near the head, within the mailbox bound.
-                    recent = await store.page_backward(
-                        agent.id, None, rt.config.mailbox_bound + 2
-                    )
+                    # Under the revival cap, so a storm holds few such reads at once.
+                    async with rt._host.revival_slot():
+                        recent = await store.page_backward(
+                            agent.id, None, rt.config.mailbox_bound + 2
+                        )
                     if recent:
                         agent.head = recent[0].position
                         agent.turn = max(e.turn for e in recent)
@@ -131,7 +133,7 @@ class Admission:
                 hub = StreamHub(rt._host.followers(agent.id))
                 turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
                 if agent.postponed is None:
-                    agent.postponed = deque()
+                    agent.postponed = []
                 agent.postponed.append(Waiting(event, turn, hub))
         return turn
 
