@@ -131,10 +131,10 @@ BATCH = 200
 sets (BATCH x ~15 KB) are the only thing that can inflate those scenarios' RSS."""
 
 
-async def wait_for(predicate: Any) -> None:
+async def no_tasks(rt: torpor.Runtime) -> None:
     """Poll until agent tasks have acted on hibernate/evict (they do so asynchronously)."""
     deadline = time.monotonic() + 120
-    while not predicate() and time.monotonic() < deadline:  # noqa: ASYNC110
+    while (await rt.admin.stats()).tasks and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
@@ -154,12 +154,14 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
         await asyncio.gather(*(one(c) for c in warm))
         for c in warm:
             (await rt.admin.evict(c))
-        await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
+        await no_tasks(rt)
         if trace:
             tracemalloc.start()
         rss0, traced0 = reading(trace)
         started = time.perf_counter()
-        batch = n if state == "active" else BATCH
+        # "burst-hibernated": every agent active at once, then all hibernated (a storm
+        # that passed); "hibernated": reached in batches, so little was ever live at once.
+        batch = n if state in ("active", "burst-hibernated") else BATCH
 
         ws_tokens: list[int] = []
         ws_chunk = names[:200]
@@ -168,21 +170,21 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
             await asyncio.gather(*(one(c) for c in chunk))
             if offset == 0:
                 ws_tokens = [(await rt.admin.inspect(c)).working_set_tokens for c in ws_chunk]
-            if state == "hibernated":
+            if state in ("hibernated", "burst-hibernated"):
                 for c in chunk:
                     (await rt.admin.hibernate(c))
-                await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
+                await no_tasks(rt)
             elif state == "evicted":
                 for c in chunk:
                     (await rt.admin.evict(c))
-                await wait_for(lambda: (await rt.admin.stats()).tasks == 0)
+                await no_tasks(rt)
         seconds = time.perf_counter() - started
         rss1, traced1 = reading(trace)
         stats = (await rt.admin.stats())
         if trace:
             tracemalloc.stop()
     expected = {"active": stats.with_working_set, "hibernated": stats.hibernated,
-                "evicted": n - stats.live}[state]
+                "burst-hibernated": stats.hibernated, "evicted": n - stats.live}[state]
     return {
         "rss_bytes_per_agent": round((rss1 - rss0) / n),
         "traced_bytes_per_agent": None if traced0 is None else round((traced1 - traced0) / n),
@@ -362,6 +364,14 @@ def summarise(scales: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> dict
             targets[f"hibernated_process_rss_mb@{n}"] = round(row["rss_total_bytes"] / 1e6, 1)
             if n >= 100_000:
                 targets[f"hibernated_{n}_under_300MB"] = row["rss_total_bytes"] < 300e6
+        if name == "torpor-burst-hibernated":
+            gradual = by.get(("torpor-hibernated", n))
+            if gradual is not None:
+                # Same agents, same final state; the difference is heap the allocator kept
+                # from the moment every working set was live at once.
+                ratios[f"burst/gradual_hibernated_process_rss@{n}"] = ratio(
+                    row["rss_total_bytes"], gradual["rss_total_bytes"]
+                )
     if sweep:
         for key in ("torpor_active_traced", "torpor_hibernated_traced", "naive_traced"):
             values = [r[key] for r in sweep if r[key] is not None]
@@ -375,7 +385,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     try:
         scales: list[dict[str, Any]] = []
         for n in args.agents:
-            states = ["active", "hibernated", "evicted"]
+            states = ["active", "hibernated", "burst-hibernated", "evicted"]
             if args.active_up_to is not None and n > args.active_up_to:
                 states = ["hibernated", "evicted"]
             print(f"scale {n:,}", file=sys.stderr)
