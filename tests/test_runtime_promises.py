@@ -482,8 +482,8 @@ async def test_cancel_racing_the_final_commit_either_takes_effect_or_is_too_late
     cancelled = sum(took for *_, took, _ in outcomes)
     assert len(outcomes) == conversations * rounds
     # Both outcomes happen many times, and many cancels land inside the commit.
-    assert cancelled > 100 and len(outcomes) - cancelled > 100, cancelled
-    assert in_commit > 20, in_commit
+    assert cancelled > 50 and len(outcomes) - cancelled > 50, cancelled
+    assert in_commit > 10, in_commit
 
 
 # -- item 14: pending approvals, evicted or not, from the store's index ------------------
