@@ -224,7 +224,15 @@ async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn
     even if the caller gave up meanwhile (the log has it; it must be answered).
     """
     with anyio.CancelScope(shield=True):
-        events = await logged(agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key)
+        # Counted towards the bound while it is written: a second send arriving meanwhile
+        # must see it, or concurrent sends would all pass the check before any is queued.
+        agent.logging_sends += 1
+        try:
+            events = await logged(
+                agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key
+            )
+        finally:
+            agent.logging_sends -= 1
         event = events[0]
         if event.turn <= agent.last_turn():  # an idempotent retry: a number already given
             return await replayed_turn(agent, host, event.position, event.turn)

@@ -161,7 +161,7 @@ class Agent:
         # serialized, since a message sent mid-turn is logged by the sender's task.
         self.lock: asyncio.Lock | None = None
         self.postponed: list[Waiting] | None = None  # turns logged behind the open one
-        self.logging_sends = 0  # sends being logged by their callers' tasks right now
+        self.logging_sends = 0  # user messages being logged behind the open turn right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
@@ -240,7 +240,7 @@ class Agent:
         return 0 if self.mailbox is None else len(self.mailbox)
 
     def queued_sends(self) -> int:
-        """User messages not yet run: in the mailbox, or logged and postponed."""
+        """User messages not yet run: in the mailbox, being logged, or logged and postponed."""
         queued = 0 if self.mailbox is None else self.mailbox.sends
         queued += self.logging_sends
         return queued + (len(self.postponed) if self.postponed else 0)

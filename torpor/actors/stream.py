@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import TypeAlias
 
-from torpor.events import Event
+from torpor.events import Aborted, AssistantMessage, Event
 from torpor.llm.protocol import TextDelta
 
 __all__ = ["Follower", "StreamHub", "StreamItem", "Subscriber"]
@@ -154,20 +154,40 @@ class Follower(Subscriber):
                 self.close()
                 raise
             cut = self._cut
+            held = list(self._items or ())
             if cut is None:  # nothing was live: the replay covers all it read
                 cut = events[-1].position if events else self._after
                 self._cut = cut
-                if self._items:
-                    self._items = deque(
-                        i for i in self._items
-                        if not (isinstance(i, Event) and i.position <= cut)
-                    )
-            for event in events:
-                if event.position > cut:
-                    break
-                yield event
+                held = _after_replay(held, cut)
+            # Kept on the follower, not in this generator: iterating it again (after a
+            # ``break``) goes on where the last iteration stopped.
+            self._items = deque([*(e for e in events if e.position <= cut), *held])
         async for item in super()._iterate():
             yield item
+
+
+def _after_replay(items: list[StreamItem], cut: int) -> list[StreamItem]:
+    """What arrived live before a replay up to ``cut`` was read, minus what the replay holds.
+
+    Events up to ``cut`` are in the replay. So is the text streamed for any answer
+    it holds: deltas before the last replayed answer (or abort, which holds the
+    partial text) would repeat it after its event. Deltas after that, and user
+    messages logged mid-stream, belong to what is still in flight.
+    """
+    last_answer = -1
+    for index, item in enumerate(items):
+        if (
+            isinstance(item, Event)
+            and item.position <= cut
+            and isinstance(item.body, AssistantMessage | Aborted)
+        ):
+            last_answer = index
+    return [
+        item
+        for index, item in enumerate(items)
+        if not (isinstance(item, Event) and item.position <= cut)
+        and not (isinstance(item, TextDelta) and index < last_answer)
+    ]
 
 
 class StreamHub:

@@ -258,11 +258,7 @@ class Runtime:
         if agent.scope is not None and agent.ws is not None and not agent.mailbox_depth():
             # The actor is inside a turn and will not read its mailbox until the turn
             # ends: log the message from here, so send returns once it is durable.
-            agent.logging_sends += 1  # counts against mailbox_bound while in flight
-            try:
-                turn = await postpone(agent, self._host, text, key)
-            finally:
-                agent.logging_sends -= 1
+            turn = await postpone(agent, self._host, text, key)
             agent.wake()  # the turn may have ended while this was being written
             return turn
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()

@@ -10,7 +10,9 @@ exponential backoff; more than ``max_restarts`` crashes within
 A store that cannot write is not the agent's fault: ``StoreUnavailable``
 stops the turn (its callers get the error, nothing partial is logged) and the
 agent retries on the same backoff until the store writes again, without
-counting towards parking.
+counting towards parking. A log that does not read back (``CorruptEvent`` on
+revival) is no crash either, and no restart can help: its callers get the
+error and the agent is forgotten, neither restarted nor parked.
 
 Nothing here may raise out of a supervising task: a failure while handling a
 failure (a log handler that chokes, say) still completes every waiting
@@ -29,7 +31,13 @@ import anyio
 
 from torpor.actors.actor import fail, run_agent
 from torpor.actors.state import AgentState
-from torpor.errors import AgentParked, RuntimeClosed, StoreUnavailable, TurnAborted
+from torpor.errors import (
+    AgentParked,
+    CorruptEvent,
+    RuntimeClosed,
+    StoreUnavailable,
+    TurnAborted,
+)
 from torpor.events import Parked
 
 if TYPE_CHECKING:
@@ -82,6 +90,8 @@ class Supervisor:
         try:
             if isinstance(crash, StoreUnavailable):
                 self._store_down(agent, crash)
+            elif isinstance(crash, CorruptEvent) and agent.ws is None:
+                self._unreadable(agent, crash)  # its revival could not read the log back
             elif crash is not None:
                 self._crashed(agent, crash)
             elif (
@@ -141,6 +151,28 @@ class Supervisor:
         # Retry until the store writes again: the log may owe an Aborted for the turn
         # and postponed turns wait to run.
         self.ensure_running(agent, delay=delay)
+
+    def _unreadable(self, agent: Agent, exc: CorruptEvent) -> None:
+        """The log does not read back (a hole, a row that does not decode).
+
+        No restart can change that, and it is not the conversation's model or
+        tools failing: no crash loop and no parking. Every waiting caller gets
+        the CorruptEvent (naming the position) and the agent is forgotten, so
+        the next request reads the log again, and fails the same way until the
+        log is repaired.
+        """
+        rt = self._rt
+        agent.last_error = f"CorruptEvent: {exc}"
+        _log(rt, "error", "conversation log unreadable", conversation_id=agent.id,
+             error=str(exc))
+        self._drop_turn(agent, exc)
+        _fail_waiting(agent, exc)
+        postponed, agent.postponed = agent.postponed, None
+        for waiting in postponed or ():
+            waiting.turn._fail(exc)
+        if rt._registry.get(agent.id) is agent:
+            rt._registry.remove(agent)
+            rt._host.transition(agent, agent.state, AgentState.EVICTED)
 
     def _crashed(self, agent: Agent, exc: BaseException) -> None:
         rt = self._rt
