@@ -30,7 +30,9 @@ from torpor.compaction import (
     incremental,
     plan_fold,
     render,
+    turn_starts,
 )
+from torpor.compaction.markers import encode_hints
 from torpor.errors import ConfigError
 from torpor.events import (
     Aborted,
@@ -159,6 +161,28 @@ def bodies_of(op: Any, log: Log) -> list[Body]:
     return out
 
 
+def stored(event: Event) -> Event:
+    """The event as a store with compaction's hint extractor returns it, or as an older row
+    or another extractor left it (nothing, another format, bytes that do not decode)."""
+    variant = event.position % 4
+    hints = (None, encode_hints(event.body), b"\x00old", b"\x01\xc1")[variant]
+    return msgspec.structs.replace(event, hints=hints)
+
+
+def assert_same_fold(ws: WorkingSet, log: Log, force: bool) -> None:
+    """A fold planned over events with hints stored at append equals one that extracts them."""
+    revived = WorkingSet("c", ws.checkpoint, [stored(e) for e in log.events])
+    assert revived.turn_starts() == ws.turn_starts()
+    one, two = plan_fold(ws, FOLD, force=force), plan_fold(revived, FOLD, force=force)
+    assert (one is None) == (two is None)
+    if one is not None and two is not None:
+        assert (one.position, one.hints) == (two.position, two.hints)
+        assert (one.kept_tokens, one.folded_tokens) == (two.kept_tokens, two.folded_tokens)
+        assert build_checkpoint(one, ws.checkpoint, created_at=0) == build_checkpoint(
+            two, revived.checkpoint, created_at=0
+        )
+
+
 def render_all(
     ws: WorkingSet, log: Log, args: tuple[Any, ...]
 ) -> tuple[Rendered | None, Rendered | None, Rendered | None]:
@@ -196,6 +220,7 @@ def run(first: int, script: list[Any]) -> None:
             assert_same(got, revived)
             renders += 1
         elif kind == "fold":
+            assert_same_fold(ws, log, op[1])
             plan = plan_fold(ws, FOLD, force=op[1])
             if plan is not None:
                 ws.apply(build_checkpoint(plan, ws.checkpoint, created_at=0))
@@ -211,6 +236,7 @@ def run(first: int, script: list[Any]) -> None:
                 log.turn += 1
             ws.append([log.add(body) for body in bodies_of(op, log)])
         assert ws.estimated_bytes() == ws.walk_bytes()
+        assert ws.turn_starts() == turn_starts(ws.tail)  # kept as events arrive = walked
     final = ("render", first, 1.0, 0, 1)
     got, scratch, revived = render_all(ws, log, final)
     assert_same(got, scratch)
