@@ -12,6 +12,7 @@ walk over every object.
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -29,6 +30,7 @@ from torpor.compaction import (
     footprint,
     incremental,
     plan_fold,
+    recipe,
     render,
     turn_starts,
 )
@@ -253,9 +255,12 @@ def test_incremental_render_equals_render_from_scratch(first: int, script: list[
 @given(
     st.integers(0, len(POLICIES) - 1),
     st.lists(st.tuples(st.sampled_from(["user", "say", "calls", "orphan", "abort"]), sizes)),
+    st.sampled_from([1, 3, incremental.STRIDE]),
 )
-def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]]) -> None:
-    """The actor's pattern: one policy, a render after every step (the cache keeps up)."""
+def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]], stride: int) -> None:
+    """The actor's pattern: one policy, a render after every step (the cache keeps up);
+    with chain states kept every ``stride`` slots, so a stub or a clip in the middle
+    restarts the hash chain from every kind of place."""
     script: list[Any] = []
     for kind, size in steps:
         if kind == "calls":
@@ -267,7 +272,8 @@ def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]]) -> None:
         else:
             script.append(("abort", size > 6))
         script.append(("render", p, 1.0, 1, 1))
-    run(p, script)
+    with mock.patch.object(incremental, "STRIDE", stride):
+        run(p, script)
 
 
 # --- the cache is really incremental -------------------------------------------------
@@ -371,3 +377,36 @@ def test_policy_change_rebuilds_the_cache() -> None:
     ws = WorkingSet("c", None, chat(log, 8))
     for policy in (POLICIES[0], POLICIES[1], POLICIES[0]):
         assert ws.render(PROMPTS[1], policy) == ws.render_from_scratch(PROMPTS[1], policy)
+
+
+def test_the_payload_hash_covers_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call hashes the messages added since the last one; a stub in the middle rehashes
+    from the chain state kept below it, not from the start."""
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 30, results=False))
+    policy = CompactionPolicy(keep_tool_results=1)
+    ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    hashed: list[object] = []
+    original = incremental.chain
+
+    def counting(state: bytes, message: Any) -> bytes:
+        hashed.append(message)
+        return original(state, message)
+
+    monkeypatch.setattr(incremental, "chain", counting)
+    ws.append(chat(log, 1, results=False))
+    rendered = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    assert hashed == rendered.messages[-2:]  # the new question and answer, nothing else
+    hashed.clear()
+    ws.append(chat(log, 2))  # two tool results: the first one leaves the window, a stub
+    rendered = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    stub_at = next(i for i, m in enumerate(rendered.messages) if "elided" in str(m))
+    assert 0 < len(hashed) <= len(rendered.messages) - stub_at + incremental.STRIDE
+    assert len(hashed) < len(rendered.messages) // 2
+    monkeypatch.undo()
+    assert rendered == ws.render_from_scratch(PROMPTS[0], policy, TOOLSETS[1])
+
+
+def test_a_recipe_version_this_torpor_does_not_know_is_refused() -> None:
+    with pytest.raises(ValueError, match="recipe version 3"):
+        recipe.payload_hash([], (), 3)

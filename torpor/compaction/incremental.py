@@ -11,9 +11,11 @@ a few known moments:
 * calls still unanswered get stand-ins, which are final once the turn moves on.
 
 :class:`TailCache` follows exactly those transitions, so a call costs O(new
-events) plus copying the message list and hashing the payload. (The hash cannot
-be carried over from call to call: the msgpack payload starts with the message
-count, so every byte after it hashes differently once a message is added.)
+events) plus copying the message list. The payload hash is a chain over the
+messages (:mod:`torpor.compaction.recipe`), carried from call to call: a call
+hashes the messages added since the last one, and after a change in the middle
+(a stub, a clip) the messages from there on, restarting from a state kept every
+:data:`STRIDE` slots (two bytes a slot).
 
 What it produces is byte-for-byte what the full path produces; it is keyed by
 the policy numbers its decisions depend on, the working set drops it on a fold
@@ -35,7 +37,15 @@ import sys
 from collections.abc import Sequence
 
 from torpor.compaction.footprint import str_bytes
-from torpor.compaction.recipe import Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.recipe import (
+    CHAIN_SEED,
+    Recipe,
+    Rendered,
+    chain,
+    chain_end,
+    text_hash,
+    tools_digest,
+)
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     clip_keep,
@@ -67,6 +77,10 @@ _REPLACEMENT = "\ufffd"  # what a clip that splits a multi-byte character ends w
 # or tokens kept)
 Rebuild = tuple[int, int, int]
 
+STRIDE = 16
+"""Slots between two kept chain states: a change at slot k rehashes from k // STRIDE."""
+_CLEAN = sys.maxsize  # no slot changed since the last hash
+
 
 class TailCache:
     """Rendered slots of one working set's tail under one policy's decisions.
@@ -79,21 +93,29 @@ class TailCache:
 
     __slots__ = (
         "clipped",
+        "dirty",
         "done",
         "encoding",
+        "hashed",
         "keep_results",
         "last_user",
         "limit",
+        "marks",
         "max_position",
         "messages",
         "orphans",
         "owned_bytes",
+        "prefix",
+        "prefix_state",
         "rebuild",
         "results_tokens",
         "standin_tokens",
+        "state",
         "stubbed",
         "synthesized",
         "tail_tokens",
+        "tools",
+        "tools_digest",
         "unanswered",
         "window",
     )
@@ -117,6 +139,16 @@ class TailCache:
         self.results_tokens = 0
         self.owned_bytes = 0  # messages made here (stubs, stand-ins), not shared with events
         self.standin_tokens = text_tokens(INTERRUPTED_RESULT, encoding)
+        # The payload hash chain: the state after the system messages (for this prompt
+        # and handoff), after the first ``hashed`` slots, and after every STRIDE slots.
+        self.prefix: tuple[str, str] | None = None
+        self.prefix_state = CHAIN_SEED
+        self.hashed = 0
+        self.state = CHAIN_SEED
+        self.marks = bytearray()
+        self.dirty = _CLEAN  # the lowest slot changed since the last hash
+        self.tools: Sequence[ToolSpec] = ()
+        self.tools_digest = tools_digest(())
 
     def fits(self, encoding: str, limit: int, keep_results: int) -> bool:
         """Whether this cache's decisions are the ones a policy with these numbers takes."""
@@ -249,6 +281,8 @@ class TailCache:
             self.messages.append(message)
         else:
             self.messages[k] = message
+            if k < self.dirty:
+                self.dirty = k  # the hash chain from here on is stale
 
     @staticmethod
     def _owned(event: Event, message: ContextMessage) -> int:
@@ -315,10 +349,50 @@ class TailCache:
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=payload_hash(messages, tools),
+            hash=self._hash(messages, start, system_prompt, handoff, tools),
             sections=sections,
             estimated_tokens=total,
         )
+
+    def _hash(
+        self,
+        messages: list[ContextMessage],
+        start: int,
+        system_prompt: str,
+        handoff: str,
+        tools: Sequence[ToolSpec],
+    ) -> str:
+        """:func:`~torpor.compaction.recipe.payload_hash` of ``messages``, carried over from
+        the last call: only slots new or changed since are hashed."""
+        n = len(self.messages)
+        key = (system_prompt, handoff)
+        if self.prefix != key:  # a new prompt (or the first call): every slot again
+            state = CHAIN_SEED
+            for message in messages[:start]:
+                state = chain(state, message)
+            self.prefix = key
+            self.prefix_state = self.state = state
+            self.hashed = 0
+            self.marks.clear()
+        elif self.dirty < self.hashed:  # a slot changed: from the kept state below it
+            j = self.dirty // STRIDE
+            self.hashed = j * STRIDE
+            self.state = bytes(self.marks[(j - 1) * 32 : j * 32]) if j else self.prefix_state
+            del self.marks[j * 32 :]
+        self.dirty = _CLEAN
+        state = self.state
+        for k in range(self.hashed, n):
+            state = chain(state, messages[start + k])
+            if (k + 1) % STRIDE == 0:
+                self.marks += state
+        self.hashed = n
+        self.state = state
+        for message in messages[start + n :]:  # stand-ins for calls still open: per call
+            state = chain(state, message)
+        if tools is not self.tools and tuple(tools) != tuple(self.tools):
+            self.tools_digest = tools_digest(tools)
+        self.tools = tools
+        return chain_end(state, self.tools_digest)
 
     def _remake(self, tail: Sequence[Event], messages: list[ContextMessage], start: int) -> None:
         """Make the slots kept as recipes: clipped texts, artifact previews, aborted answers."""
@@ -383,6 +457,10 @@ class TailCache:
             + sys.getsizeof(self.clipped)
             + sys.getsizeof(self.orphans)
             + sys.getsizeof(self.synthesized)
+            + sys.getsizeof(self.marks)
+            + sys.getsizeof(self.state)
+            + sys.getsizeof(self.prefix_state)
+            + sys.getsizeof(self.tools_digest)
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from torpor.compaction.recipe import Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.recipe import RECIPE_VERSION, Recipe, Rendered, payload_hash, text_hash
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     Decisions,
@@ -173,8 +173,13 @@ def materialize(
     tools: Sequence[ToolSpec],
     d: Decisions,
     encoding: str,
+    version: int = RECIPE_VERSION,
 ) -> Rendered:
-    """Messages, section sizes, hash and recipe for a tail under the given decisions."""
+    """Messages, section sizes, hash and recipe for a tail under the given decisions.
+
+    ``version``: the recipe version whose hash to compute (a rebuild of an older
+    call's recipe computes the hash that call recorded).
+    """
     slots, _ = layout(events)
     system_tokens = text_tokens(system_prompt, encoding)
     messages: list[ContextMessage] = [SystemMessage(system_prompt)]
@@ -227,12 +232,13 @@ def materialize(
         system_hash=text_hash(system_prompt),
         tools=tuple(t.name for t in tools),
         encoding=encoding,
+        version=version,
         turn=events[-1].turn if events else None,
     )
     return Rendered(
         messages=messages,
         recipe=recipe,
-        hash=payload_hash(messages, tools),
+        hash=payload_hash(messages, tools, version),
         sections=sections,
         estimated_tokens=sum(sections.values()),
     )
