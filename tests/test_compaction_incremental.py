@@ -58,23 +58,26 @@ POLICIES = (
         working_budget=2_000,
         clip_tokens=1_000,
     ),
-    CompactionPolicy(  # everything stubbed, small clips
+    CompactionPolicy(  # everything stubbed at once, small clips
         context_window=8_000,
         max_output_tokens=500,
         safety_margin=100,
         working_budget=2_000,
         keep_tool_results=0,
+        clear_at_least=0,
         clip_tokens=200,
     ),
-    CompactionPolicy(  # a tight ceiling: the full path takes over often
+    CompactionPolicy(  # a tight ceiling: the full path takes over often; small batches
         context_window=2_600,
         max_output_tokens=400,
         safety_margin=100,
         working_budget=500,
         keep_tool_results=1,
+        clear_at_least=300,
         clip_tokens=400,
     ),
-    CompactionPolicy(keep_tool_results=2),
+    CompactionPolicy(keep_tool_results=2, clear_at_least=0),  # each stubbed when it is old
+    CompactionPolicy(keep_tool_results=1, clear_at_least=700, clip_tokens=500),  # batches
 )
 FOLD = CompactionPolicy(
     context_window=8_000,
@@ -384,7 +387,7 @@ def test_the_payload_hash_covers_only_what_changed(monkeypatch: pytest.MonkeyPat
     from the chain state kept below it, not from the start."""
     log = Log()
     ws = WorkingSet("c", None, chat(log, 30, results=False))
-    policy = CompactionPolicy(keep_tool_results=1)
+    policy = CompactionPolicy(keep_tool_results=1, clear_at_least=0)
     ws.render(PROMPTS[0], policy, TOOLSETS[1])
     hashed: list[object] = []
     original = incremental.chain

@@ -59,6 +59,7 @@ POLICY = CompactionPolicy(
     working_budget=1_200,
     tail_turns=2,
     keep_tool_results=2,
+    clear_at_least=600,  # stubs in batches: rebuilt from the recipe all the same
     clip_tokens=800,
 )
 SYSTEM = "You are a careful assistant."

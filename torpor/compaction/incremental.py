@@ -5,7 +5,8 @@ Assembling from scratch (:func:`~torpor.compaction.render.plan` then
 the tail grows by a few events and an older message's rendering changes only at
 a few known moments:
 
-* a tool result leaves the keep window: it becomes a stub (and stays one);
+* tool results that left the keep window free enough tokens as stubs (the
+  policy's ``clear_at_least``): they become stubs together (and stay stubs);
 * a new user message arrives: the previous one is no longer the current ask,
   so it may be clipped now, and it counts as ``tail`` instead of ``user``;
 * calls still unanswered get stand-ins, which are final once the turn moves on.
@@ -54,6 +55,7 @@ from torpor.compaction.slots import (
     clipped,
     clipped_cost,
     clipped_with,
+    freeable,
     stub,
     stub_cost,
     synthetic,
@@ -92,6 +94,7 @@ class TailCache:
     """
 
     __slots__ = (
+        "clear_at_least",
         "clipped",
         "dirty",
         "done",
@@ -104,6 +107,7 @@ class TailCache:
         "max_position",
         "messages",
         "orphans",
+        "overdue_free",
         "owned_bytes",
         "prefix",
         "prefix_state",
@@ -120,16 +124,20 @@ class TailCache:
         "window",
     )
 
-    def __init__(self, encoding: str, limit: int, keep_results: int) -> None:
+    def __init__(
+        self, encoding: str, limit: int, keep_results: int, clear_at_least: int = 0
+    ) -> None:
         self.encoding = encoding
         self.limit = limit
         self.keep_results = keep_results
+        self.clear_at_least = clear_at_least
+        self.overdue_free = 0  # tokens stubbing the window's results past keep_results frees
         self.done = 0
         self.max_position = -1  # the tail's highest position (not its last: see compaction.order)
         self.messages: list[ContextMessage] = []
         self.rebuild: dict[int, Rebuild] = {}  # slot -> how its message is made per call
         self.unanswered: dict[str, ToolCall] = {}
-        self.window: list[tuple[int, int]] = []  # (slot, event index) of unstubbed results
+        self.window: list[tuple[int, int]] = []  # (slot, event index) of results not stubbed
         self.last_user = (-1, -1)  # (slot, event index) of the current ask
         self.stubbed: list[int] = []  # positions, ascending
         self.clipped: dict[int, int] = {}  # position -> tokens kept
@@ -150,10 +158,13 @@ class TailCache:
         self.tools: Sequence[ToolSpec] = ()
         self.tools_digest = tools_digest(())
 
-    def fits(self, encoding: str, limit: int, keep_results: int) -> bool:
+    def fits(self, encoding: str, limit: int, keep_results: int, clear_at_least: int) -> bool:
         """Whether this cache's decisions are the ones a policy with these numbers takes."""
         return (
-            encoding == self.encoding and limit == self.limit and keep_results == self.keep_results
+            encoding == self.encoding
+            and limit == self.limit
+            and keep_results == self.keep_results
+            and clear_at_least == self.clear_at_least
         )
 
     # --- following the tail ----------------------------------------------------------
@@ -245,9 +256,18 @@ class TailCache:
         self.results_tokens += cost
         window = self.window
         window.append((k, i))
-        if len(window) > self.keep_results:
-            k0, i0 = window.pop(0)  # the window is small (keep_tool_results)
-            self._stub(tail[i0], k0)
+        keep = self.keep_results
+        if len(window) > keep:  # one more result is past the newest `keep`: overdue
+            i0 = window[-keep - 1][1]
+            self.overdue_free += freeable(tail[i0], self.clipped.get(tail[i0].position),
+                                          self.encoding)
+            clear = self.clear_at_least
+            if clear == 0 or self.overdue_free >= clear:  # worth a change of the prefix
+                overdue = len(window) - keep
+                for k0, i0 in window[:overdue]:
+                    self._stub(tail[i0], k0)
+                del window[:overdue]
+                self.overdue_free = 0
 
     def _clip(self, event: Event, i: int, k: int) -> int:
         keep = clip_keep(event, self.limit, self.encoding)

@@ -24,6 +24,7 @@ from torpor.compaction.slots import (
     Slot,
     clip_keep,
     clip_note,
+    freeable,
     layout,
     slot_cost,
     slot_message,
@@ -70,16 +71,29 @@ def plan(
             last_user = index
             break
 
-    # Retention: only the newest results are worth their tokens; the rest point back.
-    seen = 0
-    for index, _, call in reversed(slots):
-        if call is None and type(events[index].body) is ToolResult:
-            seen += 1
-            if seen > policy.keep_tool_results:
-                d.stubbed.add(events[index].position)
+    # Retention: only the newest results are worth their tokens; the rest point back. In
+    # batches, decided result by result in log order as the render cache decides them: the
+    # results past the newest `keep` are stubbed together once that frees `clear` tokens.
+    limit = policy.clip_limit
+    keep = policy.keep_tool_results
+    clear = policy.clear_at_least
+    window: list[Event] = []  # results not stubbed, oldest first
+    overdue_free = 0
+    for index, _, call in slots:
+        if call is not None or type(events[index].body) is not ToolResult:
+            continue
+        window.append(events[index])
+        if len(window) > keep:
+            event = window[-keep - 1]
+            cut = clip_keep(event, limit, encoding) if event.tokens > limit else None
+            overdue_free += freeable(event, cut, encoding)
+            if clear == 0 or overdue_free >= clear:
+                overdue = len(window) - keep
+                d.stubbed.update(e.position for e in window[:overdue])
+                del window[:overdue]
+                overdue_free = 0
 
     # Clip single oversized messages (the current user message is cut only if it must be).
-    limit = policy.clip_limit
     for index, _, call in slots:
         if call is not None or index == last_user:
             continue

@@ -277,9 +277,10 @@ class WorkingSet:
         text, tokens = self._handoff_for(encoding)
         limit = policy.clip_limit
         keep = policy.keep_tool_results
+        clear = policy.clear_at_least
         cache = self._cache
-        if cache is None or not cache.fits(encoding, limit, keep):
-            cache = self._cache = TailCache(encoding, limit, keep)
+        if cache is None or not cache.fits(encoding, limit, keep, clear):
+            cache = self._cache = TailCache(encoding, limit, keep, clear)
         cache.advance(self._tail)
         rendered = cache.render(
             self._tail,
