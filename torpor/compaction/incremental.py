@@ -120,6 +120,7 @@ class TailCache:
         "tail_tokens",
         "tools",
         "tools_digest",
+        "tools_tokens",
         "unanswered",
         "window",
     )
@@ -155,8 +156,9 @@ class TailCache:
         self.state = CHAIN_SEED
         self.marks = bytearray()
         self.dirty = _CLEAN  # the lowest slot changed since the last hash
-        self.tools: Sequence[ToolSpec] = ()
+        self.tools: Sequence[ToolSpec] = ()  # the last call's specs: their digest and cost
         self.tools_digest = tools_digest(())
+        self.tools_tokens = 0
 
     def fits(self, encoding: str, limit: int, keep_results: int, clear_at_least: int) -> bool:
         """Whether this cache's decisions are the ones a policy with these numbers takes."""
@@ -332,7 +334,7 @@ class TailCache:
         sections = {
             "system": text_tokens(system_prompt, encoding),
             "markers": handoff_tokens if handoff else 0,
-            "tools": tools_tokens(tools, encoding),
+            "tools": self._tools(tools),
             "tail": self.tail_tokens,
             "tool_results": self.results_tokens + len(pending) * self.standin_tokens,
             "user": tail[i_user].tokens if k_user >= 0 else 0,
@@ -409,10 +411,16 @@ class TailCache:
         self.state = state
         for message in messages[start + n :]:  # stand-ins for calls still open: per call
             state = chain(state, message)
+        return chain_end(state, self.tools_digest)
+
+    def _tools(self, tools: Sequence[ToolSpec]) -> int:
+        """The tool specs' token cost; with their digest, worked out when they change (an
+        agent passes the same specs on every call)."""
         if tools is not self.tools and tuple(tools) != tuple(self.tools):
             self.tools_digest = tools_digest(tools)
-        self.tools = tools
-        return chain_end(state, self.tools_digest)
+            self.tools_tokens = tools_tokens(tools, self.encoding)
+            self.tools = tools
+        return self.tools_tokens
 
     def _remake(self, tail: Sequence[Event], messages: list[ContextMessage], start: int) -> None:
         """Make the slots kept as recipes: clipped texts, artifact previews, aborted answers."""
