@@ -25,6 +25,7 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    ToolCall,
     ToolResult,
     Unparked,
     UserMessage,
@@ -52,6 +53,13 @@ _BODY = {
 }
 _SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing
 _sizeof = sys.getsizeof
+# sys.getsizeof costs a method lookup (~0.1 µs): sizes that are arithmetic are computed.
+_DIGIT, _DIGIT2 = 1 << 30, 1 << 60  # CPython ints hold 30-bit digits
+_INT1, _INT2 = _sizeof(_DIGIT - 1), _sizeof(_DIGIT2 - 1)
+_ASCII = _sizeof("")  # an ASCII str: this plus one byte a character
+_BYTES = _sizeof(b"")  # bytes: this plus one byte a byte
+_CALL = _sizeof(ToolCall("", ""))
+_TUPLE, _SLOT = _sizeof(()), _sizeof((0,)) - _sizeof(())
 
 
 def str_bytes(text: str) -> int:
@@ -79,49 +87,47 @@ def event_bytes(event: Event) -> int:
     """The envelope, the body and the strings and bytes only this event holds.
 
     Cheap on purpose (a revived working set sizes every event of its tail): struct
-    sizes are constants per type, so only the variable parts are measured, and
-    ASCII text (nearly all of it) without a call to :func:`str_bytes`.
+    sizes are constants per type and ASCII text (nearly all of it) is sized by its
+    length, so a typical event costs a few arithmetic operations.
     """
     body = event.body
     kind = type(body)
     size = _EVENT + _BODY[kind]
-    value = event.position
-    if value > _SMALL_INT:
-        size += _sizeof(value)
-    value = event.tokens
-    if value > _SMALL_INT:
-        size += _sizeof(value)
-    value = event.created_at
-    if value > _SMALL_INT:
-        size += _sizeof(value)
+    for value in (event.position, event.tokens, event.created_at):
+        if value > _SMALL_INT:  # an int of one or two 30-bit digits, or (rarely) more
+            size += _INT1 if value < _DIGIT else _INT2 if value < _DIGIT2 else _sizeof(value)
     hints = event.hints
     if hints is not None and len(hints) > 1:  # one-byte bytes objects are shared
-        size += _sizeof(hints)
+        size += _BYTES + len(hints)
     if kind is UserMessage:
         text = body.text  # type: ignore[union-attr]
-        return size + (_sizeof(text) if text.isascii() else str_bytes(text))
+        return size + (_ASCII + len(text) if text.isascii() else str_bytes(text))
     if kind is ToolResult:
         assert isinstance(body, ToolResult)
         text = body.content
-        size += _sizeof(text) if text.isascii() else str_bytes(text)
-        size += str_bytes(body.call_id)
+        size += _ASCII + len(text) if text.isascii() else str_bytes(text)
+        size += _text(body.call_id)
         if body.artifact is not None:
-            size += str_bytes(body.artifact)
+            size += _text(body.artifact)
         return size
     if kind is AssistantMessage:
         assert isinstance(body, AssistantMessage)
         text = body.text
-        size += _sizeof(text) if text.isascii() else str_bytes(text)
-        if body.tool_calls:
-            size += _sizeof(body.tool_calls)
-            for call in body.tool_calls:
-                size += _sizeof(call) + str_bytes(call.id) + str_bytes(call.name)
-                size += _deep(call.arguments)
+        size += _ASCII + len(text) if text.isascii() else str_bytes(text)
+        calls = body.tool_calls
+        if calls:
+            size += _TUPLE + _SLOT * len(calls)
+            for call in calls:
+                size += _CALL + _text(call.id) + _text(call.name) + _deep(call.arguments)
         return size
     if kind is Aborted:
         assert isinstance(body, Aborted)
-        size += str_bytes(body.partial_text) + str_bytes(body.detail)
+        size += _text(body.partial_text) + _text(body.detail)
     return size
+
+
+def _text(text: str) -> int:
+    return _ASCII + len(text) if text.isascii() else str_bytes(text)
 
 
 def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
@@ -141,13 +147,17 @@ def tail_bytes(tail: Sequence[Event]) -> int:
 
 
 def _deep(value: object) -> int:
-    if isinstance(value, str):
-        return str_bytes(value)
-    size = sys.getsizeof(value)
+    """A decoded JSON value (tool call arguments), ASCII strings sized by their length."""
+    if type(value) is str:
+        return _ASCII + len(value) if value.isascii() else str_bytes(value)
+    size = _sizeof(value)
     if isinstance(value, dict):
         for k, v in value.items():
-            size += _deep(k) + _deep(v)
+            size += _ASCII + len(k) if type(k) is str and k.isascii() else _deep(k)
+            size += _ASCII + len(v) if type(v) is str and v.isascii() else _deep(v)
     elif isinstance(value, list | tuple):
         for v in value:
             size += _deep(v)
+    elif isinstance(value, str):  # a str subclass
+        size = str_bytes(value)
     return size
