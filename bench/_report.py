@@ -106,7 +106,7 @@ def turns(r: dict[str, Any]) -> str:
 
 
 def needles(r: dict[str, Any]) -> str:
-    return _table(
+    out = _table(
         ("events", "torpor recall@10", "truncation recall@10", "events in context",
          "markers", "live fold ms", "revived fold ms", "revived / live", "revived build ms"),
         [(x["events"], x["torpor"]["recall_at_10"], x["truncation"]["recall_at_10"],
@@ -117,6 +117,13 @@ def needles(r: dict[str, Any]) -> str:
           x["compaction_latency"].get("revived_build", {}).get("median_us", 0) / 1000)
          for x in r["results"]],
     )
+    first = r.get("runtime_first_turn")
+    if first:
+        out += (f"\nThrough the runtime, {first['events']:,} imported events never folded: "
+                f"first turn {first['first_turn']['median_us'] / 1000:.1f} ms, longest "
+                f"event-loop stall {first['longest_stall']['median_us'] / 1000:.1f} ms "
+                f"(medians of {first['first_turn']['runs']}).\n")
+    return out
 
 
 def assembly(r: dict[str, Any]) -> str:

@@ -23,7 +23,11 @@ Reported:
   kept them at append. Also the revived working set's build time (byte
   accounting and cut points over the whole tail), and put_checkpoint separately;
 * the same at 100 / 200 / 1,000 / 10,000 events (scaling), and an
-  incremental run that checks for a fold after every turn, as an agent does.
+  incremental run that checks for a fold after every turn, as an agent does;
+* through the runtime, at the largest size: the first turn of conversations
+  whose history was imported through the store and never folded (revival,
+  the fold, the model call), and the longest the event loop went without
+  running another task meanwhile (what every other conversation waits).
 
 Usage: ``python bench/needles.py [--sizes 100,200,1000,10000] [--json FILE]``.
 """
@@ -356,13 +360,63 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class LoopWatch:
+    """The longest the event loop took to come back to a task that only yields."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.done = False
+
+    async def run(self) -> None:
+        while not self.done:
+            started = time.perf_counter()
+            await asyncio.sleep(0)
+            self.longest = max(self.longest, time.perf_counter() - started)
+
+
+async def first_turns(events: int, conversations: int = 5) -> dict[str, Any]:
+    """The first turn after importing ``events`` events, never folded, through a Runtime."""
+    import tempfile
+
+    import torpor
+    from torpor.cli.history import build_history
+
+    with tempfile.TemporaryDirectory(prefix="torpor-needles-") as tmp:
+        url = f"sqlite:///{tmp}/imported.db"
+        names = [f"imported-{i}" for i in range(conversations)]
+        await build_history(url, names, events)
+        config = torpor.RuntimeConfig(hibernate_after=3600, evict_after=7200, sweep_interval=3600)
+        turn, stall = Timing(), Timing()
+        folded = 0  # conversations whose first turn folded (all, when over the budget)
+        async with torpor.Runtime(url, model=torpor.EchoModel(delay=0), config=config) as rt:
+            for name in names:
+                watch = LoopWatch()
+                task = asyncio.create_task(watch.run())
+                await asyncio.sleep(0.01)
+                watch.longest = 0.0
+                started = time.perf_counter()
+                await (await rt.send(name, "Where were we?")).result()
+                turn.samples_us.append((time.perf_counter() - started) * 1e6)
+                watch.done = True
+                await task
+                stall.samples_us.append(watch.longest * 1e6)
+                if (await rt.admin.inspect(name)).checkpoint_position is not None:
+                    folded += 1
+    return {"events": events, "folded": folded, "first_turn": turn.summary(),
+            "longest_stall": stall.summary()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,200,1000,10000")
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--no-runtime", action="store_true",
+                        help="skip the first turns through the runtime")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     results = [asyncio.run(run_size(n, table2=(n == 200))) for n in sizes]
+    big = max(sizes)  # a history under the working budget would not fold
+    runtime = asyncio.run(first_turns(big)) if big >= 5_000 and not args.no_runtime else None
     report = {
         "benchmark": "needles",
         "python": sys.version.split()[0],
@@ -373,9 +427,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             "encoding": POLICY.encoding,
         },
         "results": results,
+        "runtime_first_turn": runtime,
     }
     print(json.dumps(report))
     print(table(results))
+    if runtime is not None:
+        t, st = runtime["first_turn"], runtime["longest_stall"]
+        print(f"runtime, {runtime['events']:,} imported events never folded: first turn "
+              f"{t['median_us'] / 1000:.1f} ms (median of {t['runs']}, {runtime['folded']} "
+              f"folded), longest event-loop stall {st['median_us'] / 1000:.1f} ms")
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)
