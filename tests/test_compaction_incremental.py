@@ -413,3 +413,15 @@ def test_the_payload_hash_covers_only_what_changed(monkeypatch: pytest.MonkeyPat
 def test_a_recipe_version_this_torpor_does_not_know_is_refused() -> None:
     with pytest.raises(ValueError, match="recipe version 3"):
         recipe.payload_hash([], (), 3)
+
+
+def test_tool_specs_changed_in_place_between_calls_are_seen() -> None:
+    """The cache keeps the specs' cost and digest; a list the caller changes is a change."""
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 3))
+    specs = [RECALL_TOOL]
+    first = ws.render(PROMPTS[0], POLICIES[0], specs)
+    specs.append(EXPAND_TOOL)
+    second = ws.render(PROMPTS[0], POLICIES[0], specs)
+    assert second == ws.render_from_scratch(PROMPTS[0], POLICIES[0], specs)
+    assert second.sections["tools"] > first.sections["tools"] and second.hash != first.hash

@@ -156,7 +156,7 @@ class TailCache:
         self.state = CHAIN_SEED
         self.marks = bytearray()
         self.dirty = _CLEAN  # the lowest slot changed since the last hash
-        self.tools: Sequence[ToolSpec] = ()  # the last call's specs: their digest and cost
+        self.tools: tuple[ToolSpec, ...] = ()  # the last call's specs: their digest and cost
         self.tools_digest = tools_digest(())
         self.tools_tokens = 0
 
@@ -416,10 +416,12 @@ class TailCache:
     def _tools(self, tools: Sequence[ToolSpec]) -> int:
         """The tool specs' token cost; with their digest, worked out when they change (an
         agent passes the same specs on every call)."""
-        if tools is not self.tools and tuple(tools) != tuple(self.tools):
-            self.tools_digest = tools_digest(tools)
-            self.tools_tokens = tools_tokens(tools, self.encoding)
-            self.tools = tools
+        if tools is not self.tools:
+            specs = tuple(tools)  # a copy of a list (the caller may change it), a tuple itself
+            if specs != self.tools:
+                self.tools_digest = tools_digest(specs)
+                self.tools_tokens = tools_tokens(specs, self.encoding)
+            self.tools = specs
         return self.tools_tokens
 
     def _remake(self, tail: Sequence[Event], messages: list[ContextMessage], start: int) -> None:
