@@ -55,7 +55,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     safety_margin``; folding starts when the verbatim tail exceeds
     ``working_budget``; what is sent never exceeds ``hard_ceiling_ratio`` of the
     window. ``compaction_trigger_ratio``: a model-reported prompt size above this
-    share of the input budget requests a fold before the next call.
+    share of the input budget requests a fold before the next call. Tool results
+    older than the newest ``keep_tool_results`` are stubbed in batches that free at
+    least ``clear_at_least`` tokens (0: each at once), so the prompt prefix a
+    provider caches changes only at those batches and at folds.
     """
 
     system_prompt: str = "You are a helpful assistant."
