@@ -106,14 +106,45 @@ def turns(r: dict[str, Any]) -> str:
 
 
 def needles(r: dict[str, Any]) -> str:
-    return _table(
+    out = _table(
         ("events", "torpor recall@10", "truncation recall@10", "events in context",
-         "markers", "live fold ms", "revived fold ms"),
+         "markers", "live fold ms", "revived fold ms", "revived / live", "revived build ms"),
         [(x["events"], x["torpor"]["recall_at_10"], x["truncation"]["recall_at_10"],
           x["torpor"]["events_in_context"], x["torpor"]["markers_in_context"],
           x["compaction_latency"]["live"]["median_us"] / 1000,
-          x["compaction_latency"]["revived"]["median_us"] / 1000) for x in r["results"]],
+          x["compaction_latency"]["revived"]["median_us"] / 1000,
+          x["compaction_latency"].get("revived_over_live"),
+          x["compaction_latency"].get("revived_build", {}).get("median_us", 0) / 1000)
+         for x in r["results"]],
     )
+    first = r.get("runtime_first_turn")
+    if first:
+        out += (f"\nThrough the runtime, {first['events']:,} imported events never folded: "
+                f"first turn {first['first_turn']['median_us'] / 1000:.1f} ms, longest "
+                f"event-loop stall {first['longest_stall']['median_us'] / 1000:.1f} ms "
+                f"(medians of {first['first_turn']['runs']}).\n")
+    return out
+
+
+def assembly(r: dict[str, Any]) -> str:
+    timing = _table(
+        ("shape", "messages", "render µs", "per turn render µs", "from scratch µs",
+         "memory KB", "estimated KB"),
+        [(x["shape"], x["messages"], x["timing"]["render"]["median_us"],
+          x["per_turn"]["render"]["median_us"], x["per_turn"]["render_from_scratch"]["median_us"],
+          x["memory"]["tracemalloc_bytes"] / 1024, x["memory"]["estimated_bytes"] / 1024)
+         for x in r["results"]],
+    )
+    cache = _table(
+        ("shape", "clear_at_least", "calls", "prefix breaks / 100 calls", "at folds",
+         "at clears", "other", "uncached tokens / call", "re-sent tokens / 100 calls",
+         "cacheable share"),
+        [(x["shape"], x["clear_at_least"], x["calls"], x["breaks_per_100_calls"], x["at_fold"],
+          x["at_clear"], x["other"], x["uncached_tokens_per_call"],
+          x["resent_tokens_per_100_calls"], x["cacheable_share"])
+         for x in r.get("prompt_cache", [])],
+    )
+    return timing + "\n" + cache
 
 
 def _flatten(value: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
@@ -139,6 +170,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "storm": ("Activation storm", storm),
     "turns": ("Turns per second and runtime overhead", turns),
     "needles": ("Needles: pointer folding vs truncation", needles),
+    "assembly": ("Assembly per model call, and the prompt prefix a provider can cache", assembly),
     "store_append": ("Store: append throughput and read latency", generic),
 }
 

@@ -24,6 +24,18 @@ the whole tail. ``estimated_bytes`` (after every turn) is timed next to a walk
 over every object. Memory is read with and without the render cache (the
 cache lives between calls; the full path keeps nothing).
 
+Prompt caching: a provider caches the prompt's prefix, so what matters between two
+calls is whether the previous prompt is a prefix of the next one. The cache runs
+drive a working set through 100 model calls as the actor does (fold check, render,
+log the answer; in the tool shape two calls a turn, one that asks for a tool and
+one after its ~700-token result) and count *prefix breaks* (the previous prompt
+is not a prefix of the next), what caused each (a fold, a batch of tool-result
+stubs, anything else), and the tokens a prefix cache would not cover: per call,
+everything after the common prefix; and of it, the *re-sent* tokens (the part of
+the previous prompt after the break, sent again uncached). Both policies run in
+the same process: tool results stubbed one by one as they leave the keep window
+(``clear_at_least=0``, the behaviour before batching) and in batches (the default).
+
 Usage: ``python bench/assembly.py [--runs 2000] [--json FILE]``.
 """
 
@@ -42,6 +54,7 @@ import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import structlog
 
 from torpor.compaction import (
@@ -49,12 +62,16 @@ from torpor.compaction import (
     RECALL_TOOL,
     CompactionPolicy,
     WorkingSet,
+    build_checkpoint,
     make_token_counter,
+    plan_fold,
 )
+from torpor.compaction.markers import encode_hints
 from torpor.compaction.recipe import payload_hash
 from torpor.compaction.render import materialize, plan
-from torpor.compaction.tokens import count_body
+from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_body, count_text
 from torpor.events import AssistantMessage, Body, Event, ToolCall, ToolResult, UserMessage
+from torpor.llm.protocol import ContextMessage, SystemMessage
 from torpor.store import open_store
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -136,7 +153,9 @@ async def load(turns: list[tuple[int, list[Body]]]) -> tuple[int, int, WorkingSe
     Returns the bytes retained by the working set without and with its render
     cache (after one render, the rendered context itself dropped), and the set.
     """
-    async with open_store("sqlite://", token_counter=make_token_counter()) as store:
+    async with open_store(
+        "sqlite://", token_counter=make_token_counter(), hint_extractor=encode_hints
+    ) as store:
         for turn, bodies in turns:
             await store.append_events("bench", bodies, turn=turn)
         # Warm the process-wide caches (the encoding, token counts of stub texts and
@@ -219,12 +238,127 @@ def stats(xs: Sequence[float]) -> dict[str, float]:
 
 
 def hint_bytes(ws: WorkingSet) -> int:
-    """What the per-event topic candidates (for the next fold's marker) cost."""
-    size = 0
-    for flat in ws.hints(0, len(ws.tail)):
-        if flat:
-            size += sys.getsizeof(flat) + sum(sys.getsizeof(x) for x in flat if isinstance(x, str))
-    return size
+    """What the per-event topic candidates (for the next fold's marker) cost: the bytes
+    the store kept at append, held by the events (one-byte ones are shared objects)."""
+    return sum(sys.getsizeof(e.hints) for e in ws.tail if e.hints and len(e.hints) > 1)
+
+
+# --- prompt caching -------------------------------------------------------------------
+
+
+class Tokens:
+    """Tokens of rendered messages, counted once per message object."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[ContextMessage, int]] = {}
+
+    def __call__(self, message: ContextMessage) -> int:
+        known = self._known.get(id(message))
+        if known is not None and known[0] is message:
+            return known[1]
+        if isinstance(message, SystemMessage):
+            tokens = count_text(message.text) + MESSAGE_OVERHEAD
+        else:
+            tokens = count_body(message)
+        self._known[id(message)] = (message, tokens)
+        return tokens
+
+    def of(self, messages: Sequence[ContextMessage]) -> int:
+        return sum(self(m) for m in messages)
+
+
+def common_prefix(one: Sequence[ContextMessage], two: Sequence[ContextMessage]) -> int:
+    n = 0
+    for a, b in zip(one, two, strict=False):
+        if a is not b and a != b:
+            break
+        n += 1
+    return n
+
+
+def cache_run(shape: str, policy: CompactionPolicy, calls: int = 100) -> dict[str, Any]:
+    """``calls`` model calls of one conversation, as the actor makes them; prefix breaks."""
+    rng = random.Random(23)
+    tokens = Tokens()
+    ws = WorkingSet("cache", None, [])
+    position = 0
+    previous: list[ContextMessage] = []
+    previous_stubbed: tuple[int, ...] = ()
+    made = 0
+    figures = {"folds": 0, "breaks": 0, "at_fold": 0, "at_clear": 0, "other": 0,
+               "prompt_tokens": 0, "uncached_tokens": 0, "resent_tokens": 0,
+               "max_rendered_tokens": 0, "max_tail_tokens": 0}
+
+    def log(bodies: list[Body], turn: int) -> None:
+        nonlocal position
+        events = []
+        for body in bodies:
+            events.append(Event("cache", position, turn, count_body(body), position, body))
+            position += 1
+        ws.append(events)
+
+    def call() -> None:
+        nonlocal previous, previous_stubbed, made
+        folded = False
+        fold = plan_fold(ws, policy)
+        if fold is not None:
+            ws.apply(build_checkpoint(fold, ws.checkpoint, created_at=0))
+            figures["folds"] += 1
+            folded = True
+        figures["max_tail_tokens"] = max(figures["max_tail_tokens"], ws.tail_tokens)
+        rendered = ws.render(SYSTEM, policy, TOOLS)
+        messages = rendered.messages
+        common = common_prefix(previous, messages)
+        figures["prompt_tokens"] += tokens.of(messages)
+        figures["uncached_tokens"] += tokens.of(messages[common:])
+        if previous and common < len(previous):
+            figures["breaks"] += 1
+            figures["resent_tokens"] += tokens.of(previous[common:])
+            stubbed = set(rendered.recipe.stubbed) - set(previous_stubbed)
+            cause = "at_fold" if folded else "at_clear" if stubbed else "other"
+            figures[cause] += 1
+        figures["max_rendered_tokens"] = max(
+            figures["max_rendered_tokens"], rendered.estimated_tokens
+        )
+        previous, previous_stubbed = messages, rendered.recipe.stubbed
+        made += 1
+
+    turn = 0
+    while made < calls:
+        turn += 1
+        if shape == "chat":
+            log([UserMessage(prose(rng, 196))], turn)
+            call()
+            log([AssistantMessage(prose(rng, 196))], turn)
+            continue
+        log([UserMessage(prose(rng, 120))], turn)
+        call()  # the model asks for a tool ...
+        request = ToolCall(f"call-{turn}", "search_logs", {"query": prose(rng, 4), "limit": 20})
+        log([AssistantMessage("", (request,)), ToolResult(request.id, request.name,
+                                                          prose(rng, 560))], turn)
+        if made < calls:
+            call()  # ... and answers once it has the result
+        log([AssistantMessage(prose(rng, 160))], turn)
+    per_100 = 100 / made
+    return {
+        "shape": shape,
+        "clear_at_least": policy.clear_at_least,
+        "keep_tool_results": policy.keep_tool_results,
+        "calls": made,
+        "turns": turn,
+        **figures,
+        "breaks_per_100_calls": round(figures["breaks"] * per_100, 1),
+        "uncached_tokens_per_call": round(figures["uncached_tokens"] / made),
+        "resent_tokens_per_100_calls": round(figures["resent_tokens"] * per_100),
+        "cacheable_share": round(1 - figures["uncached_tokens"] / figures["prompt_tokens"], 3),
+        "working_budget": policy.working_budget,
+    }
+
+
+def cache_runs(calls: int) -> list[dict[str, Any]]:
+    eager = msgspec.structs.replace(POLICY, clear_at_least=0)
+    return [cache_run(shape, policy, calls) for shape in ("tools", "chat")
+            for policy in (eager, POLICY)]
 
 
 def time_render(ws: WorkingSet, runs: int) -> dict[str, Any]:
@@ -292,6 +426,7 @@ async def measure(name: str, turns: list[tuple[int, list[Body]]], runs: int) -> 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2_000)
+    parser.add_argument("--calls", type=int, default=100, help="model calls per cache run")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     rng = random.Random(11)
@@ -299,7 +434,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(measure("chat", chat_turns(rng, 160), args.runs)),
         asyncio.run(measure("tools", tool_turns(rng, 40), args.runs)),
     ]
-    report = {"benchmark": "assembly", "python": sys.version.split()[0], "results": results}
+    caching = cache_runs(args.calls)
+    report = {
+        "benchmark": "assembly",
+        "python": sys.version.split()[0],
+        "results": results,
+        "prompt_cache": caching,
+    }
     print(json.dumps(report))
     print(
         f"{'shape':<7}{'msgs':>6}{'tail tok':>10}{'sent tok':>10}{'stubs':>7}"
@@ -324,6 +465,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             for k in ("render", "render_from_scratch", "estimated_bytes", "walk_bytes")
         ]
         print(f"{r['shape']:<7}{cells[0]:>16}{cells[1]:>16}{cells[2]:>18}{cells[3]:>14}")
+    print(f"prompt prefix over {args.calls} model calls (breaks: the previous prompt is not a "
+          "prefix of the next):")
+    print(f"{'shape':<7}{'clear_at_least':>15}{'breaks/100':>11}{'fold':>6}{'clear':>7}"
+          f"{'other':>7}{'uncached tok/call':>19}{'re-sent tok/100':>17}{'cacheable':>11}"
+          f"{'max sent':>10}{'max tail':>10}")
+    for c in caching:
+        print(f"{c['shape']:<7}{c['clear_at_least']:>15}{c['breaks_per_100_calls']:>11.1f}"
+              f"{c['at_fold']:>6}{c['at_clear']:>7}{c['other']:>7}"
+              f"{c['uncached_tokens_per_call']:>19}{c['resent_tokens_per_100_calls']:>17}"
+              f"{c['cacheable_share']:>11.1%}{c['max_rendered_tokens']:>10}"
+              f"{c['max_tail_tokens']:>10}")
+    batched = next(c for c in caching if c["shape"] == "tools" and c["clear_at_least"])
+    met = batched["other"] == 0 and batched["breaks_per_100_calls"] <= 10
+    print(f"target (tools, batched): breaks only at folds and clears, <= 10 per 100 calls: "
+          f"{'yes' if met else 'no'}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -17,10 +17,17 @@ Reported:
   it is still in that window;
 * events, turns and markers in context after compaction; compaction cycles;
 * compaction latency = plan_fold + build_checkpoint + apply (no store I/O),
-  for a live working set (topic candidates extracted as events arrived) and a
-  revived one (extracted during the fold); and put_checkpoint separately;
+  for a live working set (events appended one turn at a time, as an agent
+  does) and a revived one (built at once from what ``store.resume()`` read,
+  never folded), side by side; both read each event's topic hints as the store
+  kept them at append. Also the revived working set's build time (byte
+  accounting and cut points over the whole tail), and put_checkpoint separately;
 * the same at 100 / 200 / 1,000 / 10,000 events (scaling), and an
-  incremental run that checks for a fold after every turn, as an agent does.
+  incremental run that checks for a fold after every turn, as an agent does;
+* through the runtime, at the largest size: the first turn of conversations
+  whose history was imported through the store and never folded (revival,
+  the fold, the model call), and the longest the event loop went without
+  running another task meanwhile (what every other conversation waits).
 
 Usage: ``python bench/needles.py [--sizes 100,200,1000,10000] [--json FILE]``.
 """
@@ -50,6 +57,7 @@ from torpor.compaction import (
     plan_fold,
     recall,
 )
+from torpor.compaction.markers import encode_hints
 from torpor.events import AssistantMessage, Body, Event, UserMessage
 from torpor.store import open_store
 
@@ -160,26 +168,37 @@ def fold_once(ws: WorkingSet) -> tuple[float, Any]:
 
 def live_ws(events: Sequence[Event]) -> WorkingSet:
     ws = WorkingSet("needles", None, [])
-    ws.append(events)  # as an agent appends: topic candidates extracted on arrival
+    turn: list[Event] = []
+    for event in events:  # as an agent appends: a turn at a time
+        if turn and event.turn != turn[-1].turn:
+            ws.append(turn)
+            turn = []
+        turn.append(event)
+    ws.append(turn)
     return ws
 
 
 def fold_latency(events: Sequence[Event], runs: int) -> dict[str, Any]:
-    live, cold = Timing(), Timing()
+    live, cold, build = Timing(), Timing(), Timing()
     for _ in range(runs):
         ws = live_ws(events)
         elapsed, checkpoint = fold_once(ws)
         assert checkpoint is not None
         live.samples_us.append(elapsed)
-        ws = WorkingSet("needles", None, events)  # revived: candidates not extracted yet
-        elapsed, _ = fold_once(ws)
+        started = time.perf_counter_ns()
+        ws = WorkingSet("needles", None, events)  # revived: built at once, never folded
+        build.samples_us.append((time.perf_counter_ns() - started) / 1000.0)
+        elapsed, revived = fold_once(ws)
+        assert revived == checkpoint  # the same fold, however the working set was built
         cold.samples_us.append(elapsed)
-    return {"live": live.summary(), "revived": cold.summary()}
+    return {"live": live.summary(), "revived": cold.summary(), "revived_build": build.summary()}
 
 
 async def run_size(n: int, *, table2: bool) -> dict[str, Any]:
     trace = make_trace(n)
-    async with open_store("sqlite://", token_counter=make_token_counter()) as store:
+    async with open_store(
+        "sqlite://", token_counter=make_token_counter(), hint_extractor=encode_hints
+    ) as store:
         logged: list[Event] = []
         for turn, bodies in trace.turns:
             logged.extend(await store.append_events("needles", bodies, turn=turn))
@@ -215,6 +234,9 @@ async def run_size(n: int, *, table2: bool) -> dict[str, Any]:
 
         runs = 200 if n <= 200 else 40 if n <= 1_000 else 6
         latency = fold_latency(logged, runs)
+        latency["revived_over_live"] = round(
+            latency["revived"]["median_us"] / latency["live"]["median_us"], 2
+        )
         marker_names = sum(
             text in topic
             for text, _ in trace.needles
@@ -254,7 +276,9 @@ async def run_size(n: int, *, table2: bool) -> dict[str, Any]:
 
 async def incremental(trace: Trace) -> dict[str, Any]:
     """Fold checks after every turn (what an agent does); recall measured at the end."""
-    async with open_store("sqlite://", token_counter=make_token_counter()) as store:
+    async with open_store(
+        "sqlite://", token_counter=make_token_counter(), hint_extractor=encode_hints
+    ) as store:
         ws = WorkingSet("needles", None, [])
         cycles = 0
         latencies = Timing()
@@ -303,7 +327,7 @@ def table(results: list[dict[str, Any]]) -> str:
         f"{lat['revived']['median_us'] / 1000:>21.3f} ms{'-':>14}",
         "",
         f"{'events':>8}{'recall@10':>11}{'trunc':>7}{'live fold ms':>14}"
-        f"{'revived ms':>12}{'put_ckpt ms':>13}{'markers':>9}",
+        f"{'revived ms':>12}{'rev/live':>10}{'build ms':>10}{'put_ckpt ms':>13}{'markers':>9}",
     ]
     for r in results:
         lat = r["compaction_latency"]
@@ -312,9 +336,18 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['events']:>8}{r['torpor']['recall_at_10']:>11.0%}"
             f"{r['truncation']['recall_at_10']:>7.0%}"
             f"{lat['live']['median_us'] / 1000:>14.3f}{lat['revived']['median_us'] / 1000:>12.3f}"
+            f"{lat['revived_over_live']:>10.2f}"
+            f"{lat['revived_build']['median_us'] / 1000:>10.3f}"
             f"{(put['median_us'] / 1000 if put else float('nan')):>13.3f}"
             f"{r['torpor']['markers_in_context']:>9}"
         )
+    biggest = max(results, key=lambda r: r["events"])
+    lat = biggest["compaction_latency"]
+    lines.append(
+        f"targets at {biggest['events']:,} events: revived fold <= 5 ms: "
+        f"{'yes' if lat['revived']['median_us'] <= 5_000 else 'no'}; within 2x of live: "
+        f"{'yes' if lat['revived_over_live'] <= 2 else 'no'}"
+    )
     inc = t2.get("incremental")
     if inc:
         lines.append("")
@@ -327,13 +360,63 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class LoopWatch:
+    """The longest the event loop took to come back to a task that only yields."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.done = False
+
+    async def run(self) -> None:
+        while not self.done:
+            started = time.perf_counter()
+            await asyncio.sleep(0)
+            self.longest = max(self.longest, time.perf_counter() - started)
+
+
+async def first_turns(events: int, conversations: int = 5) -> dict[str, Any]:
+    """The first turn after importing ``events`` events, never folded, through a Runtime."""
+    import tempfile
+
+    import torpor
+    from torpor.cli.history import build_history
+
+    with tempfile.TemporaryDirectory(prefix="torpor-needles-") as tmp:
+        url = f"sqlite:///{tmp}/imported.db"
+        names = [f"imported-{i}" for i in range(conversations)]
+        await build_history(url, names, events)
+        config = torpor.RuntimeConfig(hibernate_after=3600, evict_after=7200, sweep_interval=3600)
+        turn, stall = Timing(), Timing()
+        folded = 0  # conversations whose first turn folded (all, when over the budget)
+        async with torpor.Runtime(url, model=torpor.EchoModel(delay=0), config=config) as rt:
+            for name in names:
+                watch = LoopWatch()
+                task = asyncio.create_task(watch.run())
+                await asyncio.sleep(0.01)
+                watch.longest = 0.0
+                started = time.perf_counter()
+                await (await rt.send(name, "Where were we?")).result()
+                turn.samples_us.append((time.perf_counter() - started) * 1e6)
+                watch.done = True
+                await task
+                stall.samples_us.append(watch.longest * 1e6)
+                if (await rt.admin.inspect(name)).checkpoint_position is not None:
+                    folded += 1
+    return {"events": events, "folded": folded, "first_turn": turn.summary(),
+            "longest_stall": stall.summary()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,200,1000,10000")
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--no-runtime", action="store_true",
+                        help="skip the first turns through the runtime")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     results = [asyncio.run(run_size(n, table2=(n == 200))) for n in sizes]
+    big = max(sizes)  # a history under the working budget would not fold
+    runtime = asyncio.run(first_turns(big)) if big >= 5_000 and not args.no_runtime else None
     report = {
         "benchmark": "needles",
         "python": sys.version.split()[0],
@@ -344,9 +427,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             "encoding": POLICY.encoding,
         },
         "results": results,
+        "runtime_first_turn": runtime,
     }
     print(json.dumps(report))
     print(table(results))
+    if runtime is not None:
+        t, st = runtime["first_turn"], runtime["longest_stall"]
+        print(f"runtime, {runtime['events']:,} imported events never folded: first turn "
+              f"{t['median_us'] / 1000:.1f} ms (median of {t['runs']}, {runtime['folded']} "
+              f"folded), longest event-loop stall {st['median_us'] / 1000:.1f} ms")
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -34,6 +34,7 @@ FULL: dict[str, list[str]] = {
     "storm": ["--agents", "10000", "--history", "20"],
     "turns": ["--concurrency", "1", "100", "10000", "--duration", "4"],
     "needles": [],
+    "assembly": ["--runs", "500"],
     "store_append": [],
 }
 QUICK: dict[str, list[str]] = {
@@ -43,6 +44,7 @@ QUICK: dict[str, list[str]] = {
     "storm": ["--agents", "300", "--history", "4", "--live-cap", "50"],
     "turns": ["--concurrency", "1", "50", "--duration", "0.5"],
     "needles": ["--sizes", "100,200"],
+    "assembly": ["--runs", "20", "--calls", "30"],
     "store_append": ["--single", "200", "--conversations", "50", "--events", "5",
                      "--read-conversations", "100", "--read-events", "60", "--samples", "100"],
 }
@@ -53,6 +55,7 @@ REDUCED = {
                    "per length",
     "turns": "4 s per concurrency level",
     "resume": "5 runs per size (2 above 10,000 events)",
+    "assembly": "500 renders per timing (2,000 by default)",
 }
 
 

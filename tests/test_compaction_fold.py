@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from torpor.compaction import (
     MESSAGE_OVERHEAD,
     CompactionPolicy,
@@ -13,7 +16,15 @@ from torpor.compaction import (
     plan_fold,
     turn_starts,
 )
-from torpor.events import AssistantMessage, Body, Event, ToolCall, ToolResult, UserMessage
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Body,
+    Event,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+)
 from torpor.store.protocol import Checkpoint
 
 POLICY = CompactionPolicy(
@@ -209,3 +220,93 @@ def test_revived_working_set_renders_byte_identical_to_the_live_one() -> None:
                     target.apply(build_checkpoint(plan, target.checkpoint, created_at=0))
     assert ws.checkpoint == revived.checkpoint
     assert ws.render("system", POLICY).hash == revived.render("system", POLICY).hash
+
+
+# --- cut points kept as events arrive ------------------------------------------------
+
+cut_turns = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # slots the turn's user message moves earlier in the log (postponed)
+        st.lists(st.sampled_from(["say", "call", "late", "orphan", "abort"]), max_size=4),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def postponed_log(turns: list[tuple[int, list[str]]], *, arrival: bool = True) -> list[Event]:
+    """Events in turn order whose positions say some user messages arrived while the turn
+    before them was still open (they were postponed behind it).
+
+    ``arrival``: turns are numbered in arrival order, as the runtime numbers them; without
+    it a user message may also overtake an earlier turn's (what the working set accepts).
+    """
+    ordered: list[tuple[int, Body]] = []
+    late: list[str] = []
+    for turn, (_, steps) in enumerate(turns, start=1):
+        ordered.append((turn, UserMessage(f"u{turn} about path/{turn}.py")))
+        for k, step in enumerate(steps):
+            call_id = f"c{turn}_{k}"
+            if step in ("call", "late"):
+                ordered.append((turn, AssistantMessage("", (ToolCall(call_id, "grep", {}),))))
+                if step == "call":
+                    ordered.append((turn, ToolResult(call_id, "grep", f"hit {call_id}")))
+                else:
+                    late.append(call_id)  # answered in a later turn
+            elif step == "orphan" and late:
+                ordered.append((turn, ToolResult(late.pop(0), "grep", "late answer")))
+            elif step == "orphan":
+                ordered.append((turn, ToolResult("nobody", "grep", "no call")))
+            elif step == "abort":
+                ordered.append((turn, Aborted("cancelled")))
+            else:
+                ordered.append((turn, AssistantMessage(f"reply {turn}.{k}")))
+    # Log order: a user message (not the first) moves up to `shift` slots earlier, past
+    # events of earlier turns only, and never past another user message (turns are
+    # numbered in arrival order).
+    log = list(range(len(ordered)))
+    shifts = iter(shift for shift, _ in turns)
+    for i, (turn, body) in enumerate(ordered):
+        if type(body) is not UserMessage:
+            continue
+        shift = next(shifts)
+        if turn == 1:
+            continue
+        at = log.index(i)
+        to = at
+        while to > 0 and at - to < shift:
+            before_turn, before = ordered[log[to - 1]]
+            if before_turn >= turn or (arrival and type(before) is UserMessage):
+                break
+            to -= 1
+        log.insert(to, log.pop(at))
+    position = {index: p for p, index in enumerate(log)}
+    events = [
+        Event("c", position[i], turn, count_body(body), 0, body)
+        for i, (turn, body) in enumerate(ordered)
+    ]
+    return sorted(events, key=lambda e: (e.turn, e.position))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut_turns, st.integers(0, 40), st.booleans())
+def test_cut_points_kept_as_events_arrive_equal_turn_starts(
+    turns: list[tuple[int, list[str]]], fold_at: int, arrival: bool
+) -> None:
+    events = postponed_log(turns, arrival=arrival)
+    ws = WorkingSet("c", None, [])
+    for n, event in enumerate(events):
+        ws.append([event])
+        assert ws.turn_starts() == turn_starts(ws.tail)
+        if n == fold_at:
+            plan = plan_fold(ws, POLICY, force=True)
+            if plan is not None:
+                ws.apply(build_checkpoint(plan, ws.checkpoint, created_at=0))
+                assert ws.turn_starts() == turn_starts(ws.tail)
+                if arrival:  # a fold never passes a message still waiting for its turn
+                    assert all(e.position >= plan.position for e in ws.tail)
+    if not arrival:
+        return
+    revived = WorkingSet("c", ws.checkpoint, sorted(events, key=lambda e: e.position))
+    assert revived.tail == ws.tail
+    assert revived.turn_starts() == ws.turn_starts()

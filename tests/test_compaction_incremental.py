@@ -12,6 +12,7 @@ walk over every object.
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -29,8 +30,11 @@ from torpor.compaction import (
     footprint,
     incremental,
     plan_fold,
+    recipe,
     render,
+    turn_starts,
 )
+from torpor.compaction.markers import encode_hints
 from torpor.errors import ConfigError
 from torpor.events import (
     Aborted,
@@ -54,23 +58,26 @@ POLICIES = (
         working_budget=2_000,
         clip_tokens=1_000,
     ),
-    CompactionPolicy(  # everything stubbed, small clips
+    CompactionPolicy(  # everything stubbed at once, small clips
         context_window=8_000,
         max_output_tokens=500,
         safety_margin=100,
         working_budget=2_000,
         keep_tool_results=0,
+        clear_at_least=0,
         clip_tokens=200,
     ),
-    CompactionPolicy(  # a tight ceiling: the full path takes over often
+    CompactionPolicy(  # a tight ceiling: the full path takes over often; small batches
         context_window=2_600,
         max_output_tokens=400,
         safety_margin=100,
         working_budget=500,
         keep_tool_results=1,
+        clear_at_least=300,
         clip_tokens=400,
     ),
-    CompactionPolicy(keep_tool_results=2),
+    CompactionPolicy(keep_tool_results=2, clear_at_least=0),  # each stubbed when it is old
+    CompactionPolicy(keep_tool_results=1, clear_at_least=700, clip_tokens=500),  # batches
 )
 FOLD = CompactionPolicy(
     context_window=8_000,
@@ -159,6 +166,28 @@ def bodies_of(op: Any, log: Log) -> list[Body]:
     return out
 
 
+def stored(event: Event) -> Event:
+    """The event as a store with compaction's hint extractor returns it, or as an older row
+    or another extractor left it (nothing, another format, bytes that do not decode)."""
+    variant = event.position % 4
+    hints = (None, encode_hints(event.body), b"\x00old", b"\x01\xc1")[variant]
+    return msgspec.structs.replace(event, hints=hints)
+
+
+def assert_same_fold(ws: WorkingSet, log: Log, force: bool) -> None:
+    """A fold planned over events with hints stored at append equals one that extracts them."""
+    revived = WorkingSet("c", ws.checkpoint, [stored(e) for e in log.events])
+    assert revived.turn_starts() == ws.turn_starts()
+    one, two = plan_fold(ws, FOLD, force=force), plan_fold(revived, FOLD, force=force)
+    assert (one is None) == (two is None)
+    if one is not None and two is not None:
+        assert (one.position, one.hints) == (two.position, two.hints)
+        assert (one.kept_tokens, one.folded_tokens) == (two.kept_tokens, two.folded_tokens)
+        assert build_checkpoint(one, ws.checkpoint, created_at=0) == build_checkpoint(
+            two, revived.checkpoint, created_at=0
+        )
+
+
 def render_all(
     ws: WorkingSet, log: Log, args: tuple[Any, ...]
 ) -> tuple[Rendered | None, Rendered | None, Rendered | None]:
@@ -196,6 +225,7 @@ def run(first: int, script: list[Any]) -> None:
             assert_same(got, revived)
             renders += 1
         elif kind == "fold":
+            assert_same_fold(ws, log, op[1])
             plan = plan_fold(ws, FOLD, force=op[1])
             if plan is not None:
                 ws.apply(build_checkpoint(plan, ws.checkpoint, created_at=0))
@@ -211,6 +241,7 @@ def run(first: int, script: list[Any]) -> None:
                 log.turn += 1
             ws.append([log.add(body) for body in bodies_of(op, log)])
         assert ws.estimated_bytes() == ws.walk_bytes()
+        assert ws.turn_starts() == turn_starts(ws.tail)  # kept as events arrive = walked
     final = ("render", first, 1.0, 0, 1)
     got, scratch, revived = render_all(ws, log, final)
     assert_same(got, scratch)
@@ -227,9 +258,12 @@ def test_incremental_render_equals_render_from_scratch(first: int, script: list[
 @given(
     st.integers(0, len(POLICIES) - 1),
     st.lists(st.tuples(st.sampled_from(["user", "say", "calls", "orphan", "abort"]), sizes)),
+    st.sampled_from([1, 3, incremental.STRIDE]),
 )
-def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]]) -> None:
-    """The actor's pattern: one policy, a render after every step (the cache keeps up)."""
+def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]], stride: int) -> None:
+    """The actor's pattern: one policy, a render after every step (the cache keeps up);
+    with chain states kept every ``stride`` slots, so a stub or a clip in the middle
+    restarts the hash chain from every kind of place."""
     script: list[Any] = []
     for kind, size in steps:
         if kind == "calls":
@@ -241,7 +275,8 @@ def test_one_policy_many_renders(p: int, steps: list[tuple[str, int]]) -> None:
         else:
             script.append(("abort", size > 6))
         script.append(("render", p, 1.0, 1, 1))
-    run(p, script)
+    with mock.patch.object(incremental, "STRIDE", stride):
+        run(p, script)
 
 
 # --- the cache is really incremental -------------------------------------------------
@@ -345,3 +380,48 @@ def test_policy_change_rebuilds_the_cache() -> None:
     ws = WorkingSet("c", None, chat(log, 8))
     for policy in (POLICIES[0], POLICIES[1], POLICIES[0]):
         assert ws.render(PROMPTS[1], policy) == ws.render_from_scratch(PROMPTS[1], policy)
+
+
+def test_the_payload_hash_covers_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call hashes the messages added since the last one; a stub in the middle rehashes
+    from the chain state kept below it, not from the start."""
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 30, results=False))
+    policy = CompactionPolicy(keep_tool_results=1, clear_at_least=0)
+    ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    hashed: list[object] = []
+    original = incremental.chain
+
+    def counting(state: bytes, message: Any) -> bytes:
+        hashed.append(message)
+        return original(state, message)
+
+    monkeypatch.setattr(incremental, "chain", counting)
+    ws.append(chat(log, 1, results=False))
+    rendered = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    assert hashed == rendered.messages[-2:]  # the new question and answer, nothing else
+    hashed.clear()
+    ws.append(chat(log, 2))  # two tool results: the first one leaves the window, a stub
+    rendered = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    stub_at = next(i for i, m in enumerate(rendered.messages) if "elided" in str(m))
+    assert 0 < len(hashed) <= len(rendered.messages) - stub_at + incremental.STRIDE
+    assert len(hashed) < len(rendered.messages) // 2
+    monkeypatch.undo()
+    assert rendered == ws.render_from_scratch(PROMPTS[0], policy, TOOLSETS[1])
+
+
+def test_a_recipe_version_this_torpor_does_not_know_is_refused() -> None:
+    with pytest.raises(ValueError, match="recipe version 3"):
+        recipe.payload_hash([], (), 3)
+
+
+def test_tool_specs_changed_in_place_between_calls_are_seen() -> None:
+    """The cache keeps the specs' cost and digest; a list the caller changes is a change."""
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 3))
+    specs = [RECALL_TOOL]
+    first = ws.render(PROMPTS[0], POLICIES[0], specs)
+    specs.append(EXPAND_TOOL)
+    second = ws.render(PROMPTS[0], POLICIES[0], specs)
+    assert second == ws.render_from_scratch(PROMPTS[0], POLICIES[0], specs)
+    assert second.sections["tools"] > first.sections["tools"] and second.hash != first.hash

@@ -10,6 +10,7 @@ rewritten; and the audit recipe rebuilds the exact same context.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -58,6 +59,7 @@ POLICY = CompactionPolicy(
     working_budget=1_200,
     tail_turns=2,
     keep_tool_results=2,
+    clear_at_least=600,  # stubs in batches: rebuilt from the recipe all the same
     clip_tokens=800,
 )
 SYSTEM = "You are a careful assistant."
@@ -128,6 +130,23 @@ async def simulate(
                         await log(bodies, turn)
             await step()
     return ws, renders
+
+
+_deterministic = msgspec.msgpack.Encoder(order="deterministic")
+
+
+def whole_hash(messages: Sequence[object], tools: Sequence[object]) -> str:
+    """Recipe version 1's hash, computed here from its definition: one sha256 of it all."""
+    return hashlib.sha256(_deterministic.encode((messages, tuple(tools)))).hexdigest()
+
+
+def chain_hash(messages: Sequence[object], tools: Sequence[object]) -> str:
+    """Recipe version 2's hash, from its definition: a chain over the messages."""
+    state = hashlib.sha256(b"torpor rendered context, hash chain v2").digest()
+    for message in messages:
+        state = hashlib.sha256(state + _deterministic.encode(message)).digest()
+    tail = hashlib.sha256(_deterministic.encode(tuple(tools))).digest()
+    return hashlib.sha256(state + tail).hexdigest()
 
 
 def message_tokens(message: object) -> int:
@@ -220,11 +239,16 @@ async def _through_store(scenario: list[Any]) -> list[Checkpoint]:
         ]
         assert [encode_body(e.body) for e in logged] == [encode_body(e.body) for e in appended]
 
-        # The audit recipe of every render rebuilds the same payload from the log.
+        # The audit recipe of every render rebuilds the same payload from the log, and a
+        # recipe recorded before the hash chain (version 1) still verifies, by its own hash.
         for rendered in renders:
             rebuilt = await rebuild_rendered(store, "conv", rendered.recipe, SYSTEM, POLICY, TOOLS)
-            assert rebuilt.hash == rendered.hash
+            assert rebuilt.hash == rendered.hash == chain_hash(rendered.messages, TOOLS)
             assert rebuilt.sections == rendered.sections
+            old = msgspec.structs.replace(rendered.recipe, version=1)
+            rebuilt = await rebuild_rendered(store, "conv", old, SYSTEM, POLICY, TOOLS)
+            assert rebuilt.hash == whole_hash(rendered.messages, TOOLS)
+            assert rebuilt.messages == rendered.messages and rebuilt.recipe == old
 
         # Every folded position is reachable: by expand always, by recall for messages.
         await check_reachable(store, ws)

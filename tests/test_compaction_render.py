@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 from torpor.compaction import (
@@ -124,6 +125,7 @@ def test_old_tool_results_become_stubs_and_recent_ones_stay_whole() -> None:
         safety_margin=100,
         working_budget=2_000,
         keep_tool_results=2,
+        clear_at_least=0,  # each as soon as it is older than the newest two
     )
     rendered = ws_of(log).render("sys", policy)
     results = [m for m in rendered.messages if isinstance(m, ToolResult)]
@@ -136,6 +138,43 @@ def test_old_tool_results_become_stubs_and_recent_ones_stay_whole() -> None:
     stubbed_positions = {e.position for e in log.events if isinstance(e.body, ToolResult)}
     assert set(rendered.recipe.stubbed) == set(sorted(stubbed_positions)[:3])
     assert_paired(rendered.messages)
+
+
+def test_old_tool_results_are_stubbed_in_batches_that_free_enough() -> None:
+    """With clear_at_least, results past the newest keep_tool_results stay whole until
+    stubbing them all frees that many tokens; then they become stubs together."""
+    policy = CompactionPolicy(
+        context_window=8_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=4_000,
+        keep_tool_results=2,
+        clear_at_least=500,
+    )
+    log = Log()
+    log.user("read eight files")
+    ws = WorkingSet("c", None, log.events)
+    stubbed: list[tuple[int, ...]] = []
+    previous: list[object] = []
+    for i in range(8):
+        ws.append(log.call(f"k{i}") + log.result(f"k{i}", f"content of file {i} " * 50))
+        rendered = ws.render("sys", policy)
+        assert rendered == ws.render_from_scratch("sys", policy)
+        assert rendered == WorkingSet("c", None, log.events).render("sys", policy)
+        # Between batches the previous context is a prefix of this one (cacheable).
+        if rendered.recipe.stubbed == (stubbed[-1] if stubbed else ()):
+            assert rendered.messages[: len(previous)] == previous
+        stubbed.append(rendered.recipe.stubbed)
+        previous = rendered.messages
+    results = [e.position for e in log.events if isinstance(e.body, ToolResult)]
+    # ~225 tokens freed a stub: a batch needs three overdue results.
+    assert stubbed == [(), (), (), (), tuple(results[:3]), tuple(results[:3]),
+                       tuple(results[:3]), tuple(results[:6])]
+    eager = msgspec.structs.replace(policy, clear_at_least=0)
+    assert ws.render("sys", eager).recipe.stubbed == tuple(results[:6])
+    # What batching keeps whole costs less than clear_at_least more than stubbing it.
+    extra = rendered.estimated_tokens - ws.render("sys", eager).estimated_tokens
+    assert 0 <= extra < policy.clear_at_least
 
 
 def test_unanswered_call_gets_an_interrupted_result() -> None:

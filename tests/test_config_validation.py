@@ -80,6 +80,8 @@ class SyncSummarizer:
         (AgentConfig, "context_window", 128_000.0),
         (CompactionPolicy, "encoding", ""),
         (CompactionPolicy, "keep_tool_results", -1),
+        (CompactionPolicy, "clear_at_least", -1),
+        (AgentConfig, "clear_at_least", 4_000.0),
     ],
 )
 def test_the_reported_values_are_refused_naming_the_field(

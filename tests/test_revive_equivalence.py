@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import anyio
@@ -45,12 +46,15 @@ def script(plan: list[Action]) -> ScriptedModel:
 
 
 CONFIG = AgentConfig(tools=[lookup], working_budget=600, tail_turns=2, keep_tool_results=1,
+                     clear_at_least=300,  # tool results stubbed in batches
                      context_window=8_000, max_output_tokens=500, safety_margin=100)
 
 
-async def run(plan: list[Action], *, evicting: bool) -> tuple[list[object], list[str]]:
+async def run(
+    plan: list[Action], *, evicting: bool, config: AgentConfig = CONFIG
+) -> tuple[list[object], list[str]]:
     model = script(plan)
-    async with Runtime("sqlite://", model=model, agent=CONFIG) as rt:
+    async with Runtime("sqlite://", model=model, agent=config) as rt:
         for n, (kind, size) in enumerate(plan):
             if kind in ("evict", "hibernate"):
                 if evicting:
@@ -89,5 +93,30 @@ def test_contexts_after_evict_and_revive_equal_those_of_an_agent_never_evicted(
         evicted_calls, evicted_index = await run(plan, evicting=True)
         assert evicted_calls == kept_calls
         assert evicted_index == kept_index
+
+    anyio.run(both)
+
+
+BATCHES = AgentConfig(tools=[lookup], working_budget=20_000, keep_tool_results=1,
+                      clear_at_least=900, context_window=32_000, max_output_tokens=500)
+
+
+def test_batched_clearing_is_decided_the_same_after_evict_and_revive() -> None:
+    """No fold here: only batched stub clears change the prefix, and an agent revived
+    between them decides each clear exactly where one never evicted does."""
+    plan: list[Action] = []
+    for n in range(12):
+        plan.append(("tool", 60))  # a result of ~300 tokens: three make a batch
+        if n % 3 == 1:
+            plan.append(("evict" if n % 2 else "hibernate", 0))
+
+    async def both() -> None:
+        kept, kept_index = await run(plan, evicting=False, config=BATCHES)
+        evicted, evicted_index = await run(plan, evicting=True, config=BATCHES)
+        assert evicted == kept and evicted_index == kept_index
+        stubs = [context.count(b"elided") for context in kept]
+        assert max(stubs) >= 6  # several batches were cleared ...
+        changes = sum(b > a for a, b in itertools.pairwise(stubs))
+        assert changes < max(stubs) // 2  # ... more than one result at a time
 
     anyio.run(both)

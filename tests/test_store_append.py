@@ -126,8 +126,8 @@ async def test_positions_follow_the_log_after_an_out_of_band_write(tmp_path: Pat
         # batch's bulk write hits the primary key, and the store re-reads the head
         raw = sqlite3.connect(path)
         raw.execute(
-            "INSERT INTO events SELECT conversation_id, 1, turn, kind, tokens, created_at, body"
-            " FROM events WHERE position = 0"
+            "INSERT INTO events SELECT conversation_id, 1, turn, kind, tokens, created_at, body,"
+            " hints FROM events WHERE position = 0"
         )
         raw.commit()
         raw.close()

@@ -145,6 +145,7 @@ async def test_an_old_database_gets_the_index_backfilled_from_its_log(backend: B
 async def _downgrade_to_version_1(backend: Backend) -> None:
     await backend.sql("DROP TABLE pending_calls")
     await backend.sql("ALTER TABLE idempotency_keys DROP COLUMN fingerprint")
+    await backend.sql("ALTER TABLE events DROP COLUMN hints")
     if backend.name == "sqlite":
         await backend.sql("PRAGMA user_version = 1")
     else:

@@ -138,8 +138,13 @@ Body: TypeAlias = (
 )
 
 
-class Event(msgspec.Struct, frozen=True, gc=False):
-    """A body as stored: where (conversation, position), when, in which turn, how big."""
+class Event(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """A body as stored: where (conversation, position), when, in which turn, how big.
+
+    ``hints``: what compaction extracted from the body when it was appended (topic
+    candidates for a fold's marker, in compaction's own encoding), or None when the
+    store was given no extractor or the row predates them. Opaque to everything else.
+    """
 
     conversation_id: str
     position: int
@@ -147,6 +152,7 @@ class Event(msgspec.Struct, frozen=True, gc=False):
     tokens: int
     created_at: int  # epoch milliseconds
     body: Body
+    hints: bytes | None = None
 
     @property
     def kind(self) -> str:

@@ -55,7 +55,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     safety_margin``; folding starts when the verbatim tail exceeds
     ``working_budget``; what is sent never exceeds ``hard_ceiling_ratio`` of the
     window. ``compaction_trigger_ratio``: a model-reported prompt size above this
-    share of the input budget requests a fold before the next call.
+    share of the input budget requests a fold before the next call. Tool results
+    older than the newest ``keep_tool_results`` are stubbed in batches that free at
+    least ``clear_at_least`` tokens (0: each at once), so the prompt prefix a
+    provider caches changes only at those batches and at folds.
     """
 
     system_prompt: str = "You are a helpful assistant."
@@ -71,6 +74,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     compaction_trigger_ratio: float = 0.8
     tail_turns: int = 4
     keep_tool_results: int = 3
+    clear_at_least: int = 4_000  # tokens a batch of tool-result stubs must free (0: no batching)
     summarizer: Any = None  # optional torpor.compaction Summarizer
     # No chunk from the model for this many seconds ends the call (ModelTimeout); None: never.
     model_idle_timeout: float | None = 300.0
@@ -87,6 +91,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         **{name: CompactionPolicy.RULES[name] for name in (
             "context_window", "max_output_tokens", "safety_margin", "working_budget",
             "hard_ceiling_ratio", "compaction_trigger_ratio", "tail_turns", "keep_tool_results",
+            "clear_at_least",
         )},
         "summarizer": custom("None or an object with an async summarize method",
                              _summarizer_problem),
@@ -110,4 +115,5 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             compaction_trigger_ratio=self.compaction_trigger_ratio,
             tail_turns=self.tail_turns,
             keep_tool_results=self.keep_tool_results,
+            clear_at_least=self.clear_at_least,
         )

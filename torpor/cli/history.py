@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from torpor.compaction.markers import encode_hints
 from torpor.compaction.tokens import make_token_counter
 from torpor.events import AssistantMessage, Body, UserMessage
 from torpor.store import open_store
@@ -84,7 +85,7 @@ async def build_history(
     pool = _pool(seed)
     counter = make_token_counter()
     started = time.perf_counter()
-    async with open_store(url, token_counter=counter) as store:
+    async with open_store(url, token_counter=counter, hint_extractor=encode_hints) as store:
         queue = iter(enumerate(conversation_ids))
 
         async def worker() -> None:

@@ -7,6 +7,7 @@ what leaves it stays in the log, findable with ``recall`` and ``expand``.
 from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.fold import FoldPlan, Summarizer, build_checkpoint, plan_fold, turn_starts
 from torpor.compaction.markers import (
+    encode_hints,
     extract_topics,
     format_marker,
     handoff_text,
@@ -50,6 +51,7 @@ __all__ = [
     "count_body",
     "count_text",
     "decode_recipe",
+    "encode_hints",
     "encode_recipe",
     "expand",
     "extract_topics",

@@ -37,7 +37,9 @@ async def rebuild_rendered(
 
     Reads the checkpoint the recipe names and the tail range; applies the
     recorded stubs, clips and drops. ``policy`` is not re-applied: the recipe's
-    decisions are, so a later policy change does not alter the replay.
+    decisions are, so a later policy change does not alter the replay. The hash
+    is computed as the recipe's version did, so calls recorded before the hash
+    chain still verify.
     """
     bound = log.bind(conversation_id=conversation_id)
     checkpoint: Checkpoint | None = None
@@ -62,5 +64,13 @@ async def rebuild_rendered(
     encoding = recipe.encoding or policy.encoding
     text, tokens = handoff_tokens(checkpoint, encoding)
     return materialize(
-        events, checkpoint, text, tokens, system_prompt, tools, decisions_of(recipe), encoding
+        events,
+        checkpoint,
+        text,
+        tokens,
+        system_prompt,
+        tools,
+        decisions_of(recipe),
+        encoding,
+        recipe.version,  # the hash format the call recorded (1: one sha256, 2: the chain)
     )

@@ -110,33 +110,37 @@ def plan_fold(
     total = ws.tail_tokens
     if not force and total <= budget:
         return None
-    starts = turn_starts(tail)
+    starts = ws.turn_starts()  # kept as events arrive: no walk over the tail here
     if not starts:
         return None
-    prefix = [0] * (len(tail) + 1)
-    running = 0
-    for i, event in enumerate(tail):
-        running += event.tokens
-        prefix[i + 1] = running
-
     keep = policy.tail_turns
     j = len(starts) - keep if len(starts) >= keep else -1  # index into starts; -1: keep all
-    while (total - prefix[starts[j]] if j >= 0 else total) > budget and j + 1 < len(starts):
+    # Tokens kept by cutting at starts[k], summed from the end: only the kept turns are
+    # walked (a fold keeps a few), never the part that is folded away.
+    kept: dict[int, int] = {}
+    running = 0
+    k = len(starts) - 1
+    lowest = starts[max(j, 0)]
+    for i in range(len(tail) - 1, lowest - 1, -1):
+        running += tail[i].tokens
+        if i == starts[k]:
+            kept[k] = running
+            k -= 1
+    while (kept[j] if j >= 0 else total) > budget and j + 1 < len(starts):
         j += 1
     if j < 0:
         if not force:
             return None
         j = 0
     cut = starts[j]
-    ws_hints = ws.hints(0, cut)
     return FoldPlan(
         conversation_id=ws.conversation_id,
         position=tail[cut].position,
         events=tuple(tail[:cut]),
-        hints=tuple(ws_hints),
+        hints=tuple(ws.hints(0, cut)),
         kept_turns=len(starts) - j,
-        kept_tokens=total - prefix[cut],
-        folded_tokens=prefix[cut],
+        kept_tokens=kept[j],
+        folded_tokens=total - kept[j],
         forced=force,
         policy=policy,
     )

@@ -18,13 +18,48 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from torpor.compaction.markers import Hints
-from torpor.events import Aborted, AssistantMessage, Event, ToolResult, UserMessage
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    Parked,
+    Resolved,
+    Suspended,
+    ToolCall,
+    ToolResult,
+    Unparked,
+    UserMessage,
+)
 from torpor.store.protocol import Checkpoint
 
-__all__ = ["checkpoint_bytes", "event_bytes", "hints_bytes", "str_bytes", "tail_bytes"]
+__all__ = ["checkpoint_bytes", "event_bytes", "str_bytes", "tail_bytes"]
 
 _COMPACT = sys.getsizeof(chr(0xE9) * 2) - 3  # header of a non-ASCII str (no UTF-8 copy yet)
+
+# Structs have a fixed size per type (no variable part): measured once, not per event.
+_EVENT = sys.getsizeof(Event("", 0, 0, 0, 0, UserMessage("")))
+_BODY = {
+    kind: sys.getsizeof(sample)
+    for kind, sample in (
+        (UserMessage, UserMessage("")),
+        (AssistantMessage, AssistantMessage("")),
+        (ToolResult, ToolResult("", "", "")),
+        (Aborted, Aborted("cancelled")),
+        (Suspended, Suspended(())),
+        (Resolved, Resolved("")),
+        (Parked, Parked("")),
+        (Unparked, Unparked()),
+    )
+}
+_SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing
+_sizeof = sys.getsizeof
+# sys.getsizeof costs a method lookup (~0.1 µs): sizes that are arithmetic are computed.
+_DIGIT, _DIGIT2 = 1 << 30, 1 << 60  # CPython ints hold 30-bit digits
+_INT1, _INT2 = _sizeof(_DIGIT - 1), _sizeof(_DIGIT2 - 1)
+_ASCII = _sizeof("")  # an ASCII str: this plus one byte a character
+_BYTES = _sizeof(b"")  # bytes: this plus one byte a byte
+_CALL = _sizeof(ToolCall("", ""))
+_TUPLE, _SLOT = _sizeof(()), _sizeof((0,)) - _sizeof(())
 
 
 def str_bytes(text: str) -> int:
@@ -49,34 +84,50 @@ def _width(text: str) -> int:
 
 
 def event_bytes(event: Event) -> int:
-    """The envelope, the body and the strings only this event holds."""
-    size = sys.getsizeof(event) + sys.getsizeof(event.body)
-    for value in (event.position, event.tokens, event.created_at):
-        size += sys.getsizeof(value) if value > 256 else 0
+    """The envelope, the body and the strings and bytes only this event holds.
+
+    Cheap on purpose (a revived working set sizes every event of its tail): struct
+    sizes are constants per type and ASCII text (nearly all of it) is sized by its
+    length, so a typical event costs a few arithmetic operations.
+    """
     body = event.body
-    if isinstance(body, UserMessage):
-        size += str_bytes(body.text)
-    elif isinstance(body, AssistantMessage):
-        size += str_bytes(body.text)
-        if body.tool_calls:
-            size += sys.getsizeof(body.tool_calls)
-            for call in body.tool_calls:
-                size += sys.getsizeof(call) + str_bytes(call.id) + str_bytes(call.name)
-                size += _deep(call.arguments)
-    elif isinstance(body, ToolResult):
-        size += str_bytes(body.content) + str_bytes(body.call_id)
+    kind = type(body)
+    size = _EVENT + _BODY[kind]
+    for value in (event.position, event.tokens, event.created_at):
+        if value > _SMALL_INT:  # an int of one or two 30-bit digits, or (rarely) more
+            size += _INT1 if value < _DIGIT else _INT2 if value < _DIGIT2 else _sizeof(value)
+    hints = event.hints
+    if hints is not None and len(hints) > 1:  # one-byte bytes objects are shared
+        size += _BYTES + len(hints)
+    if kind is UserMessage:
+        text = body.text  # type: ignore[union-attr]
+        return size + (_ASCII + len(text) if text.isascii() else str_bytes(text))
+    if kind is ToolResult:
+        assert isinstance(body, ToolResult)
+        text = body.content
+        size += _ASCII + len(text) if text.isascii() else str_bytes(text)
+        size += _text(body.call_id)
         if body.artifact is not None:
-            size += str_bytes(body.artifact)
-    elif isinstance(body, Aborted):
-        size += str_bytes(body.partial_text) + str_bytes(body.detail)
+            size += _text(body.artifact)
+        return size
+    if kind is AssistantMessage:
+        assert isinstance(body, AssistantMessage)
+        text = body.text
+        size += _ASCII + len(text) if text.isascii() else str_bytes(text)
+        calls = body.tool_calls
+        if calls:
+            size += _TUPLE + _SLOT * len(calls)
+            for call in calls:
+                size += _CALL + _text(call.id) + _text(call.name) + _deep(call.arguments)
+        return size
+    if kind is Aborted:
+        assert isinstance(body, Aborted)
+        size += _text(body.partial_text) + _text(body.detail)
     return size
 
 
-def hints_bytes(flat: Hints | None) -> int:
-    """One event's topic candidates (0 while not extracted, or when there are none)."""
-    if not flat:
-        return 0
-    return sys.getsizeof(flat) + sum(str_bytes(x) for x in flat if isinstance(x, str))
+def _text(text: str) -> int:
+    return _ASCII + len(text) if text.isascii() else str_bytes(text)
 
 
 def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
@@ -90,19 +141,23 @@ def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
     return size
 
 
-def tail_bytes(tail: Sequence[Event], hints: Sequence[Hints | None]) -> tuple[int, int]:
-    """(events, topic candidates) of a tail, walked from scratch."""
-    return sum(event_bytes(e) for e in tail), sum(hints_bytes(h) for h in hints)
+def tail_bytes(tail: Sequence[Event]) -> int:
+    """The events of a tail, walked from scratch."""
+    return sum(map(event_bytes, tail))
 
 
 def _deep(value: object) -> int:
-    if isinstance(value, str):
-        return str_bytes(value)
-    size = sys.getsizeof(value)
+    """A decoded JSON value (tool call arguments), ASCII strings sized by their length."""
+    if type(value) is str:
+        return _ASCII + len(value) if value.isascii() else str_bytes(value)
+    size = _sizeof(value)
     if isinstance(value, dict):
         for k, v in value.items():
-            size += _deep(k) + _deep(v)
+            size += _ASCII + len(k) if type(k) is str and k.isascii() else _deep(k)
+            size += _ASCII + len(v) if type(v) is str and v.isascii() else _deep(v)
     elif isinstance(value, list | tuple):
         for v in value:
             size += _deep(v)
+    elif isinstance(value, str):  # a str subclass
+        size = str_bytes(value)
     return size

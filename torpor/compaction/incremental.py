@@ -5,15 +5,18 @@ Assembling from scratch (:func:`~torpor.compaction.render.plan` then
 the tail grows by a few events and an older message's rendering changes only at
 a few known moments:
 
-* a tool result leaves the keep window: it becomes a stub (and stays one);
+* tool results that left the keep window free enough tokens as stubs (the
+  policy's ``clear_at_least``): they become stubs together (and stay stubs);
 * a new user message arrives: the previous one is no longer the current ask,
   so it may be clipped now, and it counts as ``tail`` instead of ``user``;
 * calls still unanswered get stand-ins, which are final once the turn moves on.
 
 :class:`TailCache` follows exactly those transitions, so a call costs O(new
-events) plus copying the message list and hashing the payload. (The hash cannot
-be carried over from call to call: the msgpack payload starts with the message
-count, so every byte after it hashes differently once a message is added.)
+events) plus copying the message list. The payload hash is a chain over the
+messages (:mod:`torpor.compaction.recipe`), carried from call to call: a call
+hashes the messages added since the last one, and after a change in the middle
+(a stub, a clip) the messages from there on, restarting from a state kept every
+:data:`STRIDE` slots (two bytes a slot).
 
 What it produces is byte-for-byte what the full path produces; it is keyed by
 the policy numbers its decisions depend on, the working set drops it on a fold
@@ -35,7 +38,15 @@ import sys
 from collections.abc import Sequence
 
 from torpor.compaction.footprint import str_bytes
-from torpor.compaction.recipe import Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.recipe import (
+    CHAIN_SEED,
+    Recipe,
+    Rendered,
+    chain,
+    chain_end,
+    text_hash,
+    tools_digest,
+)
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     clip_keep,
@@ -44,6 +55,7 @@ from torpor.compaction.slots import (
     clipped,
     clipped_cost,
     clipped_with,
+    freeable,
     stub,
     stub_cost,
     synthetic,
@@ -67,6 +79,10 @@ _REPLACEMENT = "\ufffd"  # what a clip that splits a multi-byte character ends w
 # or tokens kept)
 Rebuild = tuple[int, int, int]
 
+STRIDE = 16
+"""Slots between two kept chain states: a change at slot k rehashes from k // STRIDE."""
+_CLEAN = sys.maxsize  # no slot changed since the last hash
+
 
 class TailCache:
     """Rendered slots of one working set's tail under one policy's decisions.
@@ -78,36 +94,51 @@ class TailCache:
     """
 
     __slots__ = (
+        "clear_at_least",
         "clipped",
+        "dirty",
         "done",
         "encoding",
+        "hashed",
         "keep_results",
         "last_user",
         "limit",
+        "marks",
         "max_position",
         "messages",
         "orphans",
+        "overdue_free",
         "owned_bytes",
+        "prefix",
+        "prefix_state",
         "rebuild",
         "results_tokens",
         "standin_tokens",
+        "state",
         "stubbed",
         "synthesized",
         "tail_tokens",
+        "tools",
+        "tools_digest",
+        "tools_tokens",
         "unanswered",
         "window",
     )
 
-    def __init__(self, encoding: str, limit: int, keep_results: int) -> None:
+    def __init__(
+        self, encoding: str, limit: int, keep_results: int, clear_at_least: int = 0
+    ) -> None:
         self.encoding = encoding
         self.limit = limit
         self.keep_results = keep_results
+        self.clear_at_least = clear_at_least
+        self.overdue_free = 0  # tokens stubbing the window's results past keep_results frees
         self.done = 0
         self.max_position = -1  # the tail's highest position (not its last: see compaction.order)
         self.messages: list[ContextMessage] = []
         self.rebuild: dict[int, Rebuild] = {}  # slot -> how its message is made per call
         self.unanswered: dict[str, ToolCall] = {}
-        self.window: list[tuple[int, int]] = []  # (slot, event index) of unstubbed results
+        self.window: list[tuple[int, int]] = []  # (slot, event index) of results not stubbed
         self.last_user = (-1, -1)  # (slot, event index) of the current ask
         self.stubbed: list[int] = []  # positions, ascending
         self.clipped: dict[int, int] = {}  # position -> tokens kept
@@ -117,11 +148,25 @@ class TailCache:
         self.results_tokens = 0
         self.owned_bytes = 0  # messages made here (stubs, stand-ins), not shared with events
         self.standin_tokens = text_tokens(INTERRUPTED_RESULT, encoding)
+        # The payload hash chain: the state after the system messages (for this prompt
+        # and handoff), after the first ``hashed`` slots, and after every STRIDE slots.
+        self.prefix: tuple[str, str] | None = None
+        self.prefix_state = CHAIN_SEED
+        self.hashed = 0
+        self.state = CHAIN_SEED
+        self.marks = bytearray()
+        self.dirty = _CLEAN  # the lowest slot changed since the last hash
+        self.tools: tuple[ToolSpec, ...] = ()  # the last call's specs: their digest and cost
+        self.tools_digest = tools_digest(())
+        self.tools_tokens = 0
 
-    def fits(self, encoding: str, limit: int, keep_results: int) -> bool:
+    def fits(self, encoding: str, limit: int, keep_results: int, clear_at_least: int) -> bool:
         """Whether this cache's decisions are the ones a policy with these numbers takes."""
         return (
-            encoding == self.encoding and limit == self.limit and keep_results == self.keep_results
+            encoding == self.encoding
+            and limit == self.limit
+            and keep_results == self.keep_results
+            and clear_at_least == self.clear_at_least
         )
 
     # --- following the tail ----------------------------------------------------------
@@ -213,9 +258,18 @@ class TailCache:
         self.results_tokens += cost
         window = self.window
         window.append((k, i))
-        if len(window) > self.keep_results:
-            k0, i0 = window.pop(0)  # the window is small (keep_tool_results)
-            self._stub(tail[i0], k0)
+        keep = self.keep_results
+        if len(window) > keep:  # one more result is past the newest `keep`: overdue
+            i0 = window[-keep - 1][1]
+            self.overdue_free += freeable(tail[i0], self.clipped.get(tail[i0].position),
+                                          self.encoding)
+            clear = self.clear_at_least
+            if clear == 0 or self.overdue_free >= clear:  # worth a change of the prefix
+                overdue = len(window) - keep
+                for k0, i0 in window[:overdue]:
+                    self._stub(tail[i0], k0)
+                del window[:overdue]
+                self.overdue_free = 0
 
     def _clip(self, event: Event, i: int, k: int) -> int:
         keep = clip_keep(event, self.limit, self.encoding)
@@ -249,6 +303,8 @@ class TailCache:
             self.messages.append(message)
         else:
             self.messages[k] = message
+            if k < self.dirty:
+                self.dirty = k  # the hash chain from here on is stale
 
     @staticmethod
     def _owned(event: Event, message: ContextMessage) -> int:
@@ -278,7 +334,7 @@ class TailCache:
         sections = {
             "system": text_tokens(system_prompt, encoding),
             "markers": handoff_tokens if handoff else 0,
-            "tools": tools_tokens(tools, encoding),
+            "tools": self._tools(tools),
             "tail": self.tail_tokens,
             "tool_results": self.results_tokens + len(pending) * self.standin_tokens,
             "user": tail[i_user].tokens if k_user >= 0 else 0,
@@ -315,10 +371,58 @@ class TailCache:
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=payload_hash(messages, tools),
+            hash=self._hash(messages, start, system_prompt, handoff, tools),
             sections=sections,
             estimated_tokens=total,
         )
+
+    def _hash(
+        self,
+        messages: list[ContextMessage],
+        start: int,
+        system_prompt: str,
+        handoff: str,
+        tools: Sequence[ToolSpec],
+    ) -> str:
+        """:func:`~torpor.compaction.recipe.payload_hash` of ``messages``, carried over from
+        the last call: only slots new or changed since are hashed."""
+        n = len(self.messages)
+        key = (system_prompt, handoff)
+        if self.prefix != key:  # a new prompt (or the first call): every slot again
+            state = CHAIN_SEED
+            for message in messages[:start]:
+                state = chain(state, message)
+            self.prefix = key
+            self.prefix_state = self.state = state
+            self.hashed = 0
+            self.marks.clear()
+        elif self.dirty < self.hashed:  # a slot changed: from the kept state below it
+            j = self.dirty // STRIDE
+            self.hashed = j * STRIDE
+            self.state = bytes(self.marks[(j - 1) * 32 : j * 32]) if j else self.prefix_state
+            del self.marks[j * 32 :]
+        self.dirty = _CLEAN
+        state = self.state
+        for k in range(self.hashed, n):
+            state = chain(state, messages[start + k])
+            if (k + 1) % STRIDE == 0:
+                self.marks += state
+        self.hashed = n
+        self.state = state
+        for message in messages[start + n :]:  # stand-ins for calls still open: per call
+            state = chain(state, message)
+        return chain_end(state, self.tools_digest)
+
+    def _tools(self, tools: Sequence[ToolSpec]) -> int:
+        """The tool specs' token cost; with their digest, worked out when they change (an
+        agent passes the same specs on every call)."""
+        if tools is not self.tools:
+            specs = tuple(tools)  # a copy of a list (the caller may change it), a tuple itself
+            if specs != self.tools:
+                self.tools_digest = tools_digest(specs)
+                self.tools_tokens = tools_tokens(specs, self.encoding)
+            self.tools = specs
+        return self.tools_tokens
 
     def _remake(self, tail: Sequence[Event], messages: list[ContextMessage], start: int) -> None:
         """Make the slots kept as recipes: clipped texts, artifact previews, aborted answers."""
@@ -383,6 +487,10 @@ class TailCache:
             + sys.getsizeof(self.clipped)
             + sys.getsizeof(self.orphans)
             + sys.getsizeof(self.synthesized)
+            + sys.getsizeof(self.marks)
+            + sys.getsizeof(self.state)
+            + sys.getsizeof(self.prefix_state)
+            + sys.getsizeof(self.tools_digest)
         )
 
 

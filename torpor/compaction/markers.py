@@ -14,13 +14,19 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TypeAlias
 
+import msgspec
+
 from torpor.events import AssistantMessage, Body, Event, ToolResult, searchable_text
 from torpor.store.protocol import Checkpoint, Marker
 
 __all__ = [
     "HANDOFF_HEADER",
+    "HINTS_FORMAT",
     "Hints",
+    "decode_hints",
+    "encode_hints",
     "event_hints",
+    "hints_of",
     "extract_topics",
     "format_marker",
     "handoff_text",
@@ -159,6 +165,51 @@ def event_hints(event: Event, limit: int = HINTS_PER_EVENT) -> Hints:
     return text_hints(_hint_text(event.body), limit)
 
 
+HINTS_FORMAT = 1
+"""First byte of stored hints (:func:`encode_hints`): bump it whenever extraction changes
+(the pattern, the weights, :data:`SCAN_CHARS`, :data:`HINTS_PER_EVENT`), so hints stored by
+an older version are extracted again instead of trusted."""
+
+_FORMAT = bytes([HINTS_FORMAT])  # also what an event without candidates stores
+_hints_encoder = msgspec.msgpack.Encoder()
+_hints_decoder = msgspec.msgpack.Decoder(tuple[int | str, ...])
+
+
+def encode_hints(body: Body) -> bytes:
+    """An event's topic candidates as the store keeps them (its ``HintExtractor``).
+
+    Extracted once, when the event is appended, so a fold reads them instead of
+    scanning every folded event again: a revived agent folds as cheaply as a live
+    one. The format byte first, then msgpack of the flattened candidates (nothing
+    more when there are none: a one-byte ``bytes`` is a shared object).
+    """
+    flat = text_hints(_hint_text(body))
+    if not flat:
+        return _FORMAT
+    return _FORMAT + _hints_encoder.encode(flat)
+
+
+def decode_hints(stored: bytes | None) -> Hints | None:
+    """Candidates from :func:`encode_hints`, or None when there are none of this format."""
+    if stored is None or stored[:1] != _FORMAT:
+        return None
+    if len(stored) == 1:
+        return ()
+    try:
+        return _hints_decoder.decode(memoryview(stored)[1:])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # not ours after all: extract again
+
+
+def hints_of(event: Event) -> Hints:
+    """An event's topic candidates: as stored at append, else extracted now (same result)."""
+    stored = event.hints
+    if stored == _FORMAT:  # the common case, settled without a call: nothing worth a hint
+        return ()
+    flat = decode_hints(stored)
+    return event_hints(event) if flat is None else flat
+
+
 def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
     """Up to ``limit`` topics of a span, best first: weight x events it appears in.
 
@@ -166,6 +217,8 @@ def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
     """
     scores: dict[str, int] = {}
     for flat in hints:
+        if not flat:  # most events: a fold over thousands of them must not pay per event
+            continue
         for i in range(0, len(flat), 2):
             topic = flat[i + 1]
             assert isinstance(topic, str)

@@ -72,6 +72,9 @@ class CompactionPolicy(msgspec.Struct, frozen=True, kw_only=True):
     compaction_trigger_ratio: float = 0.8
     tail_turns: int = 4  # turns kept verbatim by a fold (fewer if they alone are over budget)
     keep_tool_results: int = 3  # most recent tool results rendered whole; older ones stubbed
+    # ... in batches: older results are stubbed only once that frees this many tokens (0:
+    # each as soon as it is older), so the prompt prefix a provider caches changes rarely.
+    clear_at_least: int = 4_000
     stub_tokens: int = 10  # informational: about what one stubbed result costs
     clip_tokens: int = 4_000  # a rendered message above this is clipped with a pointer
     max_markers: int = 8  # pointer markers kept in a checkpoint (merged beyond that)
@@ -88,6 +91,7 @@ class CompactionPolicy(msgspec.Struct, frozen=True, kw_only=True):
         "compaction_trigger_ratio": number(0.0, 1.0, open_min=True),
         "tail_turns": integer(1),
         "keep_tool_results": integer(0),
+        "clear_at_least": integer(0),
         "stub_tokens": integer(1),
         "clip_tokens": integer(1),
         "max_markers": integer(1),

@@ -3,6 +3,16 @@
 A model call stores the recipe (small: positions, not text) and a hash of the
 rendered payload. Rebuilding from the log with the recipe must give the same
 hash; that is how an operator answers "why did it forget X" after the fact.
+
+The hash is a chain over the messages (recipe version 2): ``h0`` is a fixed
+seed, ``h(i) = sha256(h(i-1) || msgpack(message i))``, and the payload hash is
+``sha256(h(n) || sha256(msgpack(tool specs)))``. A function of the messages and tools
+alone, like the version 1 hash (sha256 of msgpack of the whole payload), but
+one a caller can carry from call to call: between two calls the context grows
+by a few messages and changes in the middle only at a few known moments, so
+the render cache (:mod:`torpor.compaction.incremental`) hashes only what is
+new or changed instead of the whole context every time. Recipes say which
+version made their hash, and a rebuild computes that one.
 """
 
 from __future__ import annotations
@@ -16,9 +26,24 @@ import msgspec
 from torpor.compaction.tokens import DEFAULT_ENCODING
 from torpor.llm.protocol import ContextMessage, ToolSpec
 
-__all__ = ["Recipe", "Rendered", "decode_recipe", "encode_recipe", "payload_hash", "text_hash"]
+__all__ = [
+    "CHAIN_SEED",
+    "RECIPE_VERSION",
+    "Recipe",
+    "Rendered",
+    "chain",
+    "chain_end",
+    "decode_recipe",
+    "encode_recipe",
+    "payload_hash",
+    "text_hash",
+    "tools_digest",
+]
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+"""1: the payload hash is sha256 of msgpack((messages, tools)); 2: the hash chain."""
+
+CHAIN_SEED = hashlib.sha256(b"torpor rendered context, hash chain v2").digest()
 
 
 class Recipe(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -55,7 +80,7 @@ class Rendered(msgspec.Struct, frozen=True, gc=False):
 
     messages: list[ContextMessage]
     recipe: Recipe
-    hash: str  # sha256 hex of the msgpack encoding of (messages, tool specs)
+    hash: str  # the payload hash (hex) of (messages, tool specs), per the recipe's version
     sections: dict[str, int]  # tokens: system, markers, tools, tail, tool_results, user
     estimated_tokens: int
 
@@ -73,9 +98,38 @@ def decode_recipe(data: bytes) -> Recipe:
     return _recipe_decoder.decode(data)
 
 
-def payload_hash(messages: Sequence[ContextMessage], tools: Sequence[ToolSpec]) -> str:
-    """sha256 of exactly what the model is given (dict keys sorted, so order-proof)."""
-    return hashlib.sha256(_payload_encoder.encode((messages, tuple(tools)))).hexdigest()
+def tools_digest(tools: Sequence[ToolSpec]) -> bytes:
+    """sha256 of the tool specs' msgpack: what closes the chain."""
+    return hashlib.sha256(_payload_encoder.encode(tuple(tools))).digest()
+
+
+def chain(state: bytes, message: ContextMessage) -> bytes:
+    """The chain state after ``message``, given the state before it."""
+    return hashlib.sha256(state + _payload_encoder.encode(message)).digest()
+
+
+def chain_end(state: bytes, tools: bytes) -> str:
+    """The payload hash: the chain state after the last message, closed by the tool specs'
+    digest (:func:`tools_digest`)."""
+    return hashlib.sha256(state + tools).hexdigest()
+
+
+def payload_hash(
+    messages: Sequence[ContextMessage],
+    tools: Sequence[ToolSpec],
+    version: int = RECIPE_VERSION,
+) -> str:
+    """The hash of exactly what the model is given, as recipes of ``version`` record it."""
+    if version == 2:
+        state = CHAIN_SEED
+        for message in messages:
+            state = chain(state, message)
+        return chain_end(state, tools_digest(tools))
+    if version == 1:
+        return hashlib.sha256(_payload_encoder.encode((messages, tuple(tools)))).hexdigest()
+    raise ValueError(
+        f"recipe version {version} is not one this torpor knows (1 to {RECIPE_VERSION})"
+    )
 
 
 @lru_cache(maxsize=256)

@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from torpor.compaction.recipe import Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.recipe import RECIPE_VERSION, Recipe, Rendered, payload_hash, text_hash
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     Decisions,
     Slot,
     clip_keep,
     clip_note,
+    freeable,
     layout,
     slot_cost,
     slot_message,
@@ -70,16 +71,29 @@ def plan(
             last_user = index
             break
 
-    # Retention: only the newest results are worth their tokens; the rest point back.
-    seen = 0
-    for index, _, call in reversed(slots):
-        if call is None and type(events[index].body) is ToolResult:
-            seen += 1
-            if seen > policy.keep_tool_results:
-                d.stubbed.add(events[index].position)
+    # Retention: only the newest results are worth their tokens; the rest point back. In
+    # batches, decided result by result in log order as the render cache decides them: the
+    # results past the newest `keep` are stubbed together once that frees `clear` tokens.
+    limit = policy.clip_limit
+    keep = policy.keep_tool_results
+    clear = policy.clear_at_least
+    window: list[Event] = []  # results not stubbed, oldest first
+    overdue_free = 0
+    for index, _, call in slots:
+        if call is not None or type(events[index].body) is not ToolResult:
+            continue
+        window.append(events[index])
+        if len(window) > keep:
+            event = window[-keep - 1]
+            cut = clip_keep(event, limit, encoding) if event.tokens > limit else None
+            overdue_free += freeable(event, cut, encoding)
+            if clear == 0 or overdue_free >= clear:
+                overdue = len(window) - keep
+                d.stubbed.update(e.position for e in window[:overdue])
+                del window[:overdue]
+                overdue_free = 0
 
     # Clip single oversized messages (the current user message is cut only if it must be).
-    limit = policy.clip_limit
     for index, _, call in slots:
         if call is not None or index == last_user:
             continue
@@ -173,8 +187,13 @@ def materialize(
     tools: Sequence[ToolSpec],
     d: Decisions,
     encoding: str,
+    version: int = RECIPE_VERSION,
 ) -> Rendered:
-    """Messages, section sizes, hash and recipe for a tail under the given decisions."""
+    """Messages, section sizes, hash and recipe for a tail under the given decisions.
+
+    ``version``: the recipe version whose hash to compute (a rebuild of an older
+    call's recipe computes the hash that call recorded).
+    """
     slots, _ = layout(events)
     system_tokens = text_tokens(system_prompt, encoding)
     messages: list[ContextMessage] = [SystemMessage(system_prompt)]
@@ -227,12 +246,13 @@ def materialize(
         system_hash=text_hash(system_prompt),
         tools=tuple(t.name for t in tools),
         encoding=encoding,
+        version=version,
         turn=events[-1].turn if events else None,
     )
     return Rendered(
         messages=messages,
         recipe=recipe,
-        hash=payload_hash(messages, tools),
+        hash=payload_hash(messages, tools, version),
         sections=sections,
         estimated_tokens=sum(sections.values()),
     )

@@ -39,6 +39,7 @@ __all__ = [
     "clipped_cost",
     "clipped_with",
     "fixed_tokens",
+    "freeable",
     "layout",
     "slot_cost",
     "slot_message",
@@ -247,6 +248,13 @@ def stub_cost(short: ContextMessage, encoding: str) -> int:
         return text_tokens(short.text + "\n" + calls_text(short), encoding)
     text = short.content if isinstance(short, ToolResult) else short.text
     return text_tokens(text, encoding)
+
+
+def freeable(event: Event, keep: int | None, encoding: str) -> int:
+    """Tokens stubbing a tool result frees: what it renders to now (whole, or clipped to
+    ``keep`` tokens) minus its stub (negative for a result shorter than its stub)."""
+    now = event.tokens if keep is None else clipped_cost(event, keep, encoding)
+    return now - stub_cost(stub(event), encoding)
 
 
 def clipped_cost(event: Event, keep: int, encoding: str) -> int:

@@ -4,30 +4,28 @@ This is the bounded store of the design: a projection of the log, never a
 second copy of history. It is per agent and per live conversation, so it is
 kept lean: the checkpoint, the tail's events (shared with the store's
 objects, not copied), their summed token count, the rendered handoff text,
-each event's topic candidates (small, for the next fold's marker) and the
-render cache (:mod:`torpor.compaction.incremental`: the rendered tail, whose
-messages are the events' own bodies plus small stubs).
+where a fold may cut (one small integer per turn) and the render cache
+(:mod:`torpor.compaction.incremental`: the rendered tail, whose messages are
+the events' own bodies plus small stubs).
 
 Everything the actor asks for on every call is kept up to date as events
 arrive, so a model call and a turn cost O(new events), not O(tail): token and
-byte totals are running sums, and the rendered tail is extended, not redone.
+byte totals are running sums, the rendered tail is extended, not redone, and
+so are the fold's cut points. A fold reads each folded event's topic hints as
+the store kept them at append (:func:`~torpor.compaction.markers.encode_hints`),
+so the first fold after a revival costs what a live agent's fold costs.
 """
 
 from __future__ import annotations
 
 import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from torpor.compaction.footprint import (
-    checkpoint_bytes,
-    event_bytes,
-    hints_bytes,
-    str_bytes,
-    tail_bytes,
-)
+from torpor.compaction.footprint import checkpoint_bytes, event_bytes, str_bytes, tail_bytes
 from torpor.compaction.incremental import TailCache
-from torpor.compaction.markers import Hints, event_hints, handoff_text
+from torpor.compaction.markers import Hints, handoff_text, hints_of
 from torpor.compaction.order import in_turn_order
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
 from torpor.compaction.render import ceiling_of, materialize, plan
@@ -65,10 +63,10 @@ class WorkingSet:
     """Latest checkpoint + events since, with what assembly and folding need at hand.
 
     ``events`` given to the constructor are those at or after the checkpoint's
-    position (what ``store.resume()`` returns). Topic candidates are extracted
-    when an event is appended live, or on the first fold that needs them after
-    a revival; either way the same function of the same event, so a revived
-    agent folds exactly as a live one would.
+    position (what ``store.resume()`` returns). Topic candidates come from the
+    events themselves (stored at append, or extracted when a fold needs them for
+    an event that has none stored): the same function of the same event either
+    way, so a revived agent folds exactly as a live one would.
     """
 
     __slots__ = (
@@ -77,8 +75,8 @@ class WorkingSet:
         "_checkpoint_bytes",
         "_event_bytes",
         "_handoff",
-        "_hint_bytes",
-        "_hints",
+        "_high",
+        "_starts",
         "_tail",
         "_tail_tokens",
         "conversation_id",
@@ -94,17 +92,17 @@ class WorkingSet:
         self._checkpoint: Checkpoint | None = None
         self._handoff: tuple[str, int, str] | None = None  # text, tokens, encoding
         self._tail: list[Event] = []
-        self._hints: list[Hints | None] = []
         self._tail_tokens = 0
-        self._event_bytes = 0  # running sums behind estimated_bytes()
-        self._hint_bytes = 0
+        self._event_bytes = 0  # running sum behind estimated_bytes()
         self._checkpoint_bytes = 0
+        self._starts = array("q")  # tail indices where a fold may cut (see fold.turn_starts)
+        self._high = -1  # the tail's highest position
         self._cache: TailCache | None = None  # made on the first render, dropped on a fold
         if checkpoint is not None:
             self.apply(checkpoint)
             start = checkpoint.position
             events = [e for e in events if e.position >= start]
-        self._extend(in_turn_order(events), extract=False)
+        self._extend(in_turn_order(events))
 
     # --- reading ---------------------------------------------------------------------
 
@@ -151,25 +149,23 @@ class WorkingSet:
         return ()
 
     def hints(self, start: int, stop: int) -> list[Hints]:
-        """Topic candidates of tail[start:stop], extracting any not yet known."""
-        out: list[Hints] = []
-        hints = self._hints
-        for i in range(start, stop):
-            known = hints[i]
-            if known is None:
-                known = hints[i] = event_hints(self._tail[i])
-                self._hint_bytes += hints_bytes(known)
-            out.append(known)
-        return out
+        """Topic candidates of tail[start:stop] (as stored at append, else extracted now)."""
+        return [hints_of(e) for e in self._tail[start:stop]]
+
+    def turn_starts(self) -> list[int]:
+        """Tail indices where a fold may cut, ascending: :func:`~torpor.compaction.fold.
+        turn_starts` of the tail, kept up to date as events arrive instead of walked."""
+        return self._starts.tolist()
 
     # --- changing --------------------------------------------------------------------
 
     def append(self, events: Iterable[Event]) -> None:
         """Add newly logged events, in turn order (see :mod:`torpor.compaction.order`)."""
-        self._extend(events, extract=True)
+        self._extend(events)
 
-    def _extend(self, events: Iterable[Event], *, extract: bool) -> None:
+    def _extend(self, events: Iterable[Event]) -> None:
         tail = self._tail
+        starts = self._starts
         # Turn order (see compaction.order): turns never go back, and nothing lands
         # at or before the checkpoint; a postponed user message may have a lower
         # position than the end of the turn before it.
@@ -177,21 +173,43 @@ class WorkingSet:
         last = tail[-1].position if tail else -1
         if self._checkpoint is not None:
             last = max(last, self._checkpoint.position - 1)
-        for event in events:
-            postponed = event.turn > last_turn and type(event.body) is UserMessage
-            if event.turn < last_turn or (event.position <= last and not postponed):
-                raise ValueError(
-                    f"event at position {event.position} (turn {event.turn}) does not follow "
-                    f"position {last} (turn {last_turn}) in conversation {self.conversation_id!r}"
-                )
-            last_turn = event.turn
-            last = event.position
-            tail.append(event)
-            hints = event_hints(event) if extract else None
-            self._hints.append(hints)
-            self._tail_tokens += event.tokens
-            self._event_bytes += event_bytes(event)
-            self._hint_bytes += hints_bytes(hints)
+        high = self._high
+        tokens = self._tail_tokens
+        size = self._event_bytes
+        try:
+            for event in events:
+                position = event.position
+                kind = type(event.body)
+                postponed = event.turn > last_turn and kind is UserMessage
+                if event.turn < last_turn or (position <= last and not postponed):
+                    raise ValueError(
+                        f"event at position {position} (turn {event.turn}) does not follow "
+                        f"position {last} (turn {last_turn}) in conversation "
+                        f"{self.conversation_id!r}"
+                    )
+                last_turn = event.turn
+                last = position
+                # Where a fold may cut, as fold.turn_starts says, one event at a time:
+                # a cut must split the tail by position (a lower position arriving
+                # now undoes the cuts above it) and must not separate a tool call
+                # from a result (a result undoes the cuts after its call).
+                while starts and tail[starts[-1]].position > position:
+                    starts.pop()
+                if kind is ToolResult and starts:
+                    issued = _issuer(tail, event.body.call_id)  # type: ignore[union-attr]
+                    while starts and starts[-1] > issued >= 0:
+                        starts.pop()
+                elif kind is UserMessage and tail and high < position:
+                    starts.append(len(tail))
+                if position > high:
+                    high = position
+                tail.append(event)
+                tokens += event.tokens
+                size += event_bytes(event)
+        finally:  # a refused event leaves the ones before it added and counted
+            self._high = high
+            self._tail_tokens = tokens
+            self._event_bytes = size
 
     def apply(self, checkpoint: Checkpoint) -> None:
         """Adopt a fold: drop tail events before its position, keep the rest."""
@@ -200,20 +218,39 @@ class WorkingSet:
                 f"checkpoint at {checkpoint.position} is older than the current one "
                 f"at {self._checkpoint.position}"
             )
-        cut = 0
         tail = self._tail
-        while cut < len(tail) and tail[cut].position < checkpoint.position:
-            cut += 1
+        cut = self._cut_at(checkpoint.position)
         if cut:
-            del tail[:cut]
-            del self._hints[:cut]
+            kept = tail[cut:]
             # Recounted over what is kept (a fold keeps a few turns): no drift, no O(cut).
-            self._tail_tokens = sum(e.tokens for e in tail)
-            self._event_bytes, self._hint_bytes = tail_bytes(tail, self._hints)
+            tail.clear()
+            self._tail_tokens = self._event_bytes = 0
+            self._starts = array("q")
+            self._high = -1
+            self._extend(kept)
             self._cache = None  # slot indices moved; rebuilt from the kept tail on next render
         self._checkpoint = checkpoint
         self._checkpoint_bytes = checkpoint_bytes(checkpoint)
         self._handoff = None  # rendered on the next assembly (it needs the policy's encoding)
+
+    def _cut_at(self, position: int) -> int:
+        """How many tail events come before the first one at or after ``position``."""
+        tail = self._tail
+        starts = self._starts
+        # A fold cuts at a turn start: every event before it is below its position.
+        lo, hi = 0, len(starts)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tail[starts[mid]].position < position:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(starts) and tail[starts[lo]].position == position:
+            return starts[lo]
+        cut = 0  # any other position (an arbitrary checkpoint): walk
+        while cut < len(tail) and tail[cut].position < position:
+            cut += 1
+        return cut
 
     # --- assembling ------------------------------------------------------------------
 
@@ -240,9 +277,10 @@ class WorkingSet:
         text, tokens = self._handoff_for(encoding)
         limit = policy.clip_limit
         keep = policy.keep_tool_results
+        clear = policy.clear_at_least
         cache = self._cache
-        if cache is None or not cache.fits(encoding, limit, keep):
-            cache = self._cache = TailCache(encoding, limit, keep)
+        if cache is None or not cache.fits(encoding, limit, keep, clear):
+            cache = self._cache = TailCache(encoding, limit, keep, clear)
         cache.advance(self._tail)
         rendered = cache.render(
             self._tail,
@@ -289,22 +327,36 @@ class WorkingSet:
         every turn). Includes the render cache's own objects; shared ones
         (event bodies reused as messages) are counted once, with the events.
         """
-        size = self._fixed_bytes() + self._event_bytes + self._hint_bytes
+        size = self._fixed_bytes() + self._event_bytes
         if self._cache is not None:
             size += self._cache.footprint()
         return size
 
     def walk_bytes(self) -> int:
         """:meth:`estimated_bytes` counted from scratch over every object (for tests)."""
-        events, hints = tail_bytes(self._tail, self._hints)
-        size = self._fixed_bytes() + events + hints
+        size = self._fixed_bytes() + tail_bytes(self._tail)
         if self._cache is not None:
             size += self._cache.walk_footprint(self._tail)
         return size
 
     def _fixed_bytes(self) -> int:
-        size = sys.getsizeof(self) + sys.getsizeof(self._tail) + sys.getsizeof(self._hints)
+        size = sys.getsizeof(self) + sys.getsizeof(self._tail) + sys.getsizeof(self._starts)
         size += self._checkpoint_bytes
         if self._handoff is not None and self._handoff[0]:
             size += str_bytes(self._handoff[0])
         return size
+
+
+def _issuer(tail: Sequence[Event], call_id: str) -> int:
+    """Index of the latest assistant message in ``tail`` that issued ``call_id``, or -1.
+
+    Searched backwards: a result nearly always follows its call closely (a result
+    for a call the tail does not hold, rare, costs a walk to the start).
+    """
+    for i in range(len(tail) - 1, -1, -1):
+        body = tail[i].body
+        if type(body) is AssistantMessage:
+            for call in body.tool_calls:
+                if call.id == call_id:
+                    return i
+    return -1

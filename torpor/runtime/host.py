@@ -19,6 +19,7 @@ from torpor.actors.stream import Follower
 from torpor.actors.tools import Toolbox
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import BUILTIN_TOOLS
+from torpor.compaction.markers import encode_hints
 from torpor.compaction.recall import expand as expand_events
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.tokens import make_token_counter
@@ -126,6 +127,7 @@ class Runtime:
                 open_store(
                     self.store_url,
                     token_counter=make_token_counter(self._encoding),
+                    hint_extractor=encode_hints,
                     durability=self.config.durability,
                 )
             )

@@ -10,6 +10,7 @@ from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
     EventStore,
+    HintExtractor,
     Marker,
     ModelCall,
     PendingApproval,
@@ -27,6 +28,7 @@ __all__ = [
     "ConversationInfo",
     "Durability",
     "EventStore",
+    "HintExtractor",
     "Marker",
     "ModelCall",
     "PendingApproval",
@@ -46,6 +48,7 @@ async def open_store(
     url: str,
     *,
     token_counter: TokenCounter | None = None,
+    hint_extractor: HintExtractor | None = None,
     durability: Durability = "normal",
     artifact_threshold: int = 16 * 1024,
     max_event_bytes: int = 1024 * 1024,
@@ -57,6 +60,8 @@ async def open_store(
     ``postgresql://user@host:port/db`` (or ``postgres://``) is a PostgreSQL
     database (needs the ``postgres`` extra).
     Other schemes raise :class:`UnsupportedStoreURL` (a StoreError and ValueError).
+    ``token_counter`` and ``hint_extractor`` are called once per appended event and
+    their results stored with it (the runtime passes compaction's).
     """
     location = parse_store_url(url)
     if location.backend == "postgres":
@@ -69,6 +74,7 @@ async def open_store(
         async with PostgresStore(
             url,
             token_counter=token_counter,
+            hint_extractor=hint_extractor,
             durability=durability,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
@@ -78,6 +84,7 @@ async def open_store(
     async with SQLiteStore(
         location.path,
         token_counter=token_counter,
+        hint_extractor=hint_extractor,
         durability=durability,
         artifact_threshold=artifact_threshold,
         max_event_bytes=max_event_bytes,

@@ -45,7 +45,7 @@ from torpor.store.arguments import (
     check_turn,
 )
 from torpor.store.clip import PREVIEW_BYTES, clip_aborted, clip_assistant, clip_tool_result
-from torpor.store.protocol import TokenCounter
+from torpor.store.protocol import HintExtractor, TokenCounter
 
 __all__ = [
     "MAX_ID_LENGTH",
@@ -102,6 +102,7 @@ class PreparedEvent(msgspec.Struct, frozen=True, gc=False):
     text: str  # what full-text search indexes (full text, even when clipped)
     artifact_id: str | None = None  # set when this append clipped the body
     artifact_data: bytes | None = None  # the full content, utf-8, uncompressed
+    hints: bytes | None = None  # the hint extractor's bytes for ``value`` (None: no extractor)
 
 
 class PreparedAppend(msgspec.Struct, frozen=True, gc=False):
@@ -131,6 +132,7 @@ class AppendPolicy:
     """How bodies are measured, clipped and refused; one per store."""
 
     token_counter: TokenCounter | None = None  # None: estimate_tokens
+    hint_extractor: HintExtractor | None = None  # None: no hints stored (NULL)
     artifact_threshold: int = 16 * 1024
     max_event_bytes: int = 1024 * 1024
 
@@ -200,8 +202,15 @@ class AppendPolicy:
             tokens = len(stored_text.encode()) // 4 + 4  # estimate_tokens, text already at hand
         else:
             tokens = check_count(self.token_counter(body), "token_counter result")
+        hints = None
+        if self.hint_extractor is not None:
+            hints = self.hint_extractor(body)  # of the body as stored, as a fold will see it
+            if type(hints) is not bytes:
+                raise ConfigError(
+                    "hint_extractor", f"must return bytes, returned {type(hints).__name__}"
+                )
         return PreparedEvent(
-            kind, turn, tokens, created, body, encoded, text, artifact_id, artifact_data
+            kind, turn, tokens, created, body, encoded, text, artifact_id, artifact_data, hints
         )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "Checkpoint",
     "ConversationInfo",
     "EventStore",
+    "HintExtractor",
     "Marker",
     "ModelCall",
     "PendingApproval",
@@ -29,6 +30,11 @@ __all__ = [
 
 TokenCounter = Callable[[Body], int]
 """Counts the tokens of one event body (role framing included). Called once, at append."""
+
+HintExtractor = Callable[[Body], bytes]
+"""What compaction wants remembered about one event body (its topic hints), as bytes the
+store keeps opaque in the event's row and hands back on :attr:`Event.hints`. Called once,
+at append, like the token counter, so a fold never has to re-read every folded event."""
 
 
 class Marker(msgspec.Struct, frozen=True, gc=False):

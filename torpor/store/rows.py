@@ -39,8 +39,8 @@ __all__ = [
     "to_pending_approvals",
 ]
 
-EVENT_COLUMNS = "position, turn, tokens, created_at, body"
-EventRow = tuple[int, int, int, int, bytes]
+EVENT_COLUMNS = "position, turn, tokens, created_at, body, hints"
+EventRow = tuple[int, int, int, int, bytes, bytes | None]
 
 _checkpoint_encoder = msgspec.msgpack.Encoder()
 _checkpoint_decoder = msgspec.msgpack.Decoder(Checkpoint)
@@ -57,7 +57,7 @@ def to_events(
     step``, … without a hole (``step`` -1 for newest-first pages)."""
     events = []
     expected = first
-    for position, turn, tokens, created_at, body in rows:
+    for position, turn, tokens, created_at, body, hints in rows:
         if position != expected and expected is not None:
             raise CorruptEvent(conversation_id, expected, MISSING)
         events.append(
@@ -68,6 +68,7 @@ def to_events(
                 tokens,
                 created_at,
                 decode_body(body, conversation_id=conversation_id, position=position),
+                None if hints is None else bytes(hints),
             )
         )
         expected = position + step

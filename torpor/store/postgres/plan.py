@@ -68,7 +68,9 @@ class HeadUpdate:
 class Writes:
     """Rows to insert, per table; conversations named by text id."""
 
-    events: list[tuple[str, int, int, str, int, int, bytes]] = field(default_factory=list)
+    events: list[tuple[str, int, int, str, int, int, bytes, bytes | None]] = field(
+        default_factory=list
+    )
     fts: list[tuple[str, int, int, str, str]] = field(default_factory=list)
     artifacts: list[tuple[str, str, int, int, bytes]] = field(default_factory=list)
     keys: list[tuple[str, str, int, int, int, bytes | None]] = field(default_factory=list)
@@ -244,7 +246,7 @@ class AppendOp:
         for offset, e in enumerate(events):
             size += len(e.body)
             writes.events.append(
-                (name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body)
+                (name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body, e.hints)
             )
             if e.kind in INDEXED_KINDS:
                 if indexed is None:
@@ -276,7 +278,7 @@ class AppendOp:
             return list(range(first, first + len(events)))
         name = self.append.conversation_id
         return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value)
+            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
             for i, e in enumerate(events)
         ]
 

@@ -67,12 +67,13 @@ class Reader(Protocol):
 
 _KEY = "(SELECT key FROM conversations WHERE external_id = $1)"
 
-# Row 0: (NULL, head, NULL, NULL, NULL, 0), if the conversation exists; then the events.
+# Row 0: (NULL, head, NULL, NULL, NULL, NULL, 0), if the conversation exists; then the events.
 _WITH_HEAD = """
 WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1)
-SELECT NULL::bigint AS pos, head, NULL::bigint, NULL::bigint, NULL::bytea, 0 AS r FROM conv
+SELECT NULL::bigint AS pos, head, NULL::bigint, NULL::bigint, NULL::bytea, NULL::bytea,
+    0 AS r FROM conv
 UNION ALL
-(SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, 1
+(SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, e.hints, 1
  FROM events AS e, conv WHERE e.conversation_id = conv.key AND {where})
 ORDER BY r, pos {order}
 """
@@ -84,17 +85,18 @@ _BACKWARD = _WITH_HEAD.format(
 _CHECKPOINTS = "SELECT position, body FROM checkpoints WHERE conversation_id = " + _KEY
 _LATEST = f"{_CHECKPOINTS} ORDER BY id DESC LIMIT 1"
 
-# Row 0: (NULL, head, checkpoint position, NULL, checkpoint body); then the events.
+# Row 0: (NULL, head, checkpoint position, NULL, checkpoint body, NULL); then the events.
 _RESUME = """
 WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1),
 cp AS (
     SELECT c.position, c.body FROM checkpoints AS c, conv
     WHERE c.conversation_id = conv.key ORDER BY c.id DESC LIMIT 1
 )
-SELECT NULL::bigint AS pos, conv.head, cp.position AS cp, NULL::bigint AS ts, cp.body, 0 AS r
+SELECT NULL::bigint AS pos, conv.head, cp.position AS cp, NULL::bigint AS ts, cp.body,
+    NULL::bytea AS hints, 0 AS r
 FROM conv LEFT JOIN cp ON true
 UNION ALL
-SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, 1
+SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, e.hints, 1
 FROM events AS e, conv
 WHERE e.conversation_id = conv.key AND e.position >= coalesce((SELECT position FROM cp), 0)
 ORDER BY r, pos
@@ -140,7 +142,7 @@ def _split(rows: list[Any]) -> tuple[int, list[Any]]:
     """(recorded head, event rows) of a ``_WITH_HEAD`` result; head -1 if no conversation."""
     if not rows:
         return -1, []
-    return int(rows[0][1]), [row[:5] for row in rows[1:]]
+    return int(rows[0][1]), [row[:6] for row in rows[1:]]
 
 
 async def read_since(db: Reader, name: str, position: int) -> list[Event]:
@@ -183,10 +185,10 @@ async def resume(db: Reader, name: str) -> Resume:
     rows = await db.fetch(_RESUME, name)
     if not rows:
         return Resume(name, None, None, ())
-    _, last, cp_position, _, cp_body, _ = rows[0]
+    _, last, cp_position, _, cp_body, _, _ = rows[0]
     checkpoint = None if cp_body is None else decode_checkpoint(name, cp_position, cp_body)
     start = 0 if checkpoint is None else checkpoint.position
-    events = to_events(name, (row[:5] for row in rows[1:]), start)
+    events = to_events(name, (row[:6] for row in rows[1:]), start)
     check_reaches(name, events, start, last)
     return Resume(name, None if last < 0 else last, checkpoint, tuple(events))
 

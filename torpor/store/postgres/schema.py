@@ -29,7 +29,9 @@ Same logical tables as the SQLite backend (``conversations``, ``events``,
 collation, like ``conversations.external_id``) so listing waiting
 conversations in id order is one range scan of its primary key; and
 ``idempotency_keys.fingerprint`` (version 2) identifies what a key was first
-used for.
+used for. ``events.hints`` (version 3) holds the store's hint extractor's bytes
+for the body (compaction's topic hints, opaque here), NULL for older rows; adding a
+nullable column without a default rewrites nothing.
 
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
@@ -188,7 +190,9 @@ _V2: Sequence[Step] = (
     _backfill_pending,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2)
+_V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

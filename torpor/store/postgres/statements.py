@@ -52,40 +52,40 @@ RETURNING key, external_id
 WRITE = """
 WITH
 e AS (
-    INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body)
+    INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body, hints)
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::int[],
-                         $6::bigint[], $7::bytea[])
+                         $6::bigint[], $7::bytea[], $8::bytea[])
 ),
 f AS (
     INSERT INTO events_fts (conversation_id, position, chunk, document)
     SELECT c, p, n, CASE WHEN l = '' THEN to_tsvector('simple', t)
         ELSE to_tsvector('simple', t) || array_to_tsvector(string_to_array(l, ' ')) END
-    FROM unnest($8::bigint[], $9::bigint[], $10::int[], $11::text[], $12::text[])
+    FROM unnest($9::bigint[], $10::bigint[], $11::int[], $12::text[], $13::text[])
         AS u(c, p, n, t, l)
 ),
 a AS (
     INSERT INTO artifacts (id, conversation_id, size, created_at, data)
-    SELECT * FROM unnest($13::text[], $14::bigint[], $15::bigint[], $16::bigint[], $17::bytea[])
+    SELECT * FROM unnest($14::text[], $15::bigint[], $16::bigint[], $17::bigint[], $18::bytea[])
 ),
 k AS (
     INSERT INTO idempotency_keys
         (conversation_id, key, first_position, count, created_at, fingerprint)
-    SELECT * FROM unnest($18::bigint[], $19::text[], $20::bigint[], $21::int[], $22::bigint[],
-                         $23::bytea[])
+    SELECT * FROM unnest($19::bigint[], $20::text[], $21::bigint[], $22::int[], $23::bigint[],
+                         $24::bytea[])
 ),
 cp AS (
     INSERT INTO checkpoints (conversation_id, position, created_at, body)
-    SELECT * FROM unnest($24::bigint[], $25::bigint[], $26::bigint[], $27::bytea[])
+    SELECT * FROM unnest($25::bigint[], $26::bigint[], $27::bigint[], $28::bytea[])
 ),
 m AS (
     INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body)
-    SELECT * FROM unnest($28::bigint[], $29::int[], $30::int[], $31::bigint[], $32::bytea[])
+    SELECT * FROM unnest($29::bigint[], $30::int[], $31::int[], $32::bigint[], $33::bytea[])
 ),
 h AS (
     UPDATE conversations AS c
     SET head = u.head, bytes = c.bytes + u.added,
-        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $37
-    FROM unnest($33::bigint[], $34::bigint[], $35::bigint[], $36::bigint[])
+        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $38
+    FROM unnest($34::bigint[], $35::bigint[], $36::bigint[], $37::bigint[])
         AS u(key, head, added, cp)
     WHERE c.key = u.key
 )
@@ -131,7 +131,7 @@ async def write(
     """One statement: every row of ``writes`` and the conversations' new heads."""
     head_rows = [(key_of(name), u.head, u.added_bytes, u.checkpoint) for name, u in heads.items()]
     args: list[Any] = [
-        *_keyed(writes.events, 0, key_of, 7),
+        *_keyed(writes.events, 0, key_of, 8),
         *_keyed(writes.fts, 0, key_of, 5),
         *_keyed(writes.artifacts, 1, key_of, 5),
         *_keyed(writes.keys, 0, key_of, 6),

@@ -51,6 +51,7 @@ from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, 
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
+    HintExtractor,
     ModelCall,
     PendingApproval,
     Resume,
@@ -92,6 +93,7 @@ class PostgresStore:
         dsn: str,
         *,
         token_counter: TokenCounter | None = None,
+        hint_extractor: HintExtractor | None = None,
         durability: Durability = "normal",
         artifact_threshold: int = 16 * 1024,
         max_event_bytes: int = 1024 * 1024,
@@ -111,6 +113,7 @@ class PostgresStore:
         self.durability: Durability = durability
         self._policy = AppendPolicy(
             token_counter=token_counter,
+            hint_extractor=hint_extractor,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
         )

@@ -27,6 +27,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   waiting conversations in id order is one range scan of its primary key.
 * ``idempotency_keys.fingerprint`` (version 2) identifies what a key was
   first used for, so reusing it for something else is refused.
+* ``events.hints`` (version 3) holds what the store's hint extractor (compaction's
+  topic hints) made of the body at append, opaque here; NULL for rows written
+  before it or by a store given no extractor (compaction then extracts them when
+  it needs them). Not backfilled: old rows cost what they always did.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -193,7 +197,9 @@ _V2: Sequence[Step] = (
     _backfill_pending,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2)
+_V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints BLOB",)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -51,6 +51,7 @@ from torpor.store.prepare import AppendPolicy, new_artifact_id, now_ms
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
+    HintExtractor,
     ModelCall,
     PendingApproval,
     Resume,
@@ -120,6 +121,7 @@ class SQLiteStore:
         path: str | None,
         *,
         token_counter: TokenCounter | None = None,
+        hint_extractor: HintExtractor | None = None,
         durability: Durability = "normal",
         artifact_threshold: int = 16 * 1024,
         max_event_bytes: int = 1024 * 1024,
@@ -141,6 +143,7 @@ class SQLiteStore:
         self.durability: Durability = durability
         self._policy = AppendPolicy(
             token_counter=token_counter,
+            hint_extractor=hint_extractor,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
         )

@@ -33,8 +33,8 @@ __all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "ModelCallOp"]
 
 
 INSERT_EVENT = (
-    "INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body, hints) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 INSERT_ARTIFACT = (
     "INSERT INTO artifacts (id, conversation_id, size, created_at, data) VALUES (?, ?, ?, ?, ?)"
@@ -87,7 +87,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
             writes.append(
                 (
                     INSERT_EVENT,
-                    (key, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body),
+                    (key, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body, e.hints),
                 )
             )
             if e.artifact_id is not None and e.artifact_data is not None:
@@ -120,7 +120,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
             return list(range(first, first + len(events)))
         name = self.append.conversation_id
         return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value)
+            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
             for i, e in enumerate(events)
         ]
 
