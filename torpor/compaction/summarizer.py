@@ -205,7 +205,9 @@ class ModelSummarizer:
     def _texts(self, previous_summary: str, events: Sequence[Event]) -> tuple[str, str]:
         system = self.instructions.replace("{max_tokens}", str(self.max_output_tokens))
         head = "Previous summary:\n" + (previous_summary.strip() or "(none)") + "\n\n"
-        budget = self.max_input_tokens - count_text(system + head, self.encoding)
+        # What is left for the events once the instructions, the previous summary and the
+        # transcript's heading (a line or two, reserved) are paid for.
+        budget = self.max_input_tokens - count_text(system + head, self.encoding) - 40
         lines: list[str] = []
         for event in reversed(events):  # newest first while they fit
             line = _event_line(event)
@@ -213,6 +215,8 @@ class ModelSummarizer:
                 continue
             cost = count_text(line, self.encoding) + 1
             if cost > budget:
+                if budget > 50:  # the newest that does not fit is shown in part
+                    lines.append(self._clip_tokens(line, budget - 10))
                 break
             budget -= cost
             lines.append(line)
@@ -292,12 +296,15 @@ class ModelSummarizer:
         )
 
     def _bounded(self, text: str) -> str:
-        tokens = get_encoding(self.encoding).encode_ordinary(text)
-        if len(tokens) <= self.max_output_tokens:
+        return self._clip_tokens(text, self.max_output_tokens)
+
+    def _clip_tokens(self, text: str, limit: int) -> str:
+        """``text`` cut to ``limit`` tokens, marked when cut."""
+        encoding = get_encoding(self.encoding)
+        tokens = encoding.encode_ordinary(text)
+        if len(tokens) <= limit:
             return text
-        clipped = get_encoding(self.encoding).decode(tokens[: self.max_output_tokens],
-                                                     errors="ignore")
-        return clipped.rstrip() + " […]"
+        return encoding.decode(tokens[:limit], errors="ignore").rstrip() + " […]"
 
     def __repr__(self) -> str:
         return f"ModelSummarizer(model={self.name!r}, max_output_tokens={self.max_output_tokens})"
