@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -129,10 +130,7 @@ async def test_between_folds_each_request_extends_the_previous_one(
     requests = server.requests
     assert len(requests) == len(calls) == TURNS + TURNS // 5
     extended = folds = 0
-    for (before, after), (c0, c1) in zip(
-        zip(requests, requests[1:], strict=False), zip(calls, calls[1:], strict=False),
-        strict=True,
-    ):
+    for (before, after), (c0, c1) in zip(pairwise(requests), pairwise(calls), strict=True):
         if c1.compaction_cycle != c0.compaction_cycle:
             folds += 1  # a fold rewrites the prefix on purpose: the one allowed break
             continue
