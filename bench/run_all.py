@@ -35,6 +35,7 @@ FULL: dict[str, list[str]] = {
     "turns": ["--concurrency", "1", "100", "10000", "--duration", "4"],
     "needles": [],
     "store_append": [],
+    "adapters": [],
 }
 QUICK: dict[str, list[str]] = {
     "idle_agents": ["--agents", "500", "--trace-agents", "300", "--lengths", "100", "1000",
@@ -45,6 +46,7 @@ QUICK: dict[str, list[str]] = {
     "needles": ["--sizes", "100,200"],
     "store_append": ["--single", "200", "--conversations", "50", "--events", "5",
                      "--read-conversations", "100", "--read-events", "60", "--samples", "100"],
+    "adapters": ["--conversations", "2", "--turns", "5", "--long-turns", "20"],
 }
 REDUCED = {
     "idle_agents": "torpor-active measured at 10,000 agents only (100,000 active agents "

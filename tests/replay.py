@@ -354,27 +354,40 @@ def anthropic_error(status: int, message: str, *, kind: str,
                       {"request-id": "req_replay", **(headers or {})})
 
 
-# -- as a script: a fixed reply forever, for the benchmark --------------------------------
+# -- as a script: the benchmark's server, in a process of its own --------------------------
 
 
-def _serve_forever(provider: str, deltas: int) -> None:
-    pieces = [f"w{i} " for i in range(deltas)]
+def _serve_forever() -> None:
+    """Serve both APIs until killed; print the port.
+
+    The path picks the wire format (``/v1/chat/completions`` or ``/v1/messages``);
+    a model named ``replay-N`` streams N text deltas. ``GET /stats`` returns, and
+    forgets, the server's own time per request (from the request read to the
+    last byte written), in order, so a client can subtract it from its own.
+    """
+    server: ReplayServer
 
     def reply(request: Recorded) -> Reply:
-        if provider == "anthropic":
+        if request.path == "/stats":
+            done = [r for r in server.requests if r.path != "/stats"]
+            server.requests.clear()
+            return json_reply(200, {"server_seconds": [r.finished - r.started for r in done]})
+        model = str(request.json().get("model", "replay-20"))
+        deltas = int(model.rpartition("-")[2]) if model.startswith("replay-") else 20
+        pieces = [f"w{i} " for i in range(deltas)]
+        if request.path.endswith("/messages"):
             return Reply(anthropic_stream(pieces, usage=(100, deltas, 0, 0)))
         return Reply(openai_stream(pieces, usage=(100, deltas, 0)))
 
     async def main() -> None:
-        async with ReplayServer(default=reply) as server:
-            print(server.port, flush=True)
+        nonlocal server
+        async with ReplayServer(default=reply) as running:
+            server = running
+            print(running.port, flush=True)
             await asyncio.Event().wait()
 
     asyncio.run(main())
 
 
 if __name__ == "__main__":
-    import sys
-
-    _serve_forever(sys.argv[1] if len(sys.argv) > 1 else "openai",
-                   int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+    _serve_forever()
