@@ -53,6 +53,9 @@ MAX_BREAKPOINTS = 4
 EMPTY_TEXT = "(empty)"
 """Stands in for an empty message text: the API refuses empty text blocks."""
 
+LEFT_OUT = "[earlier messages of this conversation were left out of this context]"
+"""Opens a context that would otherwise start with an assistant message."""
+
 _decode_arguments = msgspec.json.Decoder(dict[str, Any])
 _UNSAFE_ID = re.compile(r"[^a-zA-Z0-9_-]")
 
@@ -116,6 +119,12 @@ def anthropic_request(
                 for c in message.tool_calls
             )
             messages.append({"role": "assistant", "content": content})
+    if messages and messages[0]["role"] == "assistant":
+        # The API wants a user turn first; a context cut to fit its ceiling may start with
+        # an answer. The same stand-in every time, so the prefix stays stable.
+        messages.insert(0, {"role": "user", "content": [_text(LEFT_OUT)]})
+        if newest_user >= 0:
+            newest_user += 1
     specs = [
         {"name": s.name, "description": s.description, "input_schema": s.parameters}
         for s in tools

@@ -247,6 +247,8 @@ class OpenAIChatModel:
                         delta = choice.delta
                         if delta.content:
                             yield TextDelta(delta.content)
+                        elif delta.refusal:  # the model's answer, as text
+                            yield TextDelta(delta.refusal)
                         for fragment in delta.tool_calls or ():
                             slot = calls.get(fragment.index)
                             if slot is None:
