@@ -13,6 +13,7 @@ from torpor import (
     AgentConfig,
     ConfigError,
     EchoModel,
+    InvalidInput,
     ModelError,
     ModelOverloaded,
     ModelSummarizer,
@@ -77,6 +78,20 @@ async def test_a_fold_stores_the_models_summary_beside_the_markers() -> None:
     assert isinstance(body, UserMessage) and "Previous summary:\n(none)" in body.text
     assert "[0] user: note 0: build-0000" in body.text and "[1] assistant: ok" in body.text
     assert SUMMARY in prompts[1][1].text  # the second fold merges the first summary
+
+
+async def test_the_admin_rebuilds_turn_calls_and_refuses_summary_calls() -> None:
+    summarizer = ModelSummarizer(ScriptedModel([[Text(SUMMARY)]], loop=True))
+    agent = AgentConfig(model=EchoModel(), summarizer=summarizer, **SMALL)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await converse(rt, 4)
+        calls = await rt.store.model_calls("c", limit=100)
+        index = next(i for i, c in enumerate(calls) if c.purpose == "summary")
+        with pytest.raises(InvalidInput, match="'summary' call"):
+            await rt.admin.rendered("c", index)
+        for n, call in enumerate(calls):
+            if call.purpose == "turn":  # every call that answered rebuilds to its hash
+                assert (await rt.admin.rendered("c", n)).matches
 
 
 async def test_a_failing_summarizer_leaves_a_marker_only_checkpoint_not_a_failed_turn() -> None:
