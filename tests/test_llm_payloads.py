@@ -1,5 +1,5 @@
-"""How torpor's context becomes each provider's payload (no network), and how the adapters
-are imported: lazily, naming the extra when the SDK is missing."""
+"""How torpor's context becomes each provider's payload, what the adapters make of unusual
+streams, and how they are imported: lazily, naming the extra when the SDK is missing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from providers import OPENAI
+from replay import ReplayServer, Reply
 
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
 from torpor.llm.anthropic_messages import (
@@ -131,3 +133,28 @@ except ImportError as exc:
                             env=env, cwd=ROOT, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert "pip install 'torpor[anthropic]'" in result.stdout
+
+
+async def test_tool_calls_from_a_server_without_ids_or_indexes() -> None:
+    """Some OpenAI-compatible servers send neither call ids nor fragment indexes."""
+
+    def chunk(delta: dict[str, object], finish: str | None = None) -> bytes:
+        payload = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    chunks = [
+        chunk({"role": "assistant", "tool_calls": [
+            {"type": "function", "function": {"name": "lookup", "arguments": '{"city": '}}]}),
+        chunk({"tool_calls": [{"function": {"arguments": '"Oslo"}'}}]}),
+        chunk({"tool_calls": [{"id": "b", "function": {"name": "lookup", "arguments": "{}"}}]}),
+        chunk({}, "tool_calls"),
+        b"data: [DONE]\n\n",
+    ]
+    async with ReplayServer() as server:
+        server.add(Reply(chunks))
+        events = [e async for e in OPENAI.model(server).stream([UserMessage("hi")], [LOOKUP])]
+    calls = [e.call for e in events if hasattr(e, "call")]
+    assert [(c.name, c.arguments) for c in calls] == [("lookup", {"city": "Oslo"}),
+                                                      ("lookup", {})]
+    assert calls[0].id.startswith("call_") and calls[1].id == "b"

@@ -19,6 +19,7 @@ requests to the same cache.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +132,8 @@ class _Fragments:
         self.arguments: list[str] = []
 
     def call(self, provider: str) -> ToolCall:
+        if not self.id:  # a server that sends no ids: results still need one to answer
+            self.id = "call_" + secrets.token_hex(6)
         raw = "".join(self.arguments).strip() or "{}"
         try:
             arguments = _decode_arguments.decode(raw)
@@ -250,9 +253,12 @@ class OpenAIChatModel:
                         elif delta.refusal:  # the model's answer, as text
                             yield TextDelta(delta.refusal)
                         for fragment in delta.tool_calls or ():
-                            slot = calls.get(fragment.index)
+                            index = fragment.index
+                            if index is None:  # some servers leave it out: an id starts a call
+                                index = len(calls) if fragment.id or not calls else max(calls)
+                            slot = calls.get(index)
                             if slot is None:
-                                slot = calls[fragment.index] = _Fragments()
+                                slot = calls[index] = _Fragments()
                             if fragment.id:
                                 slot.id = fragment.id
                             function = fragment.function
