@@ -243,6 +243,7 @@ async def test_a_429_is_rate_limited_with_the_wait_the_provider_asked_for(
         last = await aborted(rt, "c")
     assert last.reason == "model_error" and last.partial_text == ""
     assert last.detail.startswith("ModelRateLimited: ")
+    assert last.detail.endswith("; a retry may help after 2 s")
 
 
 async def test_the_sdk_retries_a_429_itself_when_allowed(
@@ -286,6 +287,7 @@ async def test_context_too_long_twice_gives_up_with_the_typed_error(
     assert len(server.requests) == 2  # one retry, not more
     assert info.value.reason == "model_error"
     assert last.detail.startswith("ModelContextTooLong: ")
+    assert last.detail.endswith("; a retry will not help")
     server.add(provider.too_long())
     with pytest.raises(ModelContextTooLong) as error:
         async for _ in provider.model(server).stream([UserMessage("x")], ()):

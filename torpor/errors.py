@@ -194,6 +194,15 @@ class ModelError(TorporError):
         self.status = status
         self.retry_after = retry_after
 
+    @property
+    def advice(self) -> str:
+        """Whether a retry may help, in words (logged with the turn's ``Aborted``)."""
+        if not self.retryable:
+            return "a retry will not help"
+        if self.retry_after:
+            return f"a retry may help after {self.retry_after:g} s"
+        return "a retry may help"
+
 
 class ModelTimeout(ModelError, TimeoutError):
     """The model's stream produced nothing for longer than the agent's idle timeout

@@ -23,7 +23,7 @@ from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fo
 from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.summarizer import summarize_fold
-from torpor.errors import ModelContextTooLong, ModelTimeout, StoreError
+from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreError
 from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.store.protocol import ModelCall
@@ -41,7 +41,8 @@ class ModelFailed(Exception):
     """The model raised mid-stream; ``partial`` is the text it had streamed."""
 
     def __init__(self, cause: BaseException, partial: str) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        advice = f"; {cause.advice}" if isinstance(cause, ModelError) else ""
+        super().__init__(f"{type(cause).__name__}: {cause}{advice}")
         self.cause = cause
         self.partial = partial
 
