@@ -156,17 +156,15 @@ async def test_between_folds_each_request_extends_the_previous_one(
         assert all(s.startswith("You are terse.") for s in systems)
 
 
-async def test_openai_sends_one_stable_cache_key_per_conversation(server: ReplayServer,
-                                                                  provider: Provider) -> None:
-    if provider is not OPENAI:
-        pytest.skip("prompt_cache_key is an OpenAI field")
-    agent = AgentConfig(model=OPENAI.model(server, cache_key=True), recall_tools=False,
-                        working_budget=150, tail_turns=1)
-    async with Runtime("sqlite://", agent=agent) as rt:
-        for i in range(6):
-            for conversation in ("alice", "bob"):
-                await (await rt.send(conversation, f"hello {i} " + "word " * 20)).result()
-        assert await rt.store.checkpoints("alice")  # the key survives folds
+async def test_openai_sends_one_stable_cache_key_per_conversation() -> None:
+    async with ReplayServer(default=respond(OPENAI)) as server:
+        agent = AgentConfig(model=OPENAI.model(server, cache_key=True), recall_tools=False,
+                            working_budget=150, tail_turns=1)
+        async with Runtime("sqlite://", agent=agent) as rt:
+            for i in range(6):
+                for conversation in ("alice", "bob"):
+                    await (await rt.send(conversation, f"hello {i} " + "word " * 20)).result()
+            assert await rt.store.checkpoints("alice")  # the key survives folds
     keys: dict[str, set[str]] = {}
     for n, request in enumerate(server.requests):  # turns alternate: alice, bob, alice, …
         keys.setdefault(("alice", "bob")[n % 2], set()).add(request.json()["prompt_cache_key"])
