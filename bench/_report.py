@@ -147,6 +147,27 @@ def assembly(r: dict[str, Any]) -> str:
     return timing + "\n" + cache
 
 
+def adapters(r: dict[str, Any]) -> str:
+    out = _table(
+        ("provider", "client", "deltas", "overhead µs/turn", "p50", "client CPU µs/turn",
+         "server µs"),
+        [(x["provider"], x["client"], x["deltas"], x["overhead_us_mean"], x["overhead_us_p50"],
+          x["client_cpu_us_per_turn"], x["server_us_mean"]) for x in r["overhead"]],
+    )
+    out += "\nPer streamed delta (µs):\n\n" + _table(
+        ("provider", "client", "wall", "CPU"),
+        [(x["provider"], x["client"], x["us_per_delta"], x["cpu_us_per_delta"])
+         for x in r["per_delta"]],
+    )
+    out += "\nBytes sent per turn:\n\n" + _table(
+        ("provider", "policy", "turns", "folds", "mean B/turn", "total MB", "new B/turn",
+         "prefix share"),
+        [(x["provider"], x["policy"], x["turns"], x["folds"], x["bytes_per_turn_mean"],
+          x["total_mb"], x["new_bytes_per_turn_mean"], x["prefix_share"]) for x in r["resent"]],
+    )
+    return out
+
+
 def _flatten(value: Any, prefix: str, out: list[tuple[str, Any]]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -172,6 +193,7 @@ RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "needles": ("Needles: pointer folding vs truncation", needles),
     "assembly": ("Assembly per model call, and the prompt prefix a provider can cache", assembly),
     "store_append": ("Store: append throughput and read latency", generic),
+    "adapters": ("Provider adapters over HTTP: overhead vs the SDK, bytes re-sent", adapters),
 }
 
 

@@ -36,6 +36,7 @@ FULL: dict[str, list[str]] = {
     "needles": [],
     "assembly": ["--runs", "500"],
     "store_append": [],
+    "adapters": [],
 }
 QUICK: dict[str, list[str]] = {
     "idle_agents": ["--agents", "500", "--trace-agents", "300", "--lengths", "100", "1000",
@@ -47,6 +48,7 @@ QUICK: dict[str, list[str]] = {
     "assembly": ["--runs", "20", "--calls", "30"],
     "store_append": ["--single", "200", "--conversations", "50", "--events", "5",
                      "--read-conversations", "100", "--read-events", "60", "--samples", "100"],
+    "adapters": ["--conversations", "2", "--turns", "5", "--long-turns", "20"],
 }
 REDUCED = {
     "idle_agents": "torpor-active measured at 10,000 agents only (100,000 active agents "

@@ -4,6 +4,7 @@ Public API re-exports only; see README.md for a tour.
 """
 
 from torpor.actors import AgentConfig, AgentState, ExternalTool, LocalTool, Subscriber, Turn, tool
+from torpor.compaction import ModelSummarizer
 from torpor.errors import (
     AgentParked,
     Busy,
@@ -15,7 +16,14 @@ from torpor.errors import (
     IdempotencyConflict,
     InvalidInput,
     InvalidTransition,
+    ModelAuthError,
+    ModelBadRequest,
+    ModelConnectionError,
+    ModelContextTooLong,
     ModelError,
+    ModelOverloaded,
+    ModelRateLimited,
+    ModelResponseError,
     ModelTimeout,
     RuntimeClosed,
     StoreError,
@@ -74,7 +82,15 @@ __all__ = [
     "Marker",
     "Model",
     "ModelCall",
+    "ModelAuthError",
+    "ModelBadRequest",
+    "ModelConnectionError",
+    "ModelContextTooLong",
     "ModelError",
+    "ModelOverloaded",
+    "ModelRateLimited",
+    "ModelResponseError",
+    "ModelSummarizer",
     "ModelTimeout",
     "Parked",
     "Resolved",

@@ -13,7 +13,14 @@ __all__ = [
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
+    "ModelAuthError",
+    "ModelBadRequest",
+    "ModelConnectionError",
+    "ModelContextTooLong",
     "ModelError",
+    "ModelOverloaded",
+    "ModelRateLimited",
+    "ModelResponseError",
     "ModelTimeout",
     "RuntimeClosed",
     "StoreError",
@@ -163,11 +170,92 @@ class ToolArgumentError(TorporError, ValueError):
 
 
 class ModelError(TorporError):
-    """The model failed while producing a turn."""
+    """The model failed while producing a turn.
+
+    ``retryable`` says whether the same request may succeed if sent again (after
+    ``retry_after`` seconds when the provider said so); ``provider`` and
+    ``status`` name who answered and with which HTTP status, when known. The
+    subclasses are what the provider adapters raise; a model of your own may
+    raise any of them too.
+    """
+
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        provider: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.provider = provider
+        self.status = status
+        self.retry_after = retry_after
+
+    @property
+    def advice(self) -> str:
+        """Whether a retry may help, in words (logged with the turn's ``Aborted``)."""
+        if not self.retryable:
+            return "a retry will not help"
+        if self.retry_after:
+            return f"a retry may help after {self.retry_after:g} s"
+        return "a retry may help"
 
 
 class ModelTimeout(ModelError, TimeoutError):
-    """The model's stream produced nothing for longer than the agent's idle timeout."""
+    """The model's stream produced nothing for longer than the agent's idle timeout
+    (or the provider client's own timeout expired). A retry may help."""
+
+    retryable = True
+
+
+class ModelRateLimited(ModelError):
+    """The provider refused the request for now (HTTP 429): wait ``retry_after``
+    seconds when given, then a retry may help."""
+
+    retryable = True
+
+
+class ModelOverloaded(ModelError):
+    """The provider is overloaded or failing on its side (HTTP 5xx, 529,
+    ``overloaded_error``). A retry may help, later."""
+
+    retryable = True
+
+
+class ModelConnectionError(ModelError):
+    """The connection to the provider failed or was cut mid-stream. A retry may help."""
+
+    retryable = True
+
+
+class ModelContextTooLong(ModelError):
+    """The rendered context is longer than the model accepts. The same request will
+    fail again; a shorter one may not (the runtime folds once and retries once)."""
+
+    retryable = False
+
+
+class ModelAuthError(ModelError):
+    """The provider refused the credentials (HTTP 401/403). A retry will not help."""
+
+    retryable = False
+
+
+class ModelBadRequest(ModelError):
+    """The provider refused the request as malformed or unsupported (HTTP 400/404/422:
+    an unknown model, a bad option). A retry will not help."""
+
+    retryable = False
+
+
+class ModelResponseError(ModelError):
+    """The provider's answer could not be used: a tool call whose arguments are not a
+    JSON object, a stream that ended before the model finished. A retry may help."""
+
+    retryable = True
 
 
 class InvalidTransition(TorporError, RuntimeError):

@@ -48,6 +48,16 @@ def _summarizer_problem(value: object) -> str | None:
     return f" ({type(value).__name__}, without an async summarize method)"
 
 
+def _model_problem(value: object) -> str | None:
+    try:
+        stream = getattr(value, "stream", None)
+    except Exception:  # a hostile __getattr__ is a bad model, not a crash
+        stream = None
+    if value is None or callable(stream):
+        return None
+    return f" ({type(value).__name__}, without a stream method)"
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Per-conversation agent settings. Invalid values fail at construction, naming the field.
 
@@ -62,6 +72,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     system_prompt: str = "You are a helpful assistant."
+    # This conversation's model (a torpor Model); None: the runtime's ``model=``.
+    model: Any = None
     tools: Sequence[Any] = ()  # LocalTool (from torpor.tool), ExternalTool or an async function
     tool_timeout: float = 30.0  # seconds per local tool call (a tool's own timeout wins)
     max_steps: int = 8  # model calls per turn before the turn is cut off
@@ -84,6 +96,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
         "system_prompt": text(),
+        "model": custom("None or a torpor Model (an object with a stream method)",
+                        _model_problem),
         "tools": custom("a list of LocalTool, ExternalTool or async functions", _tools_problem),
         "tool_timeout": seconds(),
         "max_steps": integer(1),

@@ -22,9 +22,10 @@ from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
 from torpor.compaction.recall import recall as recall_hits
-from torpor.errors import ModelTimeout, StoreError
+from torpor.compaction.summarizer import summarize_fold
+from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreError
 from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
-from torpor.llm.protocol import TextDelta, ToolCallDelta, Usage
+from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.store.protocol import ModelCall
 from torpor.text import repair_text
 
@@ -40,7 +41,8 @@ class ModelFailed(Exception):
     """The model raised mid-stream; ``partial`` is the text it had streamed."""
 
     def __init__(self, cause: BaseException, partial: str) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        advice = f"; {cause.advice}" if isinstance(cause, ModelError) else ""
+        super().__init__(f"{type(cause).__name__}: {cause}{advice}")
         self.cause = cause
         self.partial = partial
 
@@ -114,7 +116,15 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
             raise StepLimit(f"more than {config.max_steps} model calls in one turn")
         agent.calls += 1
         await _maybe_fold(agent, host)
-        message = await _call_model(agent, host)
+        try:
+            message = await _call_model(agent, host)
+        except ModelFailed as exc:
+            if not isinstance(exc.cause, ModelContextTooLong) or exc.partial:
+                raise
+            # The provider counted more than fits: fold once (forced) and retry once.
+            agent.compact_requested = True
+            await _maybe_fold(agent, host)
+            message = await _call_model(agent, host)
         if not message.tool_calls:
             return message
         agent.set_state(host, AgentState.RUNNING_TOOLS)
@@ -140,7 +150,17 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
     summarizer = profile.config.summarizer
     if summarizer is not None:
         previous = ws.checkpoint.summary if ws.checkpoint is not None else ""
-        summary = await summarizer.summarize(previous, plan.events)
+        agent.cancellable = True  # a summarizer's model call is cancelled like the turn's
+        try:
+            if agent.cancels:
+                _cancel_turn(agent)
+            summary, audit = await summarize_fold(summarizer, previous, plan.events)
+        finally:
+            agent.cancellable = False
+        if audit is not None:
+            await _record(host, audit.model_call(
+                agent.id, agent.turn, agent.calls, agent.cycle + 1, ws.checkpoint, profile.policy
+            ))
     checkpoint = build_checkpoint(plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary)
     with anyio.CancelScope(shield=True):  # written and applied, or neither
         await host.store.put_checkpoint(checkpoint)
@@ -166,7 +186,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
-    stream = host.model.stream(rendered.messages, specs)
+    conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
+    stream = _model_of(agent, host).stream(rendered.messages, specs)
     try:
         with anyio.CancelScope() as watchdog:  # no chunk for `idle` seconds ends the call
             if idle is not None:
@@ -209,6 +230,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         if isinstance(exc, StoreError):  # ours, not the model's
             raise
         raise ModelFailed(exc, "".join(parts)) from exc
+    finally:
+        CONVERSATION.reset(conversation)
     message = AssistantMessage("".join(parts), tuple(calls))
     audit = _model_call(agent, host, rendered, started, first, usage)
     # Both writes join the same group commit: one round trip to the store, not two. The
@@ -221,6 +244,12 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         if isinstance(outcome, BaseException):
             raise outcome
     return message
+
+
+def _model_of(agent: Agent, host: Host) -> Model:
+    """The conversation's own model (``AgentConfig.model``), else the runtime's."""
+    model: Model | None = agent.profile.config.model
+    return model if model is not None else host.model
 
 
 def _cancel_turn(agent: Agent) -> None:
@@ -285,6 +314,7 @@ def _model_call(
     """The audit row of one model call; also calibrates the agent's token estimate."""
     now = time.perf_counter()
     policy = agent.profile.policy
+    model = _model_of(agent, host)
     reported = usage.prompt_tokens if usage is not None else None
     if reported and rendered.estimated_tokens:
         # Calibrate our tiktoken estimate against what the provider counted, and ask
@@ -304,10 +334,12 @@ def _model_call(
         utilization=rendered.estimated_tokens / policy.input_budget,
         reported_prompt_tokens=reported,
         completion_tokens=usage.completion_tokens if usage is not None else None,
+        cache_read_tokens=usage.cache_read_tokens if usage is not None else None,
+        cache_write_tokens=usage.cache_write_tokens if usage is not None else None,
         latency_ms=(now - started) * 1000.0,
         ttft_ms=(first - started) * 1000.0 if first is not None else None,
         created_at=int(time.time() * 1000),
-        model=getattr(host.model, "name", type(host.model).__name__),
+        model=getattr(model, "name", type(model).__name__),
         error=error,
     )
 

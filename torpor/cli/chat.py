@@ -25,6 +25,7 @@ from torpor.actors.config import AgentConfig
 from torpor.actors.turn import Turn
 from torpor.cli.common import (
     DEFAULT_DB,
+    CliError,
     conversation_id,
     display_url,
     non_negative_float,
@@ -32,10 +33,11 @@ from torpor.cli.common import (
     unstorable,
 )
 from torpor.cli.demo_model import DEMO_HELP, DemoModel, demo_tools
+from torpor.cli.models import build_model, model_spec
 from torpor.cli.render import body_text, call_text, clip, event_line
 from torpor.errors import TorporError, TurnAborted, UnknownConversation
 from torpor.events import Aborted, AssistantMessage, Event, Suspended, ToolCall, ToolResult
-from torpor.llm.protocol import TextDelta
+from torpor.llm.protocol import Model, TextDelta
 from torpor.runtime import Runtime
 
 __all__ = ["add_parser", "run"]
@@ -49,9 +51,9 @@ HELP = (
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "chat",
-        help="chat with one conversation's agent (deterministic model)",
-        description="An interactive chat over stdin/stdout with the deterministic model. "
-                    + HELP,
+        help="chat with one conversation's agent (deterministic model, or --model)",
+        description="An interactive chat over stdin/stdout, with the local deterministic "
+                    "model unless --model names a provider's. " + HELP,
     )
     p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
                    help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
@@ -59,6 +61,12 @@ def add_parser(subparsers: Any) -> None:
                    help="conversation id (default 'chat'); an existing one is continued")
     p.add_argument("--delay", type=non_negative_float, default=None, metavar="SEC",
                    help="model delay per streamed chunk (default 0.02 on a terminal, else 0)")
+    p.add_argument("--model", "-m", type=model_spec, default=None, metavar="PROVIDER:MODEL",
+                   help="openai:MODEL or anthropic:MODEL (keys from OPENAI_API_KEY / "
+                        "ANTHROPIC_API_KEY); default: the local deterministic model")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="the provider's base URL, e.g. a local OpenAI-compatible server "
+                        "(http://127.0.0.1:11434/v1 for Ollama); no key needed then")
     p.set_defaults(run=run)
 
 
@@ -301,14 +309,20 @@ async def _chat(args: argparse.Namespace, console: Console) -> None:
     agent = AgentConfig(
         system_prompt="You are torpor's demo assistant.", tools=demo_tools()
     )
-    async with Runtime(args.db, model=DemoModel(delay=delay), agent=agent) as rt:
+    if args.model is None:
+        if args.base_url is not None:
+            raise CliError("--base-url needs --model openai:MODEL or anthropic:MODEL")
+        model: Model = DemoModel(delay=delay)
+    else:
+        model = build_model(args.model, args.base_url, max_output_tokens=agent.max_output_tokens)
+    async with Runtime(args.db, model=model, agent=agent) as rt:
         reader = LineReader(sys.stdin)
         chat = Chat(rt, args.conversation, reader, console, interactive)
         if interactive:
             existing = await rt.store.conversation(args.conversation)
             count = existing.event_count if existing is not None else 0
             console.print(f"conversation [bold]{args.conversation}[/] on {display_url(args.db)} "
-                          f"({count} events so far). {HELP}")
+                          f"({count} events so far) with {model.name}. {HELP}")
         await chat.loop()
 
 

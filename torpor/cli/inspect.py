@@ -2,8 +2,9 @@
 
 Without a conversation id: every conversation with its head, checkpoint
 position, event count and stored size. With one: its derived state, its
-checkpoints and their pointer markers, its last events, its model calls and
-the anatomy (tokens per context section) of the most recent call.
+checkpoints and their pointer markers, its last events, its model calls, the
+share of its prompt tokens the provider read from its prompt cache, and the
+anatomy (tokens per context section) of the most recent call.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torpor.store.url import parse_store_url
 __all__ = ["add_parser", "run"]
 
 _PAGE = 1000
+_ALL_CALLS = 10_000_000  # every model call of one conversation, for its cache totals
 
 
 def add_parser(subparsers: Any) -> None:
@@ -127,6 +129,29 @@ def _anatomy(call: ModelCall) -> dict[str, Any]:
     }
 
 
+def _cache(calls: list[ModelCall]) -> dict[str, Any]:
+    """The prompt-cache figures of a conversation: of the prompt tokens its providers
+    reported, the share read from their caches (calls that report no cache figures
+    count as misses; None when no call reported a prompt)."""
+    prompt = read = written = reporting = 0
+    for call in calls:
+        if call.reported_prompt_tokens is None:
+            continue
+        prompt += call.reported_prompt_tokens
+        if call.cache_read_tokens is not None or call.cache_write_tokens is not None:
+            reporting += 1
+        read += call.cache_read_tokens or 0
+        written += call.cache_write_tokens or 0
+    return {
+        "calls": len(calls),
+        "calls_reporting_cache": reporting,
+        "prompt_tokens": prompt,
+        "cache_read_tokens": read,
+        "cache_write_tokens": written,
+        "hit_share": read / prompt if prompt else None,
+    }
+
+
 def _call_json(call: ModelCall) -> dict[str, Any]:
     data = to_jsonable(call)
     data.pop("recipe", None)  # bytes that rebuild the context; not for reading
@@ -143,6 +168,7 @@ async def _detail(store: EventStore, conversation_id: str, events: int,
     checkpoints = await store.checkpoints(conversation_id)
     last = await store.page_backward(conversation_id, None, events)
     model_calls = await store.model_calls(conversation_id, limit=calls)
+    every_call = await store.model_calls(conversation_id, limit=_ALL_CALLS)
     return {
         "conversation": to_jsonable(info),
         "state": {
@@ -157,6 +183,7 @@ async def _detail(store: EventStore, conversation_id: str, events: int,
         "checkpoints": [to_jsonable(c) for c in checkpoints],
         "last_events": [event_json(e) for e in reversed(last)],
         "model_calls": [_call_json(c) for c in model_calls],
+        "prompt_cache": _cache(every_call),
         "anatomy": _anatomy(model_calls[-1]) if model_calls else None,
         "_lines": [event_line(e, 90) for e in reversed(last)],
     }
@@ -179,6 +206,7 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         ("events / tokens since checkpoint",
          f"{state['events_since_checkpoint']:,} / {state['tokens_since_checkpoint']:,}"),
         ("created / updated", f"{_when(info['created_at'])} / {_when(info['updated_at'])}"),
+        ("prompt cache hit share", _cache_line(data["prompt_cache"])),
     ):
         head.add_row(name, "-" if value is None else str(value))
     console.print(head)
@@ -198,13 +226,16 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         console.print(line, markup=False)
     if data["model_calls"]:
         table = Table(title="model calls (most recent last)")
-        for name in ("turn", "call", "cycle", "prompt tokens", "utilization", "latency ms",
-                     "error"):
+        for name in ("turn", "call", "cycle", "prompt tokens", "cache read", "utilization",
+                     "latency ms", "error"):
             table.add_column(name, justify="right")
         for c in data["model_calls"]:
             latency = c.get("latency_ms")
-            table.add_row(str(c["turn"]), str(c["call_index"]), str(c["compaction_cycle"]),
-                          f"{c['estimated_prompt_tokens']:,}", f"{c['utilization']:.1%}",
+            cached = c.get("cache_read_tokens")
+            purpose = "" if c.get("purpose", "turn") == "turn" else f" ({c['purpose']})"
+            table.add_row(str(c["turn"]), f"{c['call_index']}{purpose}",
+                          str(c["compaction_cycle"]), f"{c['estimated_prompt_tokens']:,}",
+                          "-" if cached is None else f"{cached:,}", f"{c['utilization']:.1%}",
                           "-" if latency is None else f"{latency:.1f}", c.get("error") or "")
         console.print(table)
     anatomy = data["anatomy"]
@@ -216,6 +247,17 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         for section, tokens in anatomy["sections"].items():
             table.add_row(section, f"{tokens:,}")
         console.print(table)
+
+
+def _cache_line(cache: dict[str, Any]) -> str:
+    share = cache["hit_share"]
+    if share is None:
+        return "- (no model call reported its prompt size)"
+    if not cache["calls_reporting_cache"]:
+        return "- (the model reported no cache figures)"
+    return (f"{share:.1%} ({cache['cache_read_tokens']:,} of {cache['prompt_tokens']:,} "
+            f"prompt tokens read from cache, {cache['cache_write_tokens']:,} written; "
+            f"{cache['calls']:,} calls)")
 
 
 async def _inspect(args: argparse.Namespace) -> dict[str, Any]:

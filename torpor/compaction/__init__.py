@@ -25,6 +25,7 @@ from torpor.compaction.recall import (
 )
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
 from torpor.compaction.render import INTERRUPTED_RESULT
+from torpor.compaction.summarizer import ModelSummarizer, SummaryOutcome, summarize_fold
 from torpor.compaction.tokens import (
     DEFAULT_ENCODING,
     MESSAGE_OVERHEAD,
@@ -40,12 +41,14 @@ __all__ = [
     "EXPAND_TOOL",
     "INTERRUPTED_RESULT",
     "MESSAGE_OVERHEAD",
+    "ModelSummarizer",
     "RECALL_TOOL",
     "CompactionPolicy",
     "FoldPlan",
     "Recipe",
     "Rendered",
     "Summarizer",
+    "SummaryOutcome",
     "WorkingSet",
     "build_checkpoint",
     "count_body",
@@ -66,5 +69,6 @@ __all__ = [
     "plan_fold",
     "rebuild_rendered",
     "recall",
+    "summarize_fold",
     "turn_starts",
 ]

@@ -1,7 +1,18 @@
-"""The model side of torpor: the Model protocol and the deterministic local models."""
+"""The model side of torpor: the Model protocol, the deterministic local models, and the
+provider adapters (``OpenAIChatModel``, ``AnthropicModel``).
+
+The adapters are imported on first use, so ``import torpor`` never pulls in an SDK; each
+needs its extra (``pip install 'torpor[openai]'`` or ``'torpor[anthropic]'``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from torpor.llm.echo import EchoModel
 from torpor.llm.protocol import (
+    CONVERSATION,
     ContextMessage,
     Model,
     StreamEvent,
@@ -24,13 +35,20 @@ from torpor.llm.scripted import (
     Wait,
 )
 
+if TYPE_CHECKING:
+    from torpor.llm.anthropic_messages import AnthropicModel
+    from torpor.llm.openai_chat import OpenAIChatModel
+
 __all__ = [
+    "CONVERSATION",
     "Action",
+    "AnthropicModel",
     "Call",
     "ContextMessage",
     "EchoModel",
     "Fail",
     "Model",
+    "OpenAIChatModel",
     "Pause",
     "Report",
     "ScriptedModel",
@@ -45,3 +63,25 @@ __all__ = [
     "Usage",
     "Wait",
 ]
+
+_ADAPTERS = {
+    "OpenAIChatModel": ("torpor.llm.openai_chat", "openai", "openai"),
+    "AnthropicModel": ("torpor.llm.anthropic_messages", "anthropic", "anthropic"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The adapters, imported when first asked for; a missing SDK names the extra."""
+    entry = _ADAPTERS.get(name)
+    if entry is None:
+        raise AttributeError(f"module 'torpor.llm' has no attribute {name!r}")
+    module, sdk, extra = entry
+    try:
+        importlib.import_module(sdk)
+    except ImportError as exc:
+        raise ImportError(
+            f"{name} needs the {sdk!r} package: pip install 'torpor[{extra}]'"
+        ) from exc
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -9,6 +9,7 @@ Anthropic-style streaming: text deltas, whole tool calls, a final usage report.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
@@ -16,6 +17,7 @@ import msgspec
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
 
 __all__ = [
+    "CONVERSATION",
     "ContextMessage",
     "Model",
     "StreamEvent",
@@ -55,11 +57,28 @@ class ToolCallDelta(msgspec.Struct, tag="tool_call", frozen=True, gc=False):
 
 
 class Usage(msgspec.Struct, tag="usage", frozen=True, gc=False):
+    """What the provider counted for one call.
+
+    ``prompt_tokens`` is the whole prompt, cached parts included (it calibrates
+    torpor's estimate and triggers folds); ``cache_read_tokens`` of it were read
+    from the provider's prompt cache and ``cache_write_tokens`` written to it,
+    where the provider reports them (None: not reported).
+    """
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
 
 StreamEvent: TypeAlias = TextDelta | ToolCallDelta | Usage
+
+CONVERSATION: ContextVar[str | None] = ContextVar("torpor_conversation", default=None)
+"""The conversation a model call is made for, set by the runtime around each call.
+
+The Model protocol stays ``stream(context, tools)``; an adapter that can use a
+stable per-conversation key (OpenAI's ``prompt_cache_key``, say) reads it here.
+"""
 
 
 @runtime_checkable

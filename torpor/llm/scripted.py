@@ -89,6 +89,8 @@ class Report:
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
 
 Action: TypeAlias = Text | Call | Fail | Pause | Wait | Signal | Report
@@ -177,7 +179,12 @@ class ScriptedModel:
                 call = ToolCall(self._call_id(action.id), action.name, dict(action.arguments))
                 yield ToolCallDelta(call)
             elif isinstance(action, Report):
-                yield Usage(action.prompt_tokens, action.completion_tokens)
+                yield Usage(
+                    action.prompt_tokens,
+                    action.completion_tokens,
+                    action.cache_read_tokens,
+                    action.cache_write_tokens,
+                )
             elif isinstance(action, Pause):
                 await anyio.sleep(action.seconds)
             elif isinstance(action, Wait):

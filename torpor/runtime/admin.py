@@ -284,6 +284,9 @@ class Admin:
                 ) from None
         else:
             record = call
+        if record.purpose != "turn":  # a summarizer's prompt is its own, not the context
+            raise InvalidInput("call", f"{conversation_id}: that call is a {record.purpose!r} "
+                                       "call, not one that answered the conversation")
         profile = rt._profile_for(conversation_id)
         rendered = await rebuild_rendered(
             rt.store,

@@ -197,7 +197,9 @@ def admit_model_call(call: object) -> ModelCall:
     check_int(call.compaction_cycle, "call.compaction_cycle", 0, INT32_LIMIT)
     check_int(call.created_at, "call.created_at", 0, _INT_HIGH >> 1)
     check_int(call.estimated_prompt_tokens, "call.estimated_prompt_tokens", 0, _INT_HIGH >> 1)
-    for name in ("reported_prompt_tokens", "completion_tokens"):
+    for name in (
+        "reported_prompt_tokens", "completion_tokens", "cache_read_tokens", "cache_write_tokens"
+    ):
         value = getattr(call, name)
         if value is not None:
             check_int(value, f"call.{name}", 0, _INT_HIGH >> 1)
@@ -211,7 +213,7 @@ def admit_model_call(call: object) -> ModelCall:
         raise InvalidInput("call.sections", "must be a dict of section name to tokens")
     for size in call.sections.values():
         check_int(size, "call.sections", _INT_LOW, _INT_HIGH >> 1)
-    texts = [call.rendered_hash, call.model, *call.sections]
+    texts = [call.rendered_hash, call.model, call.purpose, *call.sections]
     if call.error is not None:
         texts.append(call.error)
     for text in texts:
@@ -223,6 +225,7 @@ def admit_model_call(call: object) -> ModelCall:
         call,
         rendered_hash=repair_text(call.rendered_hash),
         model=repair_text(call.model),
+        purpose=repair_text(call.purpose),
         sections={repair_text(name): size for name, size in call.sections.items()},
         error=None if call.error is None else repair_text(call.error),
     )

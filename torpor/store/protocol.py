@@ -89,7 +89,14 @@ class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
 
 
 class ModelCall(msgspec.Struct, frozen=True, gc=False):
-    """One row of the model-call audit: what was rendered (as a recipe) and what it cost."""
+    """One row of the model-call audit: what was rendered (as a recipe) and what it cost.
+
+    ``cache_read_tokens`` / ``cache_write_tokens``: of the reported prompt, what the
+    provider read from / wrote to its prompt cache (None: not reported).
+    ``purpose``: ``"turn"`` for a call that answers the conversation (its recipe
+    rebuilds what it was sent), ``"summary"`` for a summarizer's call at a fold
+    (its recipe names the folded span; its prompt is the summarizer's own).
+    """
 
     conversation_id: str
     turn: int
@@ -107,6 +114,9 @@ class ModelCall(msgspec.Struct, frozen=True, gc=False):
     created_at: int = 0
     model: str = ""
     error: str | None = None
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
+    purpose: str = "turn"
 
 
 class PendingCall(msgspec.Struct, frozen=True, gc=False):
