@@ -111,8 +111,7 @@ async def test_unstorable_text_is_refused_at_the_boundary_on_every_backend(
                     await rt.cancel(bad)
                 with pytest.raises(InvalidInput):
                     await rt.history(bad)
-                with pytest.raises(InvalidInput):
-                    await rt.recall("c", bad)
+                await rt.recall("c", bad)  # a query is not stored: it searches, no raw error
             assert await rt.store.head("c") == head
             assert (await rt.admin.inspect("c")).state == "suspended"
             continuation = await rt.resolve("c", "call-1", "approved \u2713")
@@ -421,8 +420,9 @@ async def test_bad_arguments_raise_invalid_input_and_leave_nothing_behind(
             await rt.recall(None, "hello")  # type: ignore[arg-type]
         with pytest.raises(InvalidInput):
             await rt.recall("c", None)  # type: ignore[arg-type]
-        with pytest.raises(InvalidInput):  # typed, where SQLite's FTS raised a raw error
-            await rt.recall("c", "a\x00b")
+        # A query is never stored: NUL and lone surrogates search as word breaks (SQLite's
+        # FTS raised a raw error here), the same on every backend.
+        assert [h.position for h in await rt.recall("c", "hello\x00nothing")] == [0]
         assert [h.position for h in await rt.recall("c", "hello")] == [0]
         assert [c.conversation_id for c in await rt.store.conversations()] == ["c"]
         assert list(rt._registry.agents) == ["c"]

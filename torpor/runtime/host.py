@@ -381,7 +381,8 @@ class Runtime:
         """Full-text search over the whole log, folded parts included; scores exposed."""
         self._check_open()
         check_id(conversation_id)
-        check_text(query, "query")
+        if not isinstance(query, str):  # never stored: the store reads NUL as a word break
+            raise InvalidInput("query", f"must be a str, got {type(query).__name__}")
         _count(k, "k", 1_000)
         return await recall_hits(self.store, conversation_id, query, k)
 
