@@ -146,6 +146,7 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
     agent.compact_requested = False
     if plan is None:
         return
+    started = time.perf_counter()
     summary = ""
     summarizer = profile.config.summarizer
     if summarizer is not None:
@@ -167,7 +168,7 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
     ws.apply(checkpoint)
     agent.cycle = checkpoint.cycle
     host.log.debug("folded", conversation_id=agent.id, position=checkpoint.position,
-                   cycle=checkpoint.cycle)
+                   cycle=checkpoint.cycle, seconds=time.perf_counter() - started)
 
 
 async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
