@@ -1,0 +1,46 @@
+"""The HTTP face of torpor: a mountable Starlette app and what ``torpor serve`` runs.
+
+Needs the ``serve`` extra: ``pip install 'torpor[serve]'``.
+
+>>> application = torpor.serve.app(rt, authorize=torpor.serve.bearer_token(tok),
+...                                admin_token=admin_tok)
+"""
+
+from torpor.serve.access import (
+    Action,
+    Authorize,
+    allow_all,
+    bearer_of,
+    bearer_token,
+    bearer_tokens,
+)
+from torpor.serve.app import app, service_of
+from torpor.serve.metrics import InstrumentedModel, Metrics
+from torpor.serve.problems import Draining, Forbidden, HTTPProblem, Unauthorized
+from torpor.serve.runner import Server, bind, serve
+from torpor.serve.service import Service
+from torpor.serve.sse import Cursor, format_cursor, parse_cursor
+
+__all__ = [
+    "Action",
+    "Authorize",
+    "Cursor",
+    "Draining",
+    "Forbidden",
+    "HTTPProblem",
+    "InstrumentedModel",
+    "Metrics",
+    "Server",
+    "Service",
+    "Unauthorized",
+    "allow_all",
+    "app",
+    "bearer_of",
+    "bearer_token",
+    "bearer_tokens",
+    "bind",
+    "format_cursor",
+    "parse_cursor",
+    "serve",
+    "service_of",
+]

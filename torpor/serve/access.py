@@ -1,0 +1,132 @@
+"""Who may do what: the ``authorize`` hook, bearer tokens, and the admin token.
+
+The chat API asks ``authorize(request, conversation_id, action)`` before it
+touches a conversation (``action`` is ``"read"`` for history, recall and
+streams, ``"write"`` for messages, answers and cancels). It decides before the
+runtime is consulted, so a refusal says nothing about whether the
+conversation exists. The hook returns a bool (or an awaitable of one), or
+raises :class:`~torpor.serve.Unauthorized` / :class:`~torpor.serve.Forbidden`.
+
+The admin and ``/metrics`` are not the chat API's business: they need the
+admin token, and by default a client on a loopback address.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Literal, TypeAlias
+
+from starlette.requests import HTTPConnection
+
+from torpor.serve.problems import Forbidden, Unauthorized
+
+__all__ = [
+    "Action",
+    "Authorize",
+    "allow_all",
+    "bearer_of",
+    "bearer_token",
+    "bearer_tokens",
+    "check_admin",
+    "is_loopback",
+    "permit",
+]
+
+Action: TypeAlias = Literal["read", "write"]
+Authorize: TypeAlias = Callable[[HTTPConnection, str, Action], "bool | Awaitable[bool]"]
+
+
+def bearer_of(request: HTTPConnection) -> str | None:
+    """The token of an ``Authorization: Bearer …`` header, None without one."""
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+
+
+def allow_all(request: HTTPConnection, conversation_id: str, action: Action) -> bool:
+    """No access control (a host that authenticates in front of the app, or a test)."""
+    return True
+
+
+def bearer_token(token: str) -> Authorize:
+    """One token that may read and write every conversation (``torpor serve``'s default)."""
+    if not token:
+        raise ValueError("the token must not be empty")
+
+    def authorize(request: HTTPConnection, conversation_id: str, action: Action) -> bool:
+        given = bearer_of(request)
+        if given is None:
+            raise Unauthorized()
+        if not _same(given, token):
+            raise Unauthorized("unknown bearer token")
+        return True
+
+    return authorize
+
+
+def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authorize:
+    """A token per user (``{token: user}``); a user owns the conversations named after them.
+
+    User ``alice`` may read and write conversation ``alice`` and every
+    conversation whose id starts with ``alice:`` (``separator``), and nothing
+    else: not through history, recall, streams, messages, answers or cancels.
+    """
+    table = dict(users)
+    if not table or any(not token or not user for token, user in table.items()):
+        raise ValueError("every token and user name must be non-empty")
+
+    def authorize(request: HTTPConnection, conversation_id: str, action: Action) -> bool:
+        given = bearer_of(request)
+        if given is None:
+            raise Unauthorized()
+        user = None
+        for token, name in table.items():  # compare with every token: no early exit on a hit
+            if _same(given, token):
+                user = name
+        if user is None:
+            raise Unauthorized("unknown bearer token")
+        return conversation_id == user or conversation_id.startswith(user + separator)
+
+    return authorize
+
+
+async def permit(
+    authorize: Authorize, request: HTTPConnection, conversation_id: str, action: Action
+) -> None:
+    """Ask the hook; a refusal raises Forbidden (a 403 that reveals nothing about the id)."""
+    verdict = authorize(request, conversation_id, action)
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    if verdict is not True:
+        raise Forbidden(f"may not {action} this conversation")
+
+
+def is_loopback(request: HTTPConnection) -> bool:
+    client = request.client
+    if client is None:  # an in-process transport or a unix socket: local by construction
+        return True
+    host = client.host
+    return host == "::1" or host.startswith("127.") or host in ("localhost", "testclient")
+
+
+def check_admin(request: HTTPConnection, token: str | None, *, remote: bool) -> None:
+    """The admin token, and a loopback client unless ``remote`` allows any address."""
+    if token is None:
+        raise Forbidden("the admin is disabled (no admin token configured)")
+    if not remote and not is_loopback(request):
+        raise Forbidden("the admin answers loopback clients only")
+    given = bearer_of(request)
+    if given is None:
+        raise Unauthorized("the admin needs the admin bearer token")
+    if not _same(given, token):
+        raise Unauthorized("unknown admin token")

@@ -1,0 +1,130 @@
+"""The admin over HTTP, and ``/metrics``: behind the admin token, loopback clients by default.
+
+``GET  /admin/agents?state=``                 agents in memory (optionally one state)
+``GET  /admin/agents/{id}``                   inspect one (never revives it)
+``POST /admin/agents/{id}/hibernate|evict|unpark``
+``GET  /admin/stats``                         runtime stats plus this server's figures
+``GET  /admin/watch``                         lifecycle transitions as Server-Sent Events
+``GET  /admin/pending?limit=&after=``         conversations waiting on an outside answer
+``GET  /admin/calls/{id}/{n}``                the exact rebuilt context of model call ``n``
+``GET  /metrics``                             Prometheus exposition
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from torpor.errors import InvalidInput
+from torpor.serve.access import check_admin
+from torpor.serve.chat import int_param, json_response
+from torpor.serve.logs import conversation_id_var
+from torpor.serve.service import Service
+from torpor.serve.streams import PING_SECONDS
+from torpor.text import check_id
+
+__all__ = ["admin_routes"]
+
+_encode = msgspec.json.Encoder().encode
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class AdminAPI:
+    def __init__(self, service: Service, token: str | None, remote: bool) -> None:
+        self.service = service
+        self.rt = service.runtime
+        self.token = token
+        self.remote = remote
+
+    def guarded(self, handler: Handler) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            check_admin(request, self.token, remote=self.remote)
+            self.service.readable()
+            return await handler(request)
+
+        endpoint.__name__ = handler.__name__
+        return endpoint
+
+    def _id(self, request: Request) -> str:
+        conversation_id = check_id(request.path_params["conversation_id"])
+        conversation_id_var.set(conversation_id)
+        return conversation_id
+
+    async def agents(self, request: Request) -> Response:
+        state = request.query_params.get("state") or None
+        return json_response(msgspec.to_builtins(await self.rt.admin.agents(state)))
+
+    async def inspect(self, request: Request) -> Response:
+        info = await self.rt.admin.inspect(self._id(request))
+        return json_response(msgspec.to_builtins(info))
+
+    async def hibernate(self, request: Request) -> Response:
+        return json_response({"done": await self.rt.admin.hibernate(self._id(request))})
+
+    async def evict(self, request: Request) -> Response:
+        return json_response({"done": await self.rt.admin.evict(self._id(request))})
+
+    async def unpark(self, request: Request) -> Response:
+        return json_response({"done": await self.rt.admin.unpark(self._id(request))})
+
+    async def stats(self, request: Request) -> Response:
+        stats = msgspec.to_builtins(await self.rt.admin.stats())
+        stats["server"] = self.service.server_stats()
+        return json_response(stats)
+
+    async def pending(self, request: Request) -> Response:
+        limit = int_param(request, "limit", 100)
+        assert limit is not None
+        after = request.query_params.get("after") or None
+        return json_response(msgspec.to_builtins(await self.rt.admin.pending(limit, after)))
+
+    async def rendered(self, request: Request) -> Response:
+        raw = request.path_params["n"]
+        try:
+            n = int(raw)
+        except ValueError:
+            raise InvalidInput("n", f"must be a model call number, got {raw[:40]!r}") from None
+        call = await self.rt.admin.rendered(self._id(request), n)
+        return json_response(msgspec.to_builtins(call))
+
+    async def watch(self, request: Request) -> Response:
+        watcher = self.rt.admin.watch()
+
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            try:
+                with watcher:
+                    async for t in watcher:
+                        yield ServerSentEvent(data=_encode(t).decode(), event="transition")
+            finally:
+                watcher.close()
+
+        return EventSourceResponse(events(), ping=PING_SECONDS,
+                                   headers={"Cache-Control": "no-store"})
+
+    async def metrics(self, request: Request) -> Response:
+        body = self.service.metrics.render(await self.rt.admin.stats())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def admin_routes(service: Service, token: str | None, remote: bool) -> list[Route]:
+    api = AdminAPI(service, token, remote)
+    g = api.guarded
+    agent = "/admin/agents/{conversation_id:path}"
+    return [
+        Route("/admin/agents", g(api.agents), methods=["GET"]),
+        Route(agent + "/hibernate", g(api.hibernate), methods=["POST"]),
+        Route(agent + "/evict", g(api.evict), methods=["POST"]),
+        Route(agent + "/unpark", g(api.unpark), methods=["POST"]),
+        Route(agent, g(api.inspect), methods=["GET"]),
+        Route("/admin/stats", g(api.stats), methods=["GET"]),
+        Route("/admin/watch", g(api.watch), methods=["GET"]),
+        Route("/admin/pending", g(api.pending), methods=["GET"]),
+        Route("/admin/calls/{conversation_id:path}/{n}", g(api.rendered), methods=["GET"]),
+        Route("/metrics", g(api.metrics), methods=["GET"]),
+    ]

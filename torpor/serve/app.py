@@ -1,0 +1,171 @@
+"""``torpor.serve.app(runtime, …)``: the whole HTTP face as one mountable Starlette app."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from torpor._logging import get_logger
+from torpor.errors import TorporError
+from torpor.runtime import Runtime
+from torpor.serve.access import Authorize
+from torpor.serve.admin import admin_routes
+from torpor.serve.chat import chat_routes
+from torpor.serve.logs import conversation_id_var, request_id_var
+from torpor.serve.metrics import Metrics
+from torpor.serve.page import page_routes
+from torpor.serve.problems import HTTPProblem, problem, problem_for
+from torpor.serve.service import Service
+
+__all__ = ["app", "service_of"]
+
+log = get_logger("torpor.serve")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+class RequestContext:
+    """Pure ASGI middleware: a request id (``X-Request-ID``), bound ids, an access record,
+    and request counts by route (streams are not buffered, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = ""
+        for name, value in scope.get("headers", ()):
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+        request_id = given if _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+        scope.setdefault("state", {})["request_id"] = request_id
+        request_id_var.set(request_id)
+        conversation_id_var.set(None)
+        status = 500
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", ()))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(scope["method"], template, str(status)).inc()
+            log.info("request", method=scope["method"], path=scope["path"], status=status,
+                     ms=round((time.perf_counter() - started) * 1000, 3))
+
+
+async def _torpor_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, TorporError | HTTPProblem):
+        return problem_for(exc, request)
+    return problem_for(exc, request)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return problem(exc.status_code, _TITLES.get(exc.status_code, "Error"), str(exc.detail),
+                   request=request, headers=dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unexpected error", error=repr(exc), exc_info=exc)
+    return problem_for(exc, request)
+
+
+_TITLES = {404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request"}
+
+
+def app(
+    runtime: Runtime,
+    *,
+    authorize: Authorize,
+    admin_token: str | None = None,
+    admin_remote: bool = False,
+    metrics: Metrics | None = None,
+    shutdown_grace: float = 10.0,
+    page: bool = True,
+) -> Starlette:
+    """The chat API, the admin, ``/metrics`` and the page, over ``runtime``.
+
+    ``authorize(request, conversation_id, action)`` decides who may ``"read"``
+    or ``"write"`` which conversation (see :mod:`torpor.serve.access`:
+    :func:`bearer_token`, :func:`bearer_tokens`, :func:`allow_all`).
+    ``admin_token`` guards ``/admin`` and ``/metrics`` (None: they refuse
+    everyone); they answer loopback clients only unless ``admin_remote``.
+
+    Lifespan: if the runtime is not running when the app starts, the app
+    enters it and leaves it at shutdown (after draining, up to
+    ``shutdown_grace`` seconds); a runtime the host entered stays the host's.
+    Mounted in another app (whose lifespan does not reach mounted apps), enter
+    ``app.router.lifespan_context(app)`` from the host's lifespan, or run the
+    runtime yourself.
+    """
+    if not callable(authorize):
+        raise TypeError("authorize must be a callable (request, conversation_id, action)")
+    metrics = metrics if metrics is not None else Metrics()
+    service = Service(runtime, metrics, shutdown_grace=shutdown_grace)
+
+    @asynccontextmanager
+    async def lifespan(application: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.shutdown()
+
+    routes: list[BaseRoute] = [
+        *chat_routes(service, authorize),
+        *admin_routes(service, admin_token, admin_remote),
+        Route("/healthz", _health(service), methods=["GET"]),
+    ]
+    if page:
+        routes += page_routes()
+    handlers: dict[Any, Any] = {
+        TorporError: _torpor_error,
+        HTTPProblem: _torpor_error,
+        HTTPException: _http_error,
+        Exception: _unexpected,
+    }
+    application = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    application.add_middleware(RequestContext, metrics=metrics)
+    application.state.torpor = service
+    return application
+
+
+def _health(service: Service) -> Any:
+    async def health(request: Request) -> Response:
+        if service.draining or service.stopped:
+            return problem(503, "Service Unavailable", "shutting down", request=request,
+                           headers={"Retry-After": "5"})
+        return Response(b'{"ok":true}', media_type="application/json")
+
+    return health
+
+
+def service_of(application: Starlette) -> Service:
+    """The :class:`Service` behind an app made by :func:`app` (drain it, read its state)."""
+    service = getattr(application.state, "torpor", None)
+    if not isinstance(service, Service):
+        raise TypeError("not an app made by torpor.serve.app")
+    return service

@@ -1,0 +1,202 @@
+"""The chat API: JSON in, Server-Sent Events out.
+
+``POST /v1/conversations/{id}/messages``  send; streams the turn (or 202 JSON with
+                                         ``Accept: application/json``)
+``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=``
+``GET  /v1/conversations/{id}/history``   scrollback (``?before=&limit=``); never wakes the agent
+``GET  /v1/conversations/{id}/recall``    full-text search (``?q=&k=``)
+``POST /v1/conversations/{id}/calls/{call_id}``  answer a suspended tool call; streams
+                                         the continuation
+``POST /v1/conversations/{id}/cancel``    cancel the open turn
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from torpor.errors import Busy, InvalidInput, UnknownConversation
+from torpor.serve.access import Action, Authorize, permit
+from torpor.serve.logs import conversation_id_var
+from torpor.serve.problems import HTTPProblem
+from torpor.serve.service import Service
+from torpor.serve.sse import Cursor, event_data, parse_cursor
+from torpor.serve.streams import follow_response
+from torpor.text import check_id
+
+__all__ = ["MAX_BODY_BYTES", "chat_routes", "int_param", "json_body"]
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+_decode = msgspec.json.Decoder()
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status, media_type="application/json")
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
+                          title="Content Too Large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
+                              title="Content Too Large")
+    if not raw:
+        return {}
+    try:
+        value = _decode.decode(bytes(raw))
+    except msgspec.DecodeError as exc:
+        raise HTTPProblem(f"the body is not JSON: {exc}", status=400) from None
+    if not isinstance(value, dict):
+        raise InvalidInput("body", "must be a JSON object")
+    return value
+
+
+def int_param(request: Request, name: str, default: int | None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidInput(name, f"must be an integer, got {raw[:40]!r}") from None
+
+
+def _wants_json(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return "application/json" in accept and "text/event-stream" not in accept
+
+
+class ChatAPI:
+    def __init__(self, service: Service, authorize: Authorize) -> None:
+        self.service = service
+        self.rt = service.runtime
+        self.authorize = authorize
+
+    async def _conversation(self, request: Request, action: Action) -> str:
+        conversation_id = check_id(request.path_params["conversation_id"])
+        conversation_id_var.set(conversation_id)
+        await permit(self.authorize, request, conversation_id, action)
+        return conversation_id
+
+    async def _known(self, conversation_id: str) -> int:
+        head = await self.rt.store.head(conversation_id)
+        if head is None:
+            raise UnknownConversation(conversation_id)
+        return head
+
+    async def send(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "write")
+        self.service.admit()
+        body = await json_body(request)
+        text = body.get("text")
+        if not isinstance(text, str):
+            raise InvalidInput("text", "the body must be {\"text\": \"…\"}")
+        key = request.headers.get("idempotency-key")
+        try:
+            turn = await self.rt.send(conversation_id, text, key=key)
+        except Busy:
+            self.service.metrics.mailbox_refusals.inc()
+            raise
+        self.service.track(turn)
+        if _wants_json(request):
+            return json_response({
+                "conversation_id": conversation_id,
+                "position": turn.user_position,
+                "turn": turn.number,
+                "postponed": turn.postponed,
+                "replayed": turn.replayed,
+            }, status=202)
+        after = turn.user_position - 1  # the stream starts with the user message itself
+        follower = self.rt.subscribe(conversation_id, after=after)
+        return follow_response(self.service, follower, Cursor(after), until_turn=turn.number)
+
+    async def stream(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "read")
+        self.service.readable()
+        resume = request.headers.get("last-event-id")
+        if resume:
+            cursor = parse_cursor(resume)
+        elif request.query_params.get("after"):
+            cursor = parse_cursor(request.query_params["after"], "after")
+        else:
+            head = await self.rt.store.head(conversation_id)
+            cursor = Cursor(-1 if head is None else head)
+        follower = self.rt.subscribe(conversation_id, after=cursor.position)
+        return follow_response(self.service, follower, cursor)
+
+    async def history(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "read")
+        self.service.readable()
+        before = int_param(request, "before", None)
+        limit = int_param(request, "limit", 50)
+        assert limit is not None
+        events = await self.rt.history(conversation_id, before=before, limit=limit)
+        if not events:
+            await self._known(conversation_id)
+        return json_response({
+            "events": [event_data(e) for e in events],
+            "before": events[-1].position if events and events[-1].position > 0 else None,
+        })
+
+    async def recall(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "read")
+        self.service.readable()
+        query = request.query_params.get("q", "")
+        if not query.strip():
+            raise InvalidInput("q", "must be a non-empty query")
+        k = int_param(request, "k", 10)
+        assert k is not None
+        hits = await self.rt.recall(conversation_id, query, k)
+        if not hits:
+            await self._known(conversation_id)
+        return json_response({"hits": msgspec.to_builtins(hits)})
+
+    async def resolve(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "write")
+        self.service.admit()
+        call_id = check_id(request.path_params["call_id"], "call_id")
+        body = await json_body(request)
+        result = body.get("result")
+        is_error = body.get("is_error", False)
+        if not isinstance(result, str):
+            raise InvalidInput("result", "the body must be {\"result\": \"…\"}")
+        if not isinstance(is_error, bool):
+            raise InvalidInput("is_error", "must be true or false")
+        head = await self._known(conversation_id)
+        turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error)
+        if turn is None or _wants_json(request):
+            if turn is not None:
+                self.service.track(turn)
+            return json_response({"resolved": call_id, "continuation": turn is not None},
+                                 status=202)
+        self.service.track(turn)
+        follower = self.rt.subscribe(conversation_id, after=head)
+        return follow_response(self.service, follower, Cursor(head), until_turn=turn.number)
+
+    async def cancel(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "write")
+        self.service.readable()
+        cancelled = await self.rt.cancel(conversation_id)
+        return JSONResponse({"cancelled": cancelled})
+
+
+def chat_routes(service: Service, authorize: Authorize) -> list[Route]:
+    api = ChatAPI(service, authorize)
+    base = "/v1/conversations/{conversation_id:path}"
+    return [
+        Route(base + "/messages", api.send, methods=["POST"]),
+        Route(base + "/stream", api.stream, methods=["GET"]),
+        Route(base + "/history", api.history, methods=["GET"]),
+        Route(base + "/recall", api.recall, methods=["GET"]),
+        Route(base + "/calls/{call_id}", api.resolve, methods=["POST"]),
+        Route(base + "/cancel", api.cancel, methods=["POST"]),
+    ]

@@ -1,0 +1,130 @@
+"""Logs for ``torpor serve``: JSON lines or console lines, with request and conversation ids.
+
+The library stays silent unless the host configures logging; ``torpor serve``
+is a host, so it does, through :func:`configure`. Every record handled while
+a request is served carries its ``request_id`` and, on conversation routes,
+its ``conversation_id`` (bound through context variables by the app, so a
+record from deep inside the runtime gets them too when it is logged in the
+request's task).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from typing import Any, Literal
+
+__all__ = [
+    "ConsoleFormatter",
+    "ContextFilter",
+    "JsonFormatter",
+    "bound",
+    "configure",
+    "conversation_id_var",
+    "request_id_var",
+]
+
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "torpor_request_id", default=None
+)
+conversation_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "torpor_conversation_id", default=None
+)
+
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message", "asctime", "taskName",
+}
+
+
+def bound() -> dict[str, str]:
+    """The ids bound to the current request, for a log call or a response."""
+    out: dict[str, str] = {}
+    request_id = request_id_var.get()
+    if request_id is not None:
+        out["request_id"] = request_id
+    conversation_id = conversation_id_var.get()
+    if conversation_id is not None:
+        out["conversation_id"] = conversation_id
+    return out
+
+
+class ContextFilter(logging.Filter):
+    """Puts the bound request and conversation ids on every record (never overriding)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in bound().items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+
+
+def _event(record: logging.LogRecord) -> str:
+    """torpor's records read ``event key=value …``; the event is the part before the values."""
+    message = record.getMessage()
+    if record.name.startswith("torpor") and _extras(record):
+        return message.split(" ", 1)[0] if " " in message and "=" in message else message
+    return message
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, event, then every bound key."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": _event(record),
+        }
+        for key, value in _extras(record).items():
+            out[key] = value if isinstance(value, str | int | float | bool | type(None)) else repr(value)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False, default=repr)
+
+
+class ConsoleFormatter(logging.Formatter):
+    """``HH:MM:SS level logger: message [request_id=… conversation_id=…]`` for a person."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        message = record.getMessage()
+        ids = " ".join(f"{k}={getattr(record, k)}" for k in ("request_id", "conversation_id")
+                       if hasattr(record, k) and f"{k}=" not in message)
+        line = f"{stamp} {record.levelname.lower():<7} {record.name}: {message}"
+        if ids:
+            line += f" [{ids}]"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure(level: str = "info", fmt: Literal["json", "console"] = "json") -> None:
+    """Route torpor's, uvicorn's and the app's records to stderr in ``fmt`` at ``level``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
+    handler.addFilter(ContextFilter())
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    handler.setLevel(numeric)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    for name in ("torpor", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(numeric)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # the app logs each request itself

@@ -1,0 +1,176 @@
+"""Errors as RFC 9457 ``application/problem+json``, named by their torpor type.
+
+Every failure the HTTP face reports has the same shape: ``type`` (a URN that
+names the torpor error, ``about:blank`` for plain HTTP ones), ``title``,
+``status``, ``detail``, ``instance`` (the request path) and two extension
+members a client can switch on without parsing prose: ``error`` (the torpor
+error class, ``Busy``, ``UnknownConversation``…) and ``request_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from torpor.errors import (
+    AgentParked,
+    Busy,
+    ConfigError,
+    ConflictError,
+    EventTooLarge,
+    IdempotencyConflict,
+    InvalidInput,
+    RuntimeClosed,
+    StoreUnavailable,
+    TorporError,
+    UnknownArtifact,
+    UnknownCall,
+    UnknownConversation,
+)
+
+__all__ = [
+    "PROBLEM_JSON",
+    "Draining",
+    "Forbidden",
+    "HTTPProblem",
+    "Unauthorized",
+    "problem",
+    "problem_for",
+    "status_for",
+]
+
+PROBLEM_JSON = "application/problem+json"
+
+RETRY_AFTER_BUSY = 1  # seconds: a mailbox drains as fast as a turn ends
+RETRY_AFTER_UNAVAILABLE = 5
+
+
+class HTTPProblem(Exception):
+    """A problem the HTTP layer raises itself (authentication, a malformed body, a route)."""
+
+    status = 400
+    title = "Bad Request"
+
+    def __init__(self, detail: str, *, status: int | None = None, title: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if status is not None:
+            self.status = status
+        if title is not None:
+            self.title = title
+        self.headers = headers or {}
+
+
+class Unauthorized(HTTPProblem):
+    """No credentials, or credentials nobody issued: 401 with ``WWW-Authenticate: Bearer``."""
+
+    status = 401
+    title = "Unauthorized"
+
+    def __init__(self, detail: str = "a bearer token is required") -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="torpor"'})
+
+
+class Forbidden(HTTPProblem):
+    """Known credentials that may not do this: 403."""
+
+    status = 403
+    title = "Forbidden"
+
+    def __init__(self, detail: str = "not allowed") -> None:
+        super().__init__(detail)
+
+
+class Draining(HTTPProblem):
+    """The server is shutting down and admits no new work: 503 with ``Retry-After``."""
+
+    status = 503
+    title = "Service Unavailable"
+
+    def __init__(self, detail: str = "the server is shutting down") -> None:
+        super().__init__(detail, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE)})
+
+
+# Most specific first: several errors derive from others (IdempotencyConflict is a ValueError).
+_STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UnknownConversation, 404, "Unknown Conversation"),
+    (UnknownCall, 404, "Unknown Call"),
+    (UnknownArtifact, 404, "Unknown Artifact"),
+    (IdempotencyConflict, 409, "Idempotency Conflict"),
+    (ConflictError, 409, "Conflict"),
+    (AgentParked, 409, "Agent Parked"),
+    (EventTooLarge, 413, "Event Too Large"),
+    (InvalidInput, 422, "Invalid Input"),
+    (ConfigError, 422, "Invalid Input"),
+    (Busy, 429, "Busy"),
+    (StoreUnavailable, 503, "Store Unavailable"),
+    (RuntimeClosed, 503, "Runtime Closed"),
+)
+
+
+def status_for(error: BaseException) -> tuple[int, str]:
+    """(HTTP status, title) of a torpor error; 500 for anything not listed."""
+    for cls, status, title in _STATUS:
+        if isinstance(error, cls):
+            return status, title
+    return 500, "Internal Server Error"
+
+
+def _request_id(request: Request | None) -> str | None:
+    if request is None:
+        return None
+    value = getattr(request.state, "request_id", None)
+    return value if isinstance(value, str) else None
+
+
+def problem(
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    request: Request | None = None,
+    error: str | None = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Response:
+    body: dict[str, Any] = {
+        "type": f"urn:torpor:error:{error}" if error else "about:blank",
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    if request is not None:
+        body["instance"] = request.url.path
+    if error:
+        body["error"] = error
+    request_id = _request_id(request)
+    if request_id:
+        body["request_id"] = request_id
+    if extra:
+        body.update(extra)
+    return Response(msgspec.json.encode(body), status_code=status, media_type=PROBLEM_JSON,
+                    headers=headers)
+
+
+def problem_for(error: BaseException, request: Request | None = None) -> Response:
+    """The problem response for an error raised while handling ``request``."""
+    if isinstance(error, HTTPProblem):
+        return problem(error.status, error.title, error.detail, request=request,
+                       error=type(error).__name__ if type(error) is not HTTPProblem else None,
+                       headers=error.headers)
+    status, title = status_for(error)
+    headers: dict[str, str] = {}
+    if isinstance(error, Busy):
+        headers["Retry-After"] = str(RETRY_AFTER_BUSY)
+    elif status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_UNAVAILABLE)
+    if status == 500 and not isinstance(error, TorporError):
+        detail = "an unexpected error; the server log has the details"
+    else:
+        detail = str(error)
+    name = type(error).__name__ if isinstance(error, TorporError) else None
+    return problem(status, title, detail, request=request, error=name, headers=headers)

@@ -1,0 +1,169 @@
+"""The served runtime: who owns its lifespan, admission while draining, in-flight turns.
+
+The app owns the runtime when it was not running when the app started (then
+the app's lifespan enters and leaves it); otherwise the host that entered it
+owns it. Graceful shutdown (:meth:`Service.shutdown`): stop admitting new
+work (503 with ``Retry-After``), let the turns started over HTTP finish up to
+a deadline, then stop the runtime, whose leaving ends every in-flight turn
+with an ``Aborted("shutdown")`` that the log holds and the open streams send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import Any
+
+from torpor._logging import get_logger
+from torpor.actors.stream import Follower
+from torpor.actors.turn import Turn
+from torpor.errors import RuntimeClosed
+from torpor.runtime import Runtime
+from torpor.serve.metrics import Metrics
+from torpor.serve.problems import Draining
+
+__all__ = ["Service"]
+
+log = get_logger("torpor.serve")
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux), None where /proc is not there."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _running(rt: Runtime) -> bool:
+    try:
+        rt.store  # noqa: B018 - raises RuntimeClosed unless the runtime is entered
+    except RuntimeClosed:
+        return False
+    return True
+
+
+class Service:
+    """One served runtime and the state of the HTTP face around it."""
+
+    def __init__(self, runtime: Runtime, metrics: Metrics, *, shutdown_grace: float) -> None:
+        self.runtime = runtime
+        self.metrics = metrics
+        self.shutdown_grace = shutdown_grace
+        self.owns_runtime = False
+        self.draining = False
+        self.stopped = False
+        self.started_at = time.time()
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._streams: set[Follower] = set()
+        self._watch: asyncio.Task[None] | None = None
+        self._shutdown: asyncio.Task[None] | None = None
+
+    # -- lifespan ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Enter the runtime unless someone else runs it; start the lifecycle watch."""
+        if not _running(self.runtime):
+            await self.runtime.__aenter__()
+            self.owns_runtime = True
+        self.ensure_started()
+        log.info("serving", owns_runtime=self.owns_runtime)
+
+    def ensure_started(self) -> None:
+        """Start the background watch once the runtime runs (also for a mounted app that no
+        lifespan started: its first request does it)."""
+        if self._watch is None and not self.stopped and _running(self.runtime):
+            self.metrics.tap.install()
+            self._watch = asyncio.get_running_loop().create_task(
+                self._follow_lifecycle(), name="torpor-serve-watch"
+            )
+
+    async def _follow_lifecycle(self) -> None:
+        clock = self.metrics.clock
+        with self.runtime.admin.watch() as watcher:
+            async for transition in watcher:
+                clock.observe(transition)
+
+    def shutdown(self, grace: float | None = None) -> asyncio.Task[None]:
+        """Begin graceful shutdown (once); await the returned task for its end."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.get_running_loop().create_task(
+                self._drain_and_stop(self.shutdown_grace if grace is None else grace)
+            )
+        return self._shutdown
+
+    async def _drain_and_stop(self, grace: float) -> None:
+        self.draining = True
+        pending = [t for t in self._inflight if not t.done()]
+        log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=grace)
+            if late:
+                log.warning("turns still running at the deadline are aborted", turns=len(late))
+        if self.owns_runtime:
+            with contextlib.suppress(RuntimeClosed):
+                await self.runtime.__aexit__(None, None, None)
+        for follower in list(self._streams):
+            follower.close()
+        self.stopped = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+        self.metrics.tap.uninstall()
+        log.info("stopped")
+
+    # -- admission -------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Refuse new work while draining (503); refuse everything once the runtime is gone."""
+        if self.draining or self.stopped:
+            raise Draining()
+        if not _running(self.runtime):
+            raise RuntimeClosed("the runtime is not running")
+        self.ensure_started()
+
+    def readable(self) -> None:
+        if self.stopped or not _running(self.runtime):
+            raise RuntimeClosed("the runtime is not running")
+        self.ensure_started()
+
+    def track(self, turn: Turn) -> None:
+        """Remember a turn started over HTTP until it ends (shutdown lets it finish)."""
+        if turn.done():
+            return
+        task = asyncio.get_running_loop().create_task(turn.result())
+        self._inflight.add(task)
+        task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task[Any]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled():
+            task.exception()  # an aborted turn was the stream's to report
+
+    @property
+    def turns_in_flight(self) -> int:
+        return len(self._inflight)
+
+    def opened(self, follower: Follower) -> None:
+        self._streams.add(follower)
+        self.metrics.open_streams.set(len(self._streams))
+
+    def closed(self, follower: Follower) -> None:
+        self._streams.discard(follower)
+        self.metrics.open_streams.set(len(self._streams))
+
+    def server_stats(self) -> dict[str, Any]:
+        return {
+            "rss_bytes": rss_bytes(),
+            "uptime_seconds": round(time.time() - self.started_at, 3),
+            "open_streams": len(self._streams),
+            "turns_in_flight": len(self._inflight),
+            "draining": self.draining,
+            **self.metrics.clock.summary(),
+        }

@@ -1,0 +1,134 @@
+"""Server-Sent Events over a conversation's log: event ids that resume exactly.
+
+A logged event's id is its position. Text deltas have no position, so every
+id is a *cursor*: ``"P"`` or ``"P.K"``, the last position the client got plus
+``K``, the characters of the message in flight (the *draft*) it got since the
+last event that ended a draft. Only an assistant message or an abort ends a
+draft (they carry its text); any other event logged meanwhile (a user message
+sent while the answer streams) leaves the draft going, and its id says how
+much of the draft the client already holds.
+
+Resuming from ``P.K`` (``Last-Event-ID``) follows the conversation after
+``P`` (``Runtime.subscribe(after=P)``): the log replays what was logged after
+``P``, then the text in flight arrives whole and its first ``K`` characters
+are dropped. If the draft was logged meanwhile, the rest of its text (past
+``K``) is sent as one delta just before the logged message, so the deltas a
+client received for a message always add up to exactly its logged text: no
+character twice, none missing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from torpor.actors.stream import StreamItem
+from torpor.errors import InvalidInput
+from torpor.events import Aborted, AssistantMessage, Event, Suspended, kind_of
+from torpor.llm.protocol import TextDelta
+
+__all__ = ["Cursor", "Frame", "Framer", "event_data", "format_cursor", "parse_cursor",
+           "ends_turn"]
+
+_CURSOR = re.compile(r"(-1|0|[1-9][0-9]{0,18})(?:\.(0|[1-9][0-9]{0,18}))?")
+_MAX_POSITION = 2**62
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    position: int  # the last logged position the client got (-1: none)
+    offset: int = 0  # characters of the draft in flight it got after that
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One SSE event: its ``event:`` name, its JSON ``data:`` and its ``id:``."""
+
+    event: str
+    data: dict[str, Any]
+    id: str
+
+
+def parse_cursor(text: str, what: str = "Last-Event-ID") -> Cursor:
+    match = _CURSOR.fullmatch(text.strip())
+    if match is None:
+        raise InvalidInput(what, f"must be a position or POSITION.OFFSET, got {text[:40]!r}")
+    position = int(match.group(1))
+    offset = int(match.group(2) or 0)
+    if position > _MAX_POSITION or offset > _MAX_POSITION:
+        raise InvalidInput(what, "out of range")
+    return Cursor(position, offset)
+
+
+def format_cursor(position: int, offset: int) -> str:
+    return str(position) if offset == 0 else f"{position}.{offset}"
+
+
+def event_data(event: Event) -> dict[str, Any]:
+    """An event as JSON: where it is, and its body's fields (bytes as base64)."""
+    body = msgspec.to_builtins(event.body)
+    if isinstance(body, dict):
+        body.pop("type", None)
+    return {
+        "position": event.position,
+        "turn": event.turn,
+        "kind": kind_of(event.body),
+        "created_at": event.created_at,
+        "tokens": event.tokens,
+        "body": body,
+    }
+
+
+def ends_turn(event: Event, turn: int) -> bool:
+    """Whether ``event`` is where turn ``turn``'s stream ends (answer, suspension, abort)."""
+    if event.turn != turn:
+        return False
+    body = event.body
+    return isinstance(body, Suspended | Aborted) or (
+        isinstance(body, AssistantMessage) and not body.tool_calls
+    )
+
+
+class Framer:
+    """Turns a follower's items into frames whose ids resume exactly (see the module doc)."""
+
+    __slots__ = ("offset", "position", "skip")
+
+    def __init__(self, cursor: Cursor) -> None:
+        self.position = cursor.position
+        self.offset = 0  # characters of the current draft sent (or skipped: the client has them)
+        self.skip = cursor.offset  # characters of the draft the client has and we have not seen
+
+    @property
+    def cursor(self) -> str:
+        return format_cursor(self.position, self.offset)
+
+    def frames(self, item: StreamItem) -> Iterator[Frame]:
+        if isinstance(item, TextDelta):
+            text = item.text
+            if self.skip:
+                dropped = min(self.skip, len(text))
+                text = text[dropped:]
+                self.skip -= dropped
+                self.offset += dropped
+            if text:
+                start = self.offset
+                self.offset += len(text)
+                yield Frame("delta", {"text": text, "offset": start}, self.cursor)
+            return
+        body = item.body
+        if isinstance(body, AssistantMessage | Aborted):
+            full = body.text if isinstance(body, AssistantMessage) else body.partial_text
+            seen = self.offset + self.skip
+            if seen and body.artifact is None and len(full) > seen:
+                # The client holds the start of this message: send it the rest first.
+                self.offset = len(full)
+                yield Frame("delta", {"text": full[seen:], "offset": seen}, self.cursor)
+            self.offset = 0
+            self.skip = 0
+        self.position = item.position
+        yield Frame(kind_of(body), event_data(item), self.cursor)
