@@ -1,4 +1,4 @@
-"""The ``torpor`` command: ``loadtest``, ``chat`` and ``inspect``.
+"""The ``torpor`` command: ``loadtest``, ``chat``, ``inspect``, ``serve`` and ``top``.
 
 Every failure a user can cause ends as one line on stderr and a non-zero exit
 (2 for bad arguments, a bad store URL or an unknown conversation; 1 for
@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 
-from torpor.cli import chat, loadtest
+from torpor.cli import chat, loadtest, serve, top
 from torpor.cli import inspect as inspect_command
 from torpor.cli.common import CliError, OneLineParser, configure_logging
 from torpor.errors import TorporError, UnknownConversation
@@ -37,6 +37,8 @@ def build_parser() -> OneLineParser:
     loadtest.add_parser(subparsers)
     chat.add_parser(subparsers)
     inspect_command.add_parser(subparsers)
+    serve.add_parser(subparsers)
+    top.add_parser(subparsers)
     return parser
 
 

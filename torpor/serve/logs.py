@@ -35,7 +35,7 @@ conversation_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar
 )
 
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
-    "message", "asctime", "taskName",
+    "message", "asctime", "taskName", "color_message",
 }
 
 

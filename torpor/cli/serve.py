@@ -1,0 +1,147 @@
+"""``torpor serve``: the chat API, the admin, /metrics and the page over HTTP.
+
+No configuration needed: the embedded SQLite file, the local deterministic
+model, tokens generated and printed when not given. SIGTERM (or Ctrl-C)
+drains: no new work, in-flight turns finish up to ``--shutdown-grace``
+seconds, then the runtime stops and open streams end with what the log says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import sys
+from typing import Any
+
+from torpor.cli.common import DEFAULT_DB, CliError, display_url, non_negative_float, positive_float, store_url
+from torpor.errors import ConfigError
+
+__all__ = ["add_parser", "run"]
+
+MODELS = ("demo", "echo")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the chat API (SSE), the admin, /metrics and a browser page over HTTP",
+        description="Run torpor as a chat backend: POST /v1/conversations/{id}/messages streams "
+                    "the turn as Server-Sent Events; GET / is a page to try it; /admin and "
+                    "/metrics need the admin token. Tokens not given are generated and printed.",
+    )
+    p.add_argument("--db", type=store_url, default=DEFAULT_DB, metavar="URL",
+                   help=f"store URL (default {DEFAULT_DB}; env TORPOR_DB)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--model", choices=MODELS, default="demo",
+                   help="the local model: demo (echo plus !clock, !approve, !recall tool demos; "
+                        "default) or echo")
+    p.add_argument("--model-delay", type=non_negative_float, default=None, metavar="SEC",
+                   help="model delay per streamed chunk (default 0.02 for demo, 0 for echo)")
+    p.add_argument("--token", default=os.environ.get("TORPOR_TOKEN"),
+                   help="bearer token of the chat API (env TORPOR_TOKEN; default: generated)")
+    p.add_argument("--admin-token", default=os.environ.get("TORPOR_ADMIN_TOKEN"),
+                   help="bearer token of /admin and /metrics (env TORPOR_ADMIN_TOKEN; "
+                        "default: generated)")
+    p.add_argument("--admin-remote", action="store_true",
+                   help="let the admin answer clients that are not on a loopback address")
+    p.add_argument("--log-format", choices=("json", "console"), default="json",
+                   help="log lines as JSON (default) or for a console")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="lowest level logged (default info)")
+    p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="SEC",
+                   help="on SIGTERM, how long in-flight turns may run on (default 10)")
+    p.add_argument("--hibernate-after", type=positive_float, default=None, metavar="SEC",
+                   help="idle seconds before an agent hibernates (default: the runtime's)")
+    p.add_argument("--evict-after", type=positive_float, default=None, metavar="SEC",
+                   help="idle seconds before an agent is evicted (default: the runtime's)")
+    p.set_defaults(run=run)
+
+
+def _check_extra() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise CliError(f"torpor serve needs the serve extra ({exc.name} is missing): "
+                       "pip install 'torpor[serve]'") from None
+
+
+async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
+                 generated: list[str]) -> None:
+    from torpor.actors.config import AgentConfig
+    from torpor.cli.demo_model import DemoModel, demo_tools
+    from torpor.llm.echo import EchoModel
+    from torpor.runtime import Runtime, RuntimeConfig
+    from torpor.serve import Metrics, app, bearer_token, bind, serve
+
+    metrics = Metrics()
+    if args.model == "demo":
+        delay = 0.02 if args.model_delay is None else args.model_delay
+        model: Any = DemoModel(delay=delay)
+        agent = AgentConfig(system_prompt="You are torpor's demo assistant.", tools=demo_tools())
+    else:
+        model = EchoModel(delay=args.model_delay or 0.0)
+        agent = AgentConfig()
+    extra: dict[str, Any] = {}
+    if args.hibernate_after is not None:
+        extra["hibernate_after"] = args.hibernate_after
+    if args.evict_after is not None:
+        extra["evict_after"] = args.evict_after
+    elif args.hibernate_after is not None:
+        extra["evict_after"] = max(args.hibernate_after, RuntimeConfig().evict_after)
+    try:
+        config = RuntimeConfig(**extra)
+    except ConfigError as exc:
+        raise CliError(f"--{exc.field.replace('_', '-')}: "
+                       f"{str(exc).removeprefix(exc.field + ': ')}") from None
+    rt = Runtime(args.db, model=metrics.instrument(model), config=config, agent=agent)
+    application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
+                      admin_remote=args.admin_remote, metrics=metrics,
+                      shutdown_grace=args.shutdown_grace)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+                       code=1) from None
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, "
+             f"model {args.model})"]
+    if "chat" in generated:
+        lines.append(f"chat token (generated): {chat_token}")
+    if "admin" in generated:
+        lines.append(f"admin token (generated): {admin_token}")
+    lines.append(f"open {url}/#token={chat_token}&admin={admin_token}")
+    print("\n".join(lines), flush=True)
+    await serve(application, sock, grace=args.shutdown_grace)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_extra()
+    from torpor.serve.logs import configure
+
+    if args.port < 0 or args.port > 65535:
+        raise CliError(f"--port: must be 0..65535, got {args.port}")
+    generated = []
+    chat_token = args.token
+    if not chat_token:
+        chat_token = secrets.token_urlsafe(18)
+        generated.append("chat")
+    admin_token = args.admin_token
+    if not admin_token:
+        admin_token = secrets.token_urlsafe(18)
+        generated.append("admin")
+    if chat_token == admin_token:
+        raise CliError("--token and --admin-token must differ")
+    configure(args.log_level, args.log_format)
+    asyncio.run(_serve(args, chat_token, admin_token, generated))
+    print("torpor serve: stopped", file=sys.stderr, flush=True)
+    return 0
