@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
 import shutil
 import tempfile
@@ -81,6 +82,19 @@ def add_parser(subparsers: Any) -> None:
                    help="max concurrent revivals (default: the runtime's)")
     p.add_argument("--seed", type=int, default=0, help="seed for the synthetic load")
     p.add_argument("--keep-db", action="store_true", help="keep the temporary database")
+    http = p.add_argument_group(
+        "over HTTP", "--url drives a running `torpor serve` through its chat API instead of an "
+                     "in-process runtime: concurrent SSE clients, a share of which disconnect "
+                     "mid-stream and resume with Last-Event-ID (see torpor.cli.loadtest_http)")
+    http.add_argument("--url", metavar="URL", help="the server's base URL (http://127.0.0.1:8000)")
+    http.add_argument("--token", default=os.environ.get("TORPOR_TOKEN"),
+                      help="the chat token (env TORPOR_TOKEN)")
+    http.add_argument("--admin-token", default=os.environ.get("TORPOR_ADMIN_TOKEN"),
+                      help="the admin token, for the server's figures (env TORPOR_ADMIN_TOKEN)")
+    http.add_argument("--reconnect-ratio", type=ratio, default=0.2, metavar="R",
+                      help="share of turns that drop mid-stream and resume (default 0.2)")
+    http.add_argument("--concurrency", type=positive_int, default=64, metavar="N",
+                      help="clients activating conversations at once (default 64)")
     p.set_defaults(run=run)
 
 
@@ -148,6 +162,10 @@ async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.url:
+        from torpor.cli.loadtest_http import run_http
+
+        return run_http(args)
     config = _runtime_config(args)
     if args.plot:
         check_plot_available()
