@@ -176,6 +176,9 @@ class Connection:
             self.reusable = False
             raise ConnectionResetError("the server closed the connection")
         parts = status_line.decode("latin-1").split(" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit():
+            self.reusable = False
+            raise ConnectionResetError(f"not an HTTP status line: {status_line[:60]!r}")
         status = int(parts[1])
         response_headers: dict[str, str] = {}
         while True:
