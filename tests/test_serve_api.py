@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
 from serve_support import ADMIN, TOKEN, events_until, kinds, post_message, served, text_of
@@ -156,7 +158,7 @@ async def test_a_message_sent_mid_stream_keeps_the_resume_exact() -> None:
     async with Runtime("sqlite://", model=model) as rt, served(rt) as (_, client, _app):
         _, follow = await client.open("GET", "/v1/conversations/c/stream?after=-1",
                                       conn=(watch := client.connection()))
-        conn, response = await post_message(client, "c", "go")
+        conn, _ = await post_message(client, "c", "go")
         await reached.wait()
         await client.call("POST", "/v1/conversations/c/messages", json_body={"text": "later"},
                           headers={"Accept": "application/json"}, expect=(202,))
@@ -267,7 +269,10 @@ async def test_one_user_never_reads_another_users_conversation() -> None:
 
 
 async def test_the_admin_over_http() -> None:
-    async with Runtime("sqlite://", model=EchoModel()) as rt, served(rt) as (_, client, _app):
+    async with Runtime("sqlite://", model=EchoModel()) as rt, served(rt) as (_, client, app):
+        # the host hands torpor's fold and commit loggers to the metrics (torpor serve does)
+        tap = app.state.torpor.metrics.tap
+        tap.install([logging.getLogger(name) for name in tap.LOGGERS])
         admin = client.__class__(client_url(client), ADMIN)
         _, watch = await admin.open("GET", "/admin/watch", conn=(wconn := admin.connection()))
         for cid in ("a1", "a2"):

@@ -200,7 +200,8 @@ async def test_the_page_in_a_real_browser(capsys: pytest.CaptureFixture[str]) ->
                 drafts = await page.evaluate("window.torpor.drafts")
                 assert drafts[-1]["deltas"] == drafts[-1]["final"] == full  # not one char twice
                 await shot("full-answer-after-reconnect")
-                texts = await page.eval_on_selector_all(".msg", "els => els.map(e => e.textContent)")
+                texts = await page.eval_on_selector_all(".msg",
+                                                        "els => els.map(e => e.textContent)")
                 assert texts.count(full) == 1
 
                 # 3. a suspended call, approved from the page

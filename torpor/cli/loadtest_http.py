@@ -99,10 +99,10 @@ class TurnCheck:
             self.draft = ""
             if kind == "assistant":
                 self.final = text
-        if self.turn is not None and int(data["turn"]) == self.turn:
-            if kind in _TERMINAL or (kind == "assistant" and not body.get("tool_calls")):
-                return True
-        return False
+        return (
+            self.turn is not None and int(data["turn"]) == self.turn
+            and (kind in _TERMINAL or (kind == "assistant" and not body.get("tool_calls")))
+        )
 
     @property
     def ok(self) -> bool:
@@ -407,7 +407,10 @@ def print_http_summary(console: Console, report: Mapping[str, Any]) -> None:
                         f"{act['agents']:,} agents")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    mb = (lambda v: "-" if v is None else f"{v / 1e6:,.1f} MB")
+
+    def mb(value: Any) -> str:
+        return "-" if value is None else f"{value / 1e6:,.1f} MB"
+
     rows = [
         ("activation", f"{_n(act['agents'])} agents in {act['seconds']:.1f} s "
                        f"({_n(act['agents_per_second'])}/s)"),

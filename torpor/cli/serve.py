@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import secrets
 import sys
 from typing import Any
 
-from torpor.cli.common import DEFAULT_DB, CliError, display_url, non_negative_float, positive_float, store_url
+from torpor.cli.common import (
+    DEFAULT_DB,
+    CliError,
+    display_url,
+    non_negative_float,
+    positive_float,
+    store_url,
+)
 from torpor.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -62,6 +70,33 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def configure_logging(level: str, fmt: str, tap: Any) -> None:
+    """``torpor serve`` is an application: its records (torpor's, uvicorn's, the app's) go to
+    stderr as JSON lines or console lines at ``level``, each with its request and
+    conversation ids; the metrics tap gets the loggers of the fold and commit records."""
+    from torpor.serve.logs import ConsoleFormatter, ContextFilter, JsonFormatter
+    from torpor.serve.metrics import LogTap
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
+    handler.addFilter(ContextFilter())
+    numeric = logging.getLevelName(level.upper())
+    handler.setLevel(numeric)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    for name in ("torpor", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).setLevel(numeric)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # the app logs each request itself
+    tap.install([logging.getLogger(name) for name in LogTap.LOGGERS])
+
+
 def _check_extra() -> None:
     try:
         import prometheus_client  # noqa: F401
@@ -82,6 +117,7 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     from torpor.serve import Metrics, app, bearer_token, bind, serve
 
     metrics = Metrics()
+    configure_logging(args.log_level, args.log_format, metrics.tap)
     if args.model == "demo":
         delay = 0.02 if args.model_delay is None else args.model_delay
         model: Any = DemoModel(delay=delay)
@@ -120,14 +156,13 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     if "admin" in generated:
         lines.append(f"admin token (generated): {admin_token}")
     lines.append(f"open {url}/#token={chat_token}&admin={admin_token}")
-    print("\n".join(lines), flush=True)
-    await serve(application, sock, grace=args.shutdown_grace)
+    # Printed once SIGTERM drains (handlers installed): whoever reads it may signal at once.
+    await serve(application, sock, grace=args.shutdown_grace,
+                ready=lambda: print("\n".join(lines), flush=True))
 
 
 def run(args: argparse.Namespace) -> int:
     _check_extra()
-    from torpor.serve.logs import configure
-
     if args.port < 0 or args.port > 65535:
         raise CliError(f"--port: must be 0..65535, got {args.port}")
     generated = []
@@ -141,7 +176,6 @@ def run(args: argparse.Namespace) -> int:
         generated.append("admin")
     if chat_token == admin_token:
         raise CliError("--token and --admin-token must differ")
-    configure(args.log_level, args.log_format)
     asyncio.run(_serve(args, chat_token, admin_token, generated))
     print("torpor serve: stopped", file=sys.stderr, flush=True)
     return 0

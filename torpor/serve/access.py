@@ -50,7 +50,8 @@ def bearer_of(request: HTTPConnection) -> str | None:
 
 
 def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"),
+                               b.encode("utf-8", "surrogatepass"))
 
 
 def allow_all(request: HTTPConnection, conversation_id: str, action: Action) -> bool:

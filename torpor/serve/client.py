@@ -111,7 +111,8 @@ class Response:
     async def events(self) -> AsyncIterator[SSEEvent]:
         """The body as Server-Sent Events (comments skipped); ends with the body."""
         buffer = b""
-        name, data, event_id = "message", [], None
+        name, event_id = "message", None
+        data: list[str] = []
         async for chunk in self.chunks():
             buffer += chunk
             while True:

@@ -1,7 +1,8 @@
-"""Logs for ``torpor serve``: JSON lines or console lines, with request and conversation ids.
+"""Log formats for ``torpor serve``: JSON lines or console lines, with request and conversation ids.
 
 The library stays silent unless the host configures logging; ``torpor serve``
-is a host, so it does, through :func:`configure`. Every record handled while
+is a host, so it does (``torpor.cli.serve``), with these formatters and
+:class:`ContextFilter`. Every record handled while
 a request is served carries its ``request_id`` and, on conversation routes,
 its ``conversation_id`` (bound through context variables by the app, so a
 record from deep inside the runtime gets them too when it is logged in the
@@ -13,16 +14,14 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import sys
 import time
-from typing import Any, Literal
+from typing import Any
 
 __all__ = [
     "ConsoleFormatter",
     "ContextFilter",
     "JsonFormatter",
     "bound",
-    "configure",
     "conversation_id_var",
     "request_id_var",
 ]
@@ -62,7 +61,8 @@ class ContextFilter(logging.Filter):
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+    return {k: v for k, v in record.__dict__.items()
+            if k not in _STANDARD and not k.startswith("_")}
 
 
 def _event(record: logging.LogRecord) -> str:
@@ -85,7 +85,8 @@ class JsonFormatter(logging.Formatter):
             "event": _event(record),
         }
         for key, value in _extras(record).items():
-            out[key] = value if isinstance(value, str | int | float | bool | type(None)) else repr(value)
+            plain = isinstance(value, str | int | float | bool | type(None))
+            out[key] = value if plain else repr(value)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False, default=repr)
@@ -105,26 +106,3 @@ class ConsoleFormatter(logging.Formatter):
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
-
-
-def configure(level: str = "info", fmt: Literal["json", "console"] = "json") -> None:
-    """Route torpor's, uvicorn's and the app's records to stderr in ``fmt`` at ``level``."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
-    handler.addFilter(ContextFilter())
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        raise ValueError(f"unknown log level {level!r}")
-    handler.setLevel(numeric)
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(numeric)
-    for name in ("torpor", "uvicorn", "uvicorn.error"):
-        logging.getLogger(name).setLevel(numeric)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logger = logging.getLogger(name)
-        logger.handlers.clear()
-        logger.propagate = True
-    logging.getLogger("uvicorn.access").disabled = True  # the app logs each request itself

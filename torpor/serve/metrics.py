@@ -13,7 +13,8 @@ Where each figure comes from:
   (``torpor serve`` does; an embedder passes ``metrics.instrument(model)``);
 * fold count and latency, group-commit batch size and commit latency: the
   ``folded`` and ``group_commit`` debug records torpor logs, tapped on their
-  loggers (see :class:`LogTap`; the host's handlers see exactly what they saw);
+  loggers once the host hands them over (:class:`LogTap`; ``torpor serve``
+  does; the host's handlers then see exactly what they saw before);
 * mailbox refusals (``Busy``), HTTP requests and open streams: the HTTP layer.
 
 One :class:`Metrics` per app, with its own registry: no global state.
@@ -224,9 +225,11 @@ class InstrumentedModel:
 class LogTap(logging.Filter):
     """Reads torpor's ``folded`` and ``group_commit`` debug records into metrics.
 
-    Installed as a filter on the loggers that emit them, which are lowered to
-    DEBUG so the records exist; the filter then lets through only what passed
-    the logger's previous level, so the host's handlers see no difference.
+    Logging is the host's to configure, so the host opts in: it passes the
+    loggers named in :attr:`LOGGERS` to :meth:`install` (``torpor serve``
+    does). The tap is a filter on each; the logger is lowered to DEBUG so the
+    records exist, and the filter lets through only what passed the logger's
+    previous level, so the host's handlers see no difference.
     """
 
     LOGGERS = ("torpor.runtime", "torpor.store.sqlite.writer", "torpor.store.postgres.writer")
@@ -234,25 +237,22 @@ class LogTap(logging.Filter):
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
         self._metrics = metrics
-        self._levels: dict[str, int] = {}
+        self._installed: dict[str, tuple[logging.Logger, int, int]] = {}
 
-    def install(self) -> None:
-        for name in self.LOGGERS:
-            if name in self._levels:
+    def install(self, loggers: Iterable[logging.Logger]) -> None:
+        """Tap these loggers: the stdlib loggers named in :attr:`LOGGERS`."""
+        for logger in loggers:
+            if logger.name in self._installed:
                 continue
-            logger = logging.getLogger(name)
-            self._levels[name] = logger.level
-            threshold = logger.getEffectiveLevel()
+            self._installed[logger.name] = (logger, logger.level, logger.getEffectiveLevel())
             logger.setLevel(logging.DEBUG)
             logger.addFilter(self)
-            setattr(logger, "_torpor_tap_threshold", threshold)  # noqa: B010
 
     def uninstall(self) -> None:
-        for name, level in self._levels.items():
-            logger = logging.getLogger(name)
+        for logger, level, _ in self._installed.values():
             logger.removeFilter(self)
             logger.setLevel(level)
-        self._levels.clear()
+        self._installed.clear()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.DEBUG:
@@ -266,9 +266,8 @@ class LogTap(logging.Filter):
             elif event == "folded" and isinstance(seconds, float):
                 self._metrics.folds.inc()
                 self._metrics.fold_seconds.observe(seconds)
-        logger = logging.getLogger(record.name)
-        threshold = getattr(logger, "_torpor_tap_threshold", logging.NOTSET)
-        return bool(record.levelno >= threshold)
+        installed = self._installed.get(record.name)
+        return installed is None or record.levelno >= installed[2]
 
 
 class Metrics:

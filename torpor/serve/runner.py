@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -53,9 +53,11 @@ async def serve(
     *,
     grace: float | None = None,
     signals: bool = True,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """Serve on ``sock`` (already listening: clients may connect before this starts) until
-    SIGTERM or SIGINT, then drain (``grace`` seconds for in-flight turns) and return."""
+    SIGTERM or SIGINT, then drain (``grace`` seconds for in-flight turns) and return.
+    ``ready`` is called once the signals are handled (a "listening" line belongs there)."""
     config = uvicorn.Config(
         application, lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=5, timeout_keep_alive=5, server_header=False,
@@ -69,25 +71,27 @@ async def serve(
         await service.shutdown(grace)
         server.should_exit = True
 
-    def on_signal(signum: int) -> None:
+    def on_signal(signum: signal.Signals) -> None:
         nonlocal stopping
         if stopping is None:
-            log.info("signal received, draining", signal=signal.Signals(signum).name)
+            log.info("signal received, draining", signal=signum.name)
             stopping = loop.create_task(stop())
         else:  # a second signal: stop now
             server.force_exit = True
             server.should_exit = True
 
-    installed: list[int] = []
+    installed: list[signal.Signals] = []
     if signals:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
             installed.append(signum)
+    if ready is not None:
+        ready()
     serving = loop.create_task(server.serve(sockets=[sock]))
     try:
         await serving
     finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
+        for installed_signal in installed:
+            loop.remove_signal_handler(installed_signal)
         if stopping is not None:
             await stopping

@@ -78,7 +78,6 @@ class Service:
         """Start the background watch once the runtime runs (also for a mounted app that no
         lifespan started: its first request does it)."""
         if self._watch is None and not self.stopped and _running(self.runtime):
-            self.metrics.tap.install()
             self._watch = asyncio.get_running_loop().create_task(
                 self._follow_lifecycle(), name="torpor-serve-watch"
             )
