@@ -465,6 +465,9 @@ def run_http(args: argparse.Namespace) -> int:
         raise CliError(f"--url: expected http://HOST:PORT, got {args.url!r}")
     if not args.token:
         raise CliError("--url needs the chat token: --token or TORPOR_TOKEN")
+    for option, given in (("--db", args.db), ("--plot", args.plot), ("--keep-db", args.keep_db)):
+        if given:
+            raise CliError(f"{option} does not apply with --url (the server owns its store)")
     out, err = consoles(args.json)
     from torpor.serve.client import Client, HTTPStatusError
 
