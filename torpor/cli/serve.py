@@ -24,11 +24,22 @@ from torpor.cli.common import (
     positive_float,
     store_url,
 )
+from torpor.cli.models import ModelSpec, build_model, model_spec
 from torpor.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
 
 MODELS = ("demo", "echo")
+
+
+def model_choice(text: str) -> str | ModelSpec:
+    """``demo``, ``echo``, or a provider's model (``openai:MODEL``, ``anthropic:MODEL``)."""
+    if text in MODELS:
+        return text
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected demo, echo, openai:MODEL or anthropic:MODEL")
+    return model_spec(text)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,9 +55,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument("--model", choices=MODELS, default="demo",
-                   help="the local model: demo (echo plus !clock, !approve, !recall tool demos; "
-                        "default) or echo")
+    p.add_argument("--model", type=model_choice, default="demo", metavar="MODEL",
+                   help="demo (the local echo plus !clock, !approve, !recall tool demos; "
+                        "default), echo (the local echo, no tools), or a provider's model: "
+                        "openai:MODEL, anthropic:MODEL (their extras and API keys)")
+    p.add_argument("--base-url", metavar="URL",
+                   help="with --model openai:MODEL, an OpenAI-compatible server")
     p.add_argument("--model-delay", type=non_negative_float, default=None, metavar="SEC",
                    help="model delay per streamed chunk (default 0.02 for demo, 0 for echo)")
     p.add_argument("--token", default=os.environ.get("TORPOR_TOKEN"),
@@ -122,9 +136,12 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
         delay = 0.02 if args.model_delay is None else args.model_delay
         model: Any = DemoModel(delay=delay)
         agent = AgentConfig(system_prompt="You are torpor's demo assistant.", tools=demo_tools())
-    else:
+    elif args.model == "echo":
         model = EchoModel(delay=args.model_delay or 0.0)
         agent = AgentConfig()
+    else:
+        agent = AgentConfig(system_prompt="You are a helpful assistant.", tools=demo_tools())
+        model = build_model(args.model, args.base_url, max_output_tokens=agent.max_output_tokens)
     extra: dict[str, Any] = {}
     if args.hibernate_after is not None:
         extra["hibernate_after"] = args.hibernate_after
@@ -149,8 +166,9 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
-    lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, "
-             f"model {args.model})"]
+    name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
+        f"{args.model.model}"
+    lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, model {name})"]
     if "chat" in generated:
         lines.append(f"chat token (generated): {chat_token}")
     if "admin" in generated:
@@ -163,6 +181,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
 
 def run(args: argparse.Namespace) -> int:
     _check_extra()
+    if args.base_url is not None and isinstance(args.model, str):
+        raise CliError("--base-url needs --model openai:MODEL or anthropic:MODEL")
     if args.port < 0 or args.port > 65535:
         raise CliError(f"--port: must be 0..65535, got {args.port}")
     generated = []
