@@ -97,10 +97,12 @@ class Top:
             await asyncio.sleep(1.0)
 
     async def refresh(self) -> None:
+        from torpor.serve.client import HTTPStatusError
+
         try:
             self.stats = await self.client.call("GET", "/admin/stats")
             self.parked = await self.client.call("GET", "/admin/agents?state=parked")
-        except OSError:
+        except (OSError, HTTPStatusError):  # gone, or shutting down (503): keep trying
             self.connected = False
             return
         self.connected = True
