@@ -109,6 +109,8 @@ async def storm(url: str, n: int, variant: str, live_cap: int) -> dict[str, Any]
         "answer_p99_ms": round((percentile(latencies, 99) or 0) * 1000, 1),
         "revival_p50_ms": stats.revival_p50_ms,
         "revival_p99_ms": stats.revival_p99_ms,
+        "queue_wait_p50_ms": stats.queue_wait_p50_ms,
+        "queue_wait_p99_ms": stats.queue_wait_p99_ms,
         "rss_before_bytes": rss0,
         "peak_rss_sampled_bytes": peak["rss"],
         "peak_rss_growth_bytes": peak["rss"] - rss0,
@@ -161,11 +163,23 @@ def main() -> None:
             "live_cap_held": all(r["peak_live_agents"] <= r["max_live_agents"] for r in rows),
         },
     }
-    columns = ("variant", "seconds", "answers/s", "revivals/s", "p50 ms", "p99 ms", "errors",
-               "peak RSS +MB", "peak live")
-    tab = [(r["variant"], r["seconds"], r["answers_per_second"], r["revivals_per_second"],
+    by = {r["variant"]: r for r in rows}
+    capped, uncapped = by.get("revival+live-cap"), by.get("revival-cap")
+    if capped is not None and uncapped is not None:
+        # Admission (issue 9.1): against the run without a live cap, in the same invocation.
+        growth = capped["peak_rss_growth_bytes"] / max(1, uncapped["peak_rss_growth_bytes"])
+        slower = capped["seconds"] / uncapped["seconds"]
+        result["ratios"] = {"capped/uncapped_peak_rss_growth": round(growth, 2),
+                            "capped/uncapped_seconds": round(slower, 2)}
+        result["targets"]["capped_rss_growth_le_half"] = growth <= 0.5
+        result["targets"]["capped_time_within_1_5x"] = slower <= 1.5
+    columns = ("variant", "seconds", "answers/s", "p50 ms", "p99 ms", "errors",
+               "peak RSS +MB", "peak live", "queue wait p50/p99 ms")
+    tab = [(r["variant"], r["seconds"], r["answers_per_second"],
             r["answer_p50_ms"], r["answer_p99_ms"], sum(r["errors"].values()),
-            round(r["peak_rss_growth_bytes"] / 1e6, 1), r["peak_live_agents"]) for r in rows]
+            round(r["peak_rss_growth_bytes"] / 1e6, 1), r["peak_live_agents"],
+            "-" if r["queue_wait_p50_ms"] is None
+            else f"{r['queue_wait_p50_ms']:.0f} / {r['queue_wait_p99_ms']:.0f}") for r in rows]
     emit(result, [table(f"activation storm: {args.agents:,} evicted conversations, one message "
                         "each", columns, tab)], args.json)
 
