@@ -394,3 +394,17 @@ def test_apply_drops_folded_events_and_keeps_tokens_consistent() -> None:
     assert ws.estimated_bytes() < before
     with pytest.raises(ValueError):
         ws.apply(Checkpoint("c", 2, 0, 2))
+
+
+def test_stubs_cost_about_ten_tokens() -> None:
+    from torpor.compaction.slots import stub
+
+    for body in (
+        ToolResult("call_8f3a", "read_file", "x" * 5_000),
+        UserMessage("y" * 5_000),
+        AssistantMessage("z" * 5_000),
+    ):
+        short = stub(Event("c", 123_456, 1, 0, 0, body))
+        text = short.content if isinstance(short, ToolResult) else short.text
+        assert "expand(123456)" in text
+        assert count_text(text) <= 11, text

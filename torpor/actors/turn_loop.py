@@ -20,7 +20,14 @@ from torpor.actors.json_schema import schema_errors
 from torpor.actors.state import AgentState
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
-from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
+from torpor.compaction.recall import (
+    EXPAND_PAGE_CHARS,
+    EXPAND_TOOL,
+    RECALL_TOOL,
+    expand,
+    format_events,
+    format_hits,
+)
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.summarizer import summarize_fold
 from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreError
@@ -412,7 +419,15 @@ async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
                 raise ValueError("expand needs integer 'start' <= 'end'")
             if end - start > 200:
                 raise ValueError("expand returns at most 200 events at once")
-            content = format_events(await expand(host.store, agent.id, start, end))
+            offset = args.get("offset", 0)
+            limit = args.get("limit", EXPAND_PAGE_CHARS)
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise ValueError("'offset' must be an integer >= 0")
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ValueError("'limit' must be a positive integer")
+            limit = min(limit, EXPAND_PAGE_CHARS)
+            events = await expand(host.store, agent.id, start, end)
+            content = format_events(events, limit, offset)
         return ToolResult(call.id, call.name, repair_text(content))
     except (ValueError, msgspec.ValidationError) as exc:
         return ToolResult(call.id, call.name, f"error: {exc}", is_error=True)

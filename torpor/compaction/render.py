@@ -265,4 +265,5 @@ def decisions_of(recipe: Recipe) -> Decisions:
         clipped=dict(recipe.clipped),
         dropped=set(recipe.dropped),
         ceiling_enforced=recipe.ceiling_enforced,
+        legacy_stubs=recipe.version < 3,
     )

@@ -75,7 +75,10 @@ class SearchHit(msgspec.Struct, frozen=True, gc=False):
     turn: int
     created_at: int
     snippet: str
-    score: float  # higher is better (bm25 negated on SQLite)
+    # 0 to 1, the same scale on every backend: the share of the query the hit holds,
+    # never above a better-ranked hit's (torpor.store.fulltext.calibrated).
+    score: float
+    rank: float = 0.0  # the backend's own relevance (bm25 negated; ts_rank): higher is better
 
 
 class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
