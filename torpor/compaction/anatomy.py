@@ -22,6 +22,8 @@ from torpor.store.protocol import Checkpoint
 
 __all__ = ["Anatomy", "anatomy", "events_in_context", "topic_label", "turn_id"]
 
+LABEL_EVENTS = 64
+
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
@@ -62,10 +64,11 @@ def _current_turn(tail: Sequence[Event]) -> Sequence[Event]:
 def topic_label(tail: Sequence[Event]) -> str | None:
     """The best topic hint of the current turn's events (None when they have none).
 
-    Falls back to the whole tail when the turn alone yields nothing, so a short
-    follow-up ("and the other one?") keeps the topic of what it follows.
+    Falls back to the recent tail when the turn alone yields nothing, so a short
+    follow-up ("and the other one?") keeps the topic of what it follows. At most
+    :data:`LABEL_EVENTS` events are read either way: this runs before every call.
     """
-    for span in (_current_turn(tail), tail):
+    for span in (_current_turn(tail)[:LABEL_EVENTS], tail[-LABEL_EVENTS:]):
         ranked = rank_topics((hints_of(e) for e in span), 1)
         if ranked:
             return ranked[0]
