@@ -48,9 +48,8 @@ RECALL_TOOL = ToolSpec(
     description=(
         "Search this conversation's full history, including parts folded out of your "
         "context. Use exact strings when you have them (paths, hashes, identifiers). "
-        "Returns event positions, kinds, snippets and scores from 0 to 1 (the share of "
-        "the query a hit holds; below about 0.75, try other words); read a hit in full "
-        "with expand."
+        "Returns event positions, kinds, snippets and scores (0-1: share of the query "
+        "found); read a hit in full with expand."
     ),
     parameters={
         "type": "object",
@@ -67,28 +66,16 @@ EXPAND_TOOL = ToolSpec(
     name="expand",
     description=(
         "Read events of this conversation's history exactly as logged, from position "
-        "start to end (inclusive; at most 200 at once), large tool results in full. "
-        "Long output comes in pages of at most limit characters: when a page ends with "
-        "'call expand(..., offset=N)', call again with that offset to read on."
+        "start to end (inclusive; at most 200 at once), large tool results in full, "
+        "in pages: a cut page names the offset to read on from."
     ),
     parameters={
         "type": "object",
         "properties": {
             "start": {"type": "integer", "minimum": 0},
             "end": {"type": "integer", "minimum": 0},
-            "offset": {
-                "type": "integer",
-                "minimum": 0,
-                "default": 0,
-                "description": "character of the output to start from (for the next page)",
-            },
-            "limit": {
-                "type": "integer",
-                "minimum": 1_000,
-                "maximum": EXPAND_PAGE_CHARS,
-                "default": EXPAND_PAGE_CHARS,
-                "description": "characters per page",
-            },
+            "offset": {"type": "integer", "minimum": 0},
+            "limit": {"type": "integer", "minimum": 1_000, "maximum": EXPAND_PAGE_CHARS},
         },
         "required": ["start"],
         "additionalProperties": False,
