@@ -97,6 +97,11 @@ def test_chat_streams_tools_and_suspension_then_inspect_reads_the_log(tmp_path: 
     assert data["state"]["state"] == "suspended"
     assert len(data["state"]["pending_calls"]) == 1
     assert data["model_calls"] and data["anatomy"]["sections"]
+    assert data["anatomy"]["events_in_context"] >= 1 and data["anatomy"]["markers"] == 0
+    assert len(data["anatomy"]["turn_id"]) == 26 and "topic_changed" in data["anatomy"]
+    shown = torpor("inspect", "--db", db, "demo")
+    assert shown.returncode == 0, shown.stderr
+    assert "in context:" in shown.stdout and "turn id:" in shown.stdout
     assert data["last_events"][-1]["kind"] == "suspended"
 
     second = torpor("chat", "--db", db, "-c", "demo", stdin="approved later\n/quit\n")

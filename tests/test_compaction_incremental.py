@@ -411,8 +411,8 @@ def test_the_payload_hash_covers_only_what_changed(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_recipe_version_this_torpor_does_not_know_is_refused() -> None:
-    with pytest.raises(ValueError, match="recipe version 3"):
-        recipe.payload_hash([], (), 3)
+    with pytest.raises(ValueError, match="recipe version 4"):
+        recipe.payload_hash([], (), 4)
 
 
 def test_tool_specs_changed_in_place_between_calls_are_seen() -> None:

@@ -247,8 +247,11 @@ async def _through_store(scenario: list[Any]) -> list[Checkpoint]:
             assert rebuilt.sections == rendered.sections
             old = msgspec.structs.replace(rendered.recipe, version=1)
             rebuilt = await rebuild_rendered(store, "conv", old, SYSTEM, POLICY, TOOLS)
-            assert rebuilt.hash == whole_hash(rendered.messages, TOOLS)
-            assert rebuilt.messages == rendered.messages and rebuilt.recipe == old
+            assert rebuilt.hash == whole_hash(rebuilt.messages, TOOLS)
+            assert rebuilt.recipe == old and len(rebuilt.messages) == len(rendered.messages)
+            for then, now in zip(rebuilt.messages, rendered.messages, strict=True):
+                # the same messages, but stubs in the wording of the calls that recipe recorded
+                assert then == now or ("elided; expand(" in str(then) and "elided: " in str(now))
 
         # Every folded position is reachable: by expand always, by recall for messages.
         await check_reachable(store, ws)

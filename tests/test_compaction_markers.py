@@ -226,3 +226,74 @@ def test_policy_rejects_output_that_leaves_no_input() -> None:
     with pytest.raises(ConfigError) as info:
         CompactionPolicy(context_window=4_000, max_output_tokens=4_000, working_budget=100)
     assert info.value.field == "max_output_tokens"
+
+
+def test_prose_yields_salient_words_besides_exact_strings() -> None:
+    from torpor.compaction.markers import PROSE_WEIGHT
+
+    flat = text_hints(
+        "We talked about the quarterly budget review and the hiring plan for the design "
+        "team; the budget is tight."
+    )
+    words = flat[1::2]
+    assert words[0] == "budget"  # said twice: the most salient
+    assert "quarterly" in words and "the" not in words and "about" not in words
+    assert set(flat[0::2]) == {PROSE_WEIGHT}
+    exact = text_hints("Deploy of commit 3f2a9c81b7e0 failed on the staging cluster")
+    assert exact[:2] == (5, "3f2a9c81b7e0") and exact[2:] == (1, "deploy", 1, "commit", 1, "failed")
+
+
+def test_a_prose_span_gets_topics_and_exact_strings_still_lead() -> None:
+    chat = [
+        "Let us plan the birthday party for grandma on the weekend",
+        "The party needs a cake and balloons",
+        "Grandma loves chocolate cake, so a chocolate cake it is",
+    ]
+    events = [Event("c", i, 1, 10, i, UserMessage(text)) for i, text in enumerate(chat)]
+    topics = extract_topics(events)
+    assert topics[:2] == ("party", "cake")  # in the most events, the first seen first
+    mixed = [*events, Event("c", 3, 2, 10, 3, UserMessage("see deploy/nginx/ssl.conf"))]
+    topics = extract_topics(mixed, 4)
+    assert topics[0] == "deploy/nginx/ssl.conf" and len(topics) == 4
+    many = [
+        Event("c", i, i, 10, i, UserMessage(f"src/mod_{i}.py has the invoice totals"))
+        for i in range(12)
+    ]
+    topics = extract_topics(many, 8)
+    assert len([t for t in topics if "/" in t]) == 6 and topics[-2:] == ("invoice", "totals")
+
+
+def test_hints_stored_in_an_older_format_are_extracted_again() -> None:
+    from torpor.compaction.markers import HINTS_FORMAT, decode_hints, encode_hints, hints_of
+
+    body = UserMessage("the quarterly budget review")
+    stored = encode_hints(body)
+    assert stored[0] == HINTS_FORMAT == 2
+    assert decode_hints(stored) == (1, "quarterly", 1, "budget", 1, "review")
+    old = bytes([1])  # format 1 (exact strings only) found nothing in this prose
+    assert decode_hints(old) is None
+    event = Event("c", 0, 1, 5, 0, body, hints=old)
+    assert hints_of(event) == decode_hints(stored)
+
+
+def test_stored_hints_keep_exact_strings_and_prose_words_apart() -> None:
+    from torpor.compaction.markers import PROSE_SAMPLE, encode_hints, hints_of, span_hints
+
+    mixed = UserMessage("the staging budget lives in deploy/nginx/ssl.conf")
+    stored = encode_hints(mixed)
+    event = Event("c", 0, 1, 5, 0, mixed, hints=stored)
+    assert hints_of(event) == (5, "deploy/nginx/ssl.conf", 1, "staging", 1, "budget", 1, "lives")
+    assert hints_of(event, prose=False) == (5, "deploy/nginx/ssl.conf")
+    prose = UserMessage("the quarterly budget review")
+    only = Event("c", 1, 1, 5, 0, prose, hints=encode_hints(prose))
+    assert hints_of(only, prose=False) == () and hints_of(only)[1] == "quarterly"
+    # A long span: exact strings of every event, prose words of an even sample.
+    span = [
+        Event("c", i, i, 5, i, UserMessage(f"invoice totals for client_{i}"))
+        for i in range(3 * PROSE_SAMPLE)
+    ]
+    hints = span_hints(span)
+    assert all(h[:2] == (3, f"client_{i}") for i, h in enumerate(hints))
+    assert sum(1 for h in hints if len(h) > 2) == PROSE_SAMPLE
+    topics = extract_topics(span, 8)
+    assert topics[-2:] == ("invoice", "totals")

@@ -148,3 +148,34 @@ async def test_audit_rebuild_matches_and_detects_changes(store: EventStore) -> N
     missing = replace(rendered.recipe, checkpoint_position=99)
     with pytest.raises(StoreError):
         await rebuild_rendered(store, "c", missing, "sys", POLICY, [RECALL_TOOL])
+
+
+async def test_expand_pages_a_50kb_result_in_full(store: EventStore) -> None:
+    big = "".join(f"line {i:05d} of the big result\n" for i in range(1_750))  # ~51 KB
+    assert len(big) > 50_000
+    await store.append(
+        "pages",
+        [
+            UserMessage("dump it"),
+            AssistantMessage("", (ToolCall("t1", "dump", {}),)),
+            ToolResult("t1", "dump", big),
+        ],
+    )
+    events = await expand(store, "pages", 2, 2)
+    read, offset, calls = [], 0, 0
+    while True:
+        page = format_events(events, 24_000, offset)
+        calls += 1
+        body, _, note = page.rpartition("\n[")
+        read.append(body)
+        assert "characters" in note
+        if "end of output" in note:
+            break
+        offset = int(note.split("offset=")[1].split(")")[0])
+        assert len(body) == 24_000
+    assert calls == 3
+    whole = "".join(read)
+    assert whole.endswith(big) and whole.count("line 01749 of") == 1
+    assert format_events(events, 24_000, 10**6).startswith("[offset 1000000 is past the end")
+    assert "offset" in EXPAND_TOOL.parameters["properties"]
+    assert "limit" in EXPAND_TOOL.parameters["properties"]

@@ -394,3 +394,41 @@ def test_apply_drops_folded_events_and_keeps_tokens_consistent() -> None:
     assert ws.estimated_bytes() < before
     with pytest.raises(ValueError):
         ws.apply(Checkpoint("c", 2, 0, 2))
+
+
+def test_stubs_cost_about_ten_tokens() -> None:
+    from torpor.compaction.slots import stub
+
+    for body in (
+        ToolResult("call_8f3a", "read_file", "x" * 5_000),
+        UserMessage("y" * 5_000),
+        AssistantMessage("z" * 5_000),
+    ):
+        short = stub(Event("c", 123_456, 1, 0, 0, body))
+        text = short.content if isinstance(short, ToolResult) else short.text
+        assert "expand(123456)" in text
+        assert count_text(text) <= 11, text
+
+
+def test_ceiling_stubs_tool_results_before_dialogue() -> None:
+    """Design source 001's eviction weights: under the hard ceiling, an old tool result is
+    stubbed before the older dialogue around it (which an oldest-first policy would take)."""
+    log = Log()
+    log.user("question " * 300)
+    log.call("c1")
+    log.result("c1", "data " * 1_500)
+    log.say("answer " * 300)
+    log.user("current " * 100)
+    policy = CompactionPolicy(
+        context_window=2_000,
+        max_output_tokens=500,
+        safety_margin=100,
+        working_budget=800,
+        clip_tokens=3_000,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert rendered.recipe.stubbed == (2,)  # the result only: question and answer stay whole
+    assert rendered.recipe.dropped == ()
+    assert_paired(rendered.messages)

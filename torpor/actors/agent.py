@@ -123,6 +123,7 @@ class Agent:
         "state",
         "store_failures",
         "task",
+        "topic",
         "turn",
         "waiter",
         "ws",
@@ -146,6 +147,7 @@ class Agent:
         self.turn = 0
         self.cycle = 0  # compaction cycles so far (checkpoints written)
         self.calls = 0  # model calls in the current turn
+        self.topic: str | None = None  # the last model call's topic label (its anatomy)
         self.pending: tuple[str, ...] = ()  # tool call ids awaiting an outside answer
         self.restarts = 0
         self.crash_times: tuple[float, ...] = ()

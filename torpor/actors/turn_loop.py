@@ -20,7 +20,15 @@ from torpor.actors.json_schema import schema_errors
 from torpor.actors.state import AgentState
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
-from torpor.compaction.recall import EXPAND_TOOL, RECALL_TOOL, expand, format_events, format_hits
+from torpor.compaction.anatomy import anatomy
+from torpor.compaction.recall import (
+    EXPAND_PAGE_CHARS,
+    EXPAND_TOOL,
+    RECALL_TOOL,
+    expand,
+    format_events,
+    format_hits,
+)
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.summarizer import summarize_fold
 from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreError
@@ -323,6 +331,18 @@ def _model_call(
         agent.calibration = min(4.0, max(0.5, reported / rendered.estimated_tokens))
         if reported > policy.compaction_trigger_ratio * policy.input_budget:
             agent.compact_requested = True
+    now_ms = int(time.time() * 1000)
+    ws = agent.ws
+    shape = anatomy(
+        agent.id,
+        agent.turn,
+        ws.tail if ws is not None else (),
+        ws.checkpoint if ws is not None else None,
+        rendered.messages,
+        now_ms,
+    )
+    changed = agent.topic is not None and shape.topic != agent.topic
+    agent.topic = shape.topic
     return ModelCall(
         conversation_id=agent.id,
         turn=agent.turn,
@@ -339,9 +359,14 @@ def _model_call(
         cache_write_tokens=usage.cache_write_tokens if usage is not None else None,
         latency_ms=(now - started) * 1000.0,
         ttft_ms=(first - started) * 1000.0 if first is not None else None,
-        created_at=int(time.time() * 1000),
+        created_at=now_ms,
         model=getattr(model, "name", type(model).__name__),
         error=error,
+        turn_id=shape.turn_id,
+        events_in_context=shape.events_in_context,
+        markers=shape.markers,
+        topic=shape.topic,
+        topic_changed=changed,
     )
 
 
@@ -412,7 +437,15 @@ async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
                 raise ValueError("expand needs integer 'start' <= 'end'")
             if end - start > 200:
                 raise ValueError("expand returns at most 200 events at once")
-            content = format_events(await expand(host.store, agent.id, start, end))
+            offset = args.get("offset", 0)
+            limit = args.get("limit", EXPAND_PAGE_CHARS)
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise ValueError("'offset' must be an integer >= 0")
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ValueError("'limit' must be a positive integer")
+            limit = min(limit, EXPAND_PAGE_CHARS)
+            events = await expand(host.store, agent.id, start, end)
+            content = format_events(events, limit, offset)
         return ToolResult(call.id, call.name, repair_text(content))
     except (ValueError, msgspec.ValidationError) as exc:
         return ToolResult(call.id, call.name, f"error: {exc}", is_error=True)

@@ -4,7 +4,8 @@ Without a conversation id: every conversation with its head, checkpoint
 position, event count and stored size. With one: its derived state, its
 checkpoints and their pointer markers, its last events, its model calls, the
 share of its prompt tokens the provider read from its prompt cache, and the
-anatomy (tokens per context section) of the most recent call.
+anatomy of the most recent call: tokens per context section, events and markers
+in context, its topic label (and whether it changed) and its time-sortable turn id.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ def _anatomy(call: ModelCall) -> dict[str, Any]:
         "estimated_prompt_tokens": call.estimated_prompt_tokens,
         "reported_prompt_tokens": call.reported_prompt_tokens,
         "utilization": call.utilization,
+        # Annex A.4 of design source 001 (None: a call recorded before torpor kept them)
+        "turn_id": call.turn_id or None,
+        "events_in_context": call.events_in_context,
+        "markers": call.markers,
+        "topic": call.topic,
+        "topic_changed": call.topic_changed,
     }
 
 
@@ -247,6 +254,25 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         for section, tokens in anatomy["sections"].items():
             table.add_row(section, f"{tokens:,}")
         console.print(table)
+        console.print(_anatomy_line(anatomy))
+
+
+def _anatomy_line(anatomy: dict[str, Any]) -> str:
+    """Events and markers in context, topic and turn id of the last call, on one line."""
+    def known(value: object) -> str:
+        return "-" if value is None else str(value)
+
+    topic = anatomy["topic"]
+    changed = anatomy["topic_changed"]
+    if topic is None:
+        topic_text = "-" if changed is None else "(none)"
+    else:
+        topic_text = topic + (" (changed)" if changed else "")
+    return (
+        f"in context: {known(anatomy['events_in_context'])} events, "
+        f"{known(anatomy['markers'])} markers; topic: {topic_text}; "
+        f"turn id: {known(anatomy['turn_id'])}"
+    )
 
 
 def _cache_line(cache: dict[str, Any]) -> str:

@@ -2,7 +2,9 @@
 
 A marker is not a summary. It names a span of the log (positions and times),
 a few exact strings found in it (paths, hashes, identifiers, parameters:
-the things a later query will want to match) and says how to get the span back.
+the things a later query will want to match), a few salient words when the span
+is prose (so a chat about deployments is not a marker without topics) and says
+how to get the span back.
 Markers of adjacent folds merge like a binary counter, so after C folds there
 are O(log C) of them and their total text stays small.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "make_marker",
     "merge_markers",
     "rank_topics",
+    "span_hints",
     "text_hints",
 ]
 
@@ -48,7 +51,40 @@ SCAN_CHARS = 2_048
 """Characters of one event scanned for hints: bounds the cost of one huge event."""
 
 HINTS_PER_EVENT = 4
-"""Candidates kept per event (the best by weight, then by order of appearance)."""
+"""Exact-string candidates kept per event (the best by weight, then by order of appearance)."""
+
+WORDS_PER_EVENT = 3
+"""Prose candidates kept per event besides them (the most repeated, then the first seen)."""
+
+PROSE_WEIGHT = 1
+"""The weight of a prose word, and only of one: how stored hints tell words from exact strings."""
+
+MIN_WORD_CHARS = 4
+
+# The background a word must stand out from: the commonest English words of four letters
+# or more, and chat filler. What is left of prose is what it is about.
+_COMMON_TEXT = """
+    able about above across actually after again against ago all almost along already also
+    although always among another any anyone anything anyway around away back based because
+    been before being below best better between both bring came cannot case come comes
+    could date days does doing done down during each either else enough even ever every
+    everything example fact feel find fine first five following four from full further gave
+    gets getting give given gives goes going gone good great had has have having hello help
+    here hers herself high himself hope however idea into isnt itself just keep kind know
+    known last later least less lets like likely line little long look looks looking made
+    make makes making many maybe mean means might mine more most much must myself need
+    needs never next nice nothing now okay once one ones only onto other others ours
+    ourselves over part please point possible pretty probably quite rather really right
+    said same says second see seems seen several shall should show since some someone
+    something soon sorry still such sure take taken takes tell tells than thank thanks that
+    thats their theirs them themselves then there these they thing things think this those
+    though three through thus time times today together told too took toward tried tries
+    true trying under unless until upon used uses using very want wants warm well went
+    were what whatever when where whether which while whole whom whose will with within
+    without wont work works would wrong year years yes yet your yours yourself yourselves
+"""
+_COMMON_WORDS = frozenset(_COMMON_TEXT.split())
+_PROSE_RE = re.compile(r"(?<![\w/.@#$%&=~\-])[A-Za-z][a-z]{3,}(?![\w/@#$%&=~\-]|\.\w)")
 
 _EXTENSIONS = (
     "py|pyi|js|ts|tsx|jsx|rs|go|java|rb|c|h|cc|cpp|hpp|md|rst|txt|json|yaml|yml|toml|ini|"
@@ -87,8 +123,9 @@ _WEIGHTS = {
     "dq": 3,
     "ident": 3,
     "acro": 2,
-    "cap": 1,
+    "cap": 2,
 }
+assert min(_WEIGHTS.values()) > PROSE_WEIGHT  # the weight alone tells a word from the rest
 _STRIP = frozenset(("path", "param", "url", "unit"))
 _TRAILING = ".,;:!?)]}'\""
 _COMMON_ACRONYMS = frozenset(("OK", "AM", "PM", "TODO", "FYI", "ID", "IDS"))
@@ -101,8 +138,27 @@ would cost a tuple object per candidate.
 """
 
 
-def text_hints(text: str, limit: int = HINTS_PER_EVENT) -> Hints:
-    """The best ``limit`` topic candidates of one text, as flattened (weight, topic)."""
+def _prose_words(text: str, taken: dict[str, int], limit: int) -> list[str]:
+    """The text's salient words, lowercased: not common English, not already a candidate;
+    the most repeated first, then by first appearance."""
+    counts: dict[str, int] = {}
+    seen = {topic.lower() for topic in taken}
+    for match in _PROSE_RE.finditer(text):
+        word = match.group().lower()
+        if word in _COMMON_WORDS or word in seen:
+            continue
+        counts[word] = counts.get(word, 0) + 1
+    if not counts:
+        return []
+    order = {word: i for i, word in enumerate(counts)}
+    return sorted(counts, key=lambda w: (-counts[w], order[w]))[:limit]
+
+
+def text_hints(
+    text: str, limit: int = HINTS_PER_EVENT, words: int = WORDS_PER_EVENT
+) -> Hints:
+    """The best ``limit`` exact-string candidates of one text, then up to ``words`` prose
+    words (weight :data:`PROSE_WEIGHT`), as flattened (weight, topic)."""
     if not text:
         return ()
     if len(text) > SCAN_CHARS:
@@ -121,14 +177,15 @@ def text_hints(text: str, limit: int = HINTS_PER_EVENT) -> Hints:
         weight = _WEIGHTS[kind]
         if found.get(topic, 0) < weight:
             found[topic] = weight
-    if not found:
-        return ()
     order = {topic: i for i, topic in enumerate(found)}
     best = sorted(found, key=lambda t: (-found[t], order[t]))[:limit]
     flat: list[int | str] = []
     for topic in best:
         flat.append(found[topic])
         flat.append(topic)
+    for word in _prose_words(text, found, words) if words > 0 else ():
+        flat.append(PROSE_WEIGHT)
+        flat.append(word)
     return tuple(flat)
 
 
@@ -165,14 +222,29 @@ def event_hints(event: Event, limit: int = HINTS_PER_EVENT) -> Hints:
     return text_hints(_hint_text(event.body), limit)
 
 
-HINTS_FORMAT = 1
+HINTS_FORMAT = 2
 """First byte of stored hints (:func:`encode_hints`): bump it whenever extraction changes
-(the pattern, the weights, :data:`SCAN_CHARS`, :data:`HINTS_PER_EVENT`), so hints stored by
-an older version are extracted again instead of trusted."""
+(the pattern, the weights, :data:`SCAN_CHARS`, :data:`HINTS_PER_EVENT`, the prose words), so
+hints stored by an older version are extracted again instead of trusted.
+1: exact strings only; 2: prose words too (weight :data:`PROSE_WEIGHT`)."""
 
 _FORMAT = bytes([HINTS_FORMAT])  # also what an event without candidates stores
+_NO_EXACT = _FORMAT + bytes(2)  # the prefix of stored hints with prose words only
 _hints_encoder = msgspec.msgpack.Encoder()
 _hints_decoder = msgspec.msgpack.Decoder(tuple[int | str, ...])
+
+PROSE_SAMPLE = 256
+"""Most events of a folded span whose prose words the fold reads (evenly spread): the
+span's salient words show in any such sample, and a fold over 10,000 events of chat
+must cost what it did before prose was mined (exact strings are read from every event)."""
+
+
+def _split(flat: Hints) -> int:
+    """Where the prose words of a flattened candidate list begin (they come last)."""
+    for i in range(0, len(flat), 2):
+        if flat[i] == PROSE_WEIGHT:
+            return i
+    return len(flat)
 
 
 def encode_hints(body: Body) -> bytes:
@@ -180,42 +252,84 @@ def encode_hints(body: Body) -> bytes:
 
     Extracted once, when the event is appended, so a fold reads them instead of
     scanning every folded event again: a revived agent folds as cheaply as a live
-    one. The format byte first, then msgpack of the flattened candidates (nothing
-    more when there are none: a one-byte ``bytes`` is a shared object).
+    one. The format byte first (nothing more when there are no candidates: a
+    one-byte ``bytes`` is a shared object); then the byte length of the exact
+    strings' section (2 bytes, big-endian), msgpack of the flattened exact strings
+    (absent when there are none) and msgpack of the flattened prose words (absent
+    when there are none). Two sections, so a fold reads the exact strings of every
+    event without decoding the words of each.
     """
     flat = text_hints(_hint_text(body))
     if not flat:
         return _FORMAT
-    return _FORMAT + _hints_encoder.encode(flat)
+    cut = _split(flat)
+    exact = _hints_encoder.encode(flat[:cut]) if cut else b""
+    prose = _hints_encoder.encode(flat[cut:]) if cut < len(flat) else b""
+    return _FORMAT + len(exact).to_bytes(2, "big") + exact + prose
+
+
+def _decode(stored: bytes, exact: bool, prose: bool) -> Hints | None:
+    """One or both sections of stored hints of this format; None when they do not decode."""
+    if len(stored) == 1:
+        return ()
+    if len(stored) < 3:
+        return None
+    size = int.from_bytes(stored[1:3], "big")
+    view = memoryview(stored)
+    try:
+        head = _hints_decoder.decode(view[3 : 3 + size]) if exact and size else ()
+        tail = _hints_decoder.decode(view[3 + size :]) if prose and len(stored) > 3 + size else ()
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # not ours after all: extract again
+    if 3 + size > len(stored):
+        return None
+    return head + tail if head and tail else head or tail
 
 
 def decode_hints(stored: bytes | None) -> Hints | None:
     """Candidates from :func:`encode_hints`, or None when there are none of this format."""
     if stored is None or stored[:1] != _FORMAT:
         return None
-    if len(stored) == 1:
-        return ()
-    try:
-        return _hints_decoder.decode(memoryview(stored)[1:])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None  # not ours after all: extract again
+    return _decode(stored, True, True)
 
 
-def hints_of(event: Event) -> Hints:
-    """An event's topic candidates: as stored at append, else extracted now (same result)."""
+def hints_of(event: Event, prose: bool = True) -> Hints:
+    """An event's topic candidates: as stored at append, else extracted now (same result).
+
+    ``prose=False``: its exact strings only (a prose-only event costs no decoding).
+    """
     stored = event.hints
     if stored == _FORMAT:  # the common case, settled without a call: nothing worth a hint
         return ()
-    flat = decode_hints(stored)
-    return event_hints(event) if flat is None else flat
+    if stored is not None and not prose and stored[:3] == _NO_EXACT:
+        return ()
+    flat = None if stored is None or stored[:1] != _FORMAT else _decode(stored, True, prose)
+    if flat is None:
+        flat = event_hints(event)
+        if not prose:
+            flat = flat[: _split(flat)]
+    return flat
+
+
+def span_hints(events: Sequence[Event]) -> list[Hints]:
+    """The candidates a fold ranks for a span, one per event: every event's exact strings,
+    and the prose words of at most :data:`PROSE_SAMPLE` events, evenly spread (a function
+    of the span alone, so a live and a revived working set fold to the same marker)."""
+    stride = max(1, -(-len(events) // PROSE_SAMPLE))
+    return [hints_of(e, prose=i % stride == 0) for i, e in enumerate(events)]
 
 
 def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
     """Up to ``limit`` topics of a span, best first: weight x events it appears in.
 
-    Ties go to the topic seen first, so the result depends only on the span.
+    Exact strings come first: they are what a later query misses. Prose words (the
+    salient words of each event, against common English) have ``limit // 4`` places
+    when there are exact strings to name, and every place when there are none, so a
+    span of plain conversation still says what it was about. Ties go to the topic
+    seen first, so the result depends only on the span.
     """
     scores: dict[str, int] = {}
+    prose: dict[str, int] = {}
     for flat in hints:
         if not flat:  # most events: a fold over thousands of them must not pay per event
             continue
@@ -224,10 +338,23 @@ def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
             assert isinstance(topic, str)
             weight = flat[i]
             assert isinstance(weight, int)
-            scores[topic] = scores.get(topic, 0) + weight
+            if weight == PROSE_WEIGHT:
+                prose[topic] = prose.get(topic, 0) + 1
+            else:
+                scores[topic] = scores.get(topic, 0) + weight
+    ranked = _best(scores, limit)
+    if not prose:
+        return ranked
+    exact = {topic.lower() for topic in ranked}
+    words = [w for w in _best(prose, limit) if w not in exact]
+    room = max(limit // 4, limit - len(ranked))
+    words = words[:room]
+    return (*ranked[: limit - len(words)], *words)
+
+
+def _best(scores: dict[str, int], limit: int) -> tuple[str, ...]:
     order = {topic: i for i, topic in enumerate(scores)}
-    ranked = sorted(scores, key=lambda t: (-scores[t], order[t]))
-    return tuple(ranked[:limit])
+    return tuple(sorted(scores, key=lambda t: (-scores[t], order[t]))[:limit])
 
 
 def extract_topics(events: Sequence[Event], limit: int = 8) -> tuple[str, ...]:
@@ -237,7 +364,7 @@ def extract_topics(events: Sequence[Event], limit: int = 8) -> tuple[str, ...]:
     parameters, backquoted code, identifiers, numbers with units, quoted
     strings, acronyms, capitalised terms (mid-sentence only).
     """
-    return rank_topics((event_hints(e) for e in events), limit)
+    return rank_topics(span_hints(events), limit)
 
 
 def make_marker(

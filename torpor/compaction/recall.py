@@ -30,14 +30,26 @@ from torpor.store.arguments import check_limit, check_position, search_query
 from torpor.store.clip import artifact_of, expanded
 from torpor.store.protocol import EventStore, SearchHit
 
-__all__ = ["EXPAND_TOOL", "RECALL_TOOL", "expand", "format_events", "format_hits", "recall"]
+__all__ = [
+    "EXPAND_PAGE_CHARS",
+    "EXPAND_TOOL",
+    "RECALL_TOOL",
+    "expand",
+    "format_events",
+    "format_hits",
+    "recall",
+]
+
+EXPAND_PAGE_CHARS = 24_000
+"""Most characters one expand call returns; longer output is read page by page."""
 
 RECALL_TOOL = ToolSpec(
     name="recall",
     description=(
         "Search this conversation's full history, including parts folded out of your "
         "context. Use exact strings when you have them (paths, hashes, identifiers). "
-        "Returns event positions, kinds, snippets and scores; read a hit in full with expand."
+        "Returns event positions, kinds, snippets and scores (0-1: share of the query "
+        "found); read a hit in full with expand."
     ),
     parameters={
         "type": "object",
@@ -54,13 +66,16 @@ EXPAND_TOOL = ToolSpec(
     name="expand",
     description=(
         "Read events of this conversation's history exactly as logged, from position "
-        "start to end (inclusive; at most 200 at once), large tool results in full."
+        "start to end (inclusive; at most 200 at once), large tool results in full, "
+        "in pages: a cut page names the offset to read on from."
     ),
     parameters={
         "type": "object",
         "properties": {
             "start": {"type": "integer", "minimum": 0},
             "end": {"type": "integer", "minimum": 0},
+            "offset": {"type": "integer", "minimum": 0},
+            "limit": {"type": "integer", "minimum": 1_000, "maximum": EXPAND_PAGE_CHARS},
         },
         "required": ["start"],
         "additionalProperties": False,
@@ -74,6 +89,9 @@ async def recall(
     store: EventStore, conversation_id: str, query: str, k: int = 10
 ) -> list[SearchHit]:
     """Full-text search over every event of the conversation, best first, scores exposed.
+
+    Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
+    so a confidence gate set once holds on SQLite and PostgreSQL alike.
 
     Bad arguments (``k`` not a positive int, ``query`` not a str) raise InvalidInput.
     """
@@ -111,7 +129,7 @@ def format_hits(hits: Sequence[SearchHit]) -> str:
     """Search hits as tool-result text: one line each, position first."""
     if not hits:
         return "No matches in this conversation's log. Try other words or exact strings."
-    lines = [f"{len(hits)} match(es), best first (higher score is better):"]
+    lines = [f"{len(hits)} match(es), best first (score: share of the query found, 0 to 1):"]
     for hit in hits:
         snippet = " ".join(hit.snippet.split())
         lines.append(
@@ -151,26 +169,43 @@ def _body_text(body: object) -> str:
     return repr(body)
 
 
-def format_events(events: Sequence[Event], max_chars: int = 24_000) -> str:
-    """Events as tool-result text, oldest first, cut at ``max_chars`` with a note."""
+def format_events(
+    events: Sequence[Event], max_chars: int = EXPAND_PAGE_CHARS, offset: int = 0
+) -> str:
+    """Events as tool-result text, oldest first: one page of at most ``max_chars`` characters.
+
+    The events render to one text; ``offset`` says where in it this page starts.
+    A page that does not reach the end says so and names the offset of the next
+    one, so a model reads a 50 KB tool result in full, a page at a time, with
+    nothing skipped or repeated (the footer is not part of the paged text).
+    """
     if not events:
         return "No events in that range."
-    chunks: list[str] = []
-    used = 0
-    for event in events:
-        chunk = (
-            f"--- event {event.position} (turn {event.turn}, {_when(event.created_at)}) ---\n"
-            f"{_body_text(event.body)}"
+    if max_chars < 1:
+        raise InvalidInput("limit", f"{max_chars} is not a positive number of characters")
+    check_position(offset, "offset")
+    text = "\n".join(
+        f"--- event {event.position} (turn {event.turn}, {_when(event.created_at)}) ---\n"
+        f"{_body_text(event.body)}"
+        for event in events
+    )
+    total = len(text)
+    if offset >= total and offset > 0:
+        return (
+            f"[offset {offset} is past the end: the output of events "
+            f"{events[0].position}\u2013{events[-1].position} has {total} characters]"
         )
-        if used + len(chunk) > max_chars:
-            room = max_chars - used
-            if room > 200:
-                chunks.append(chunk[:room])
-            chunks.append(
-                f"[output cut at {max_chars} characters before the end of event "
-                f"{event.position}; expand a smaller range]"
-            )
-            break
-        chunks.append(chunk)
-        used += len(chunk) + 1
-    return "\n".join(chunks)
+    end = min(total, offset + max_chars)
+    page = text[offset:end]
+    if offset == 0 and end == total:
+        return page
+    first, last = events[0].position, events[-1].position
+    note = f"[characters {offset}\u2013{end} of {total}"
+    if end < total:
+        note += (
+            f"; output cut here, call expand(start={first}, end={last}, offset={end}) "
+            "to read on]"
+        )
+    else:
+        note += "; end of output]"
+    return f"{page}\n{note}"

@@ -40,8 +40,10 @@ __all__ = [
     "tools_digest",
 ]
 
-RECIPE_VERSION = 2
-"""1: the payload hash is sha256 of msgpack((messages, tools)); 2: the hash chain."""
+RECIPE_VERSION = 3
+"""1: the payload hash is sha256 of msgpack((messages, tools)); 2: the hash chain;
+3: the same chain, with ~10-token stubs (a rebuild of a version 1 or 2 recipe renders
+the ~18-token stubs those calls were sent)."""
 
 CHAIN_SEED = hashlib.sha256(b"torpor rendered context, hash chain v2").digest()
 
@@ -120,7 +122,7 @@ def payload_hash(
     version: int = RECIPE_VERSION,
 ) -> str:
     """The hash of exactly what the model is given, as recipes of ``version`` record it."""
-    if version == 2:
+    if version in (2, 3):  # 3: the same chain; its stubs are the ~10-token ones
         state = CHAIN_SEED
         for message in messages:
             state = chain(state, message)

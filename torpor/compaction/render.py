@@ -4,7 +4,8 @@ Two steps, so the audit can replay the second one from the log:
 
 * ``plan`` decides, by log position, what to stub, clip or drop (the recipe):
   old tool results become stubs, oversized messages are clipped, and if the
-  whole still exceeds the hard ceiling, older turns are stubbed, then dropped,
+  whole still exceeds the hard ceiling, older events are stubbed by kind (tool
+  results first, then tool calls, then dialogue), then older turns are dropped,
   then the current user message is cut;
 * ``materialize`` turns events plus those decisions into messages, section
   sizes and the payload hash.
@@ -34,7 +35,7 @@ from torpor.compaction.slots import (
 )
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
 from torpor.errors import ConfigError
-from torpor.events import Event, ToolResult, UserMessage
+from torpor.events import AssistantMessage, Event, ToolResult, UserMessage
 from torpor.llm.protocol import ContextMessage, SystemMessage, ToolSpec
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from torpor.store.protocol import Checkpoint
 
 __all__ = [
+    "EVICTION_WEIGHTS",
     "INTERRUPTED_RESULT",
     "Decisions",
     "ceiling_of",
@@ -110,22 +112,28 @@ def plan(
 
     d.ceiling_enforced = True
     groups = _groups(slots, last_user)
-    # 1. Stub whole groups, oldest first.
-    for members in groups:
+    # 1. Stub by kind, as design source 001 weighs eviction (section 5.1): tool results
+    # first (the largest, and recall finds them), then tool calls, then dialogue, then
+    # results already clipped into artifacts (a pointer already); oldest first within a
+    # kind. The system prompt, the markers and the current ask are never stubbed.
+    for tier in range(len(EVICTION_WEIGHTS)):
         if total <= ceiling:
             break
-        for k in members:
-            index, _, call = slots[k]
-            if call is not None:
-                continue
-            pos = events[index].position
-            if pos in d.stubbed:
-                continue
-            d.stubbed.add(pos)
-            d.clipped.pop(pos, None)
-            new = slot_cost(slots[k], events, d, encoding)
-            total += new - costs[k]
-            costs[k] = new
+        for members in groups:
+            if total <= ceiling:
+                break
+            for k in members:
+                index, _, call = slots[k]
+                if call is not None or _tier(events[index]) != tier:
+                    continue
+                pos = events[index].position
+                if pos in d.stubbed:
+                    continue
+                d.stubbed.add(pos)
+                d.clipped.pop(pos, None)
+                new = slot_cost(slots[k], events, d, encoding)
+                total += new - costs[k]
+                costs[k] = new
     # 2. Drop whole groups, oldest first.
     for members in groups:
         if total <= ceiling:
@@ -152,6 +160,26 @@ def plan(
             f"under the hard ceiling of {ceiling} tokens",
         )
     return d
+
+
+EVICTION_WEIGHTS = (
+    ("tool result", 1.0),
+    ("tool call", 0.8),
+    ("message", 0.5),
+    ("artifact reference", 0.3),
+)
+"""Design source 001's eviction weights (Table A), highest first: the order in which the
+hard ceiling stubs what it must (system prompt, markers and the current ask: never)."""
+
+
+def _tier(event: Event) -> int:
+    """The index of an event's kind in :data:`EVICTION_WEIGHTS`."""
+    body = event.body
+    if type(body) is ToolResult:
+        return 3 if body.artifact is not None else 0
+    if type(body) is AssistantMessage and body.tool_calls:
+        return 1
+    return 2
 
 
 def ceiling_of(policy: CompactionPolicy, calibration: float) -> int:
@@ -265,4 +293,5 @@ def decisions_of(recipe: Recipe) -> Decisions:
         clipped=dict(recipe.clipped),
         dropped=set(recipe.dropped),
         ceiling_enforced=recipe.ceiling_enforced,
+        legacy_stubs=recipe.version < 3,
     )

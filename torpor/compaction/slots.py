@@ -70,6 +70,7 @@ class Decisions(msgspec.Struct, gc=False):
     clipped: dict[int, int]  # position -> tokens kept
     dropped: set[int]
     ceiling_enforced: bool = False
+    legacy_stubs: bool = False  # stubs as recipes before version 3 rendered them (a rebuild)
 
 
 def layout(events: Sequence[Event]) -> tuple[list[Slot], list[int]]:
@@ -117,7 +118,30 @@ def layout(events: Sequence[Event]) -> tuple[list[Slot], list[int]]:
 # --- what one slot renders to -------------------------------------------------------
 
 
-def stub(event: Event) -> ContextMessage:
+def stub(event: Event, legacy: bool = False) -> ContextMessage:
+    """What an elided event renders to: about 10 tokens naming its position.
+
+    The stub says only how to get the event back (``expand(position)``); the tool's
+    name and call id stay on the message itself. ``legacy``: the ~18-token wording
+    of recipes before version 3, so an audit rebuild of an older call still matches.
+    """
+    body = event.body
+    pos = event.position
+    if legacy:
+        return _legacy_stub(event)
+    if isinstance(body, ToolResult):
+        return ToolResult(
+            body.call_id, body.tool, f"[result elided: expand({pos})]", is_error=body.is_error
+        )
+    if isinstance(body, UserMessage):
+        return UserMessage(f"[user message elided: expand({pos})]")
+    calls: tuple[ToolCall, ...] = ()
+    if isinstance(body, AssistantMessage):
+        calls = tuple(ToolCall(c.id, c.name, {}) for c in body.tool_calls)
+    return AssistantMessage(f"[message elided: expand({pos})]", calls)
+
+
+def _legacy_stub(event: Event) -> ContextMessage:
     body = event.body
     pos = event.position
     if isinstance(body, ToolResult):
@@ -235,7 +259,7 @@ def slot_cost(slot: Slot, events: Sequence[Event], d: Decisions, encoding: str) 
     event = events[index]
     pos = event.position
     if pos in d.stubbed:
-        return stub_cost(stub(event), encoding)
+        return stub_cost(stub(event, d.legacy_stubs), encoding)
     keep = d.clipped.get(pos)
     if keep is not None:
         return clipped_cost(event, keep, encoding)
@@ -276,7 +300,7 @@ def slot_message(
     event = events[index]
     pos = event.position
     if pos in d.stubbed:
-        return stub(event)
+        return stub(event, d.legacy_stubs)
     keep = d.clipped.get(pos)
     if keep is not None:
         return clipped(event, keep, encoding)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from torpor.compaction.footprint import checkpoint_bytes, event_bytes, str_bytes, tail_bytes
 from torpor.compaction.incremental import TailCache
-from torpor.compaction.markers import Hints, handoff_text, hints_of
+from torpor.compaction.markers import Hints, handoff_text, span_hints
 from torpor.compaction.order import in_turn_order
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
 from torpor.compaction.render import ceiling_of, materialize, plan
@@ -149,8 +149,9 @@ class WorkingSet:
         return ()
 
     def hints(self, start: int, stop: int) -> list[Hints]:
-        """Topic candidates of tail[start:stop] (as stored at append, else extracted now)."""
-        return [hints_of(e) for e in self._tail[start:stop]]
+        """Topic candidates of tail[start:stop] as a fold ranks them (see :func:`span_hints`):
+        as stored at append, else extracted now."""
+        return span_hints(self._tail[start:stop])
 
     def turn_starts(self) -> list[int]:
         """Tail indices where a fold may cut, ascending: :func:`~torpor.compaction.fold.

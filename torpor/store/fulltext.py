@@ -10,8 +10,18 @@ them higher, which is what recall wants.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
-__all__ = ["MAX_QUERY_TERMS", "first_match", "match_expression", "query_terms", "snippet"]
+__all__ = [
+    "MAX_QUERY_TERMS",
+    "PARTIAL_CREDIT",
+    "calibrated",
+    "coverage",
+    "first_match",
+    "match_expression",
+    "query_terms",
+    "snippet",
+]
 
 _WORD = re.compile(r"\w+")
 SNIPPET_CHARS = 160
@@ -21,6 +31,60 @@ MAX_QUERY_TERMS = 64  # more is not a query but a document; FTS5 would refuse th
 def query_terms(query: str) -> list[str]:
     """Whitespace-separated terms that contain at least one word character (the first 64)."""
     return [term for term in query.split() if _WORD.search(term)][:MAX_QUERY_TERMS]
+
+
+PARTIAL_CREDIT = 0.5
+"""Credit for a query term whose words all occur in a hit, but not as the phrase."""
+
+_TOKEN = re.compile(r"[^\W_]+")  # what both indexes split on: letters and digits, not "_"
+
+
+def _tokens(text: str) -> str:
+    """The text's index tokens, lowercased, joined and framed by single spaces."""
+    return " " + " ".join(_TOKEN.findall(text.lower())) + " "
+
+
+def coverage(text: str, query: str) -> float:
+    """How much of ``query`` the text holds, from 0 to 1: the mean over query terms of
+    1 (the term's tokens occur in order, as both indexes match a term), 0.5 (all of its
+    words occur, apart: PostgreSQL's identifier fallback) or 0.
+
+    Computed from the text alone, the same way for every backend: the basis of the
+    calibrated score (:func:`calibrated`).
+    """
+    terms = query_terms(query)
+    if not terms:
+        return 0.0
+    tokens = _tokens(text)
+    words = set(tokens.split())
+    total = 0.0
+    for term in terms:
+        parts = _TOKEN.findall(term.lower())
+        if not parts:
+            continue
+        if " " + " ".join(parts) + " " in tokens:
+            total += 1.0
+        elif all(part in words for part in parts):
+            total += PARTIAL_CREDIT
+    return total / len(terms)
+
+
+def calibrated(coverages: Sequence[float]) -> list[float]:
+    """Scores on the one scale every backend reports, for hits in the backend's order.
+
+    The scale: a hit's score is the share of the query it holds (:func:`coverage`;
+    1.0: every term, as written), capped by the score of every hit the backend ranked
+    above it. So scores never rise down a result list (monotone with the backend's own
+    ranking, bm25 or ts_rank), a threshold keeps a prefix of it, and the same hit scores
+    the same on SQLite and PostgreSQL wherever the two rank it below no hit that holds
+    less of the query (the raw ``rank`` stays on the hit, in the backend's own units).
+    """
+    out: list[float] = []
+    ceiling = 1.0
+    for value in coverages:
+        ceiling = min(ceiling, value)
+        out.append(round(ceiling, 6))
+    return out
 
 
 def match_expression(query: str) -> str | None:

@@ -75,7 +75,10 @@ class SearchHit(msgspec.Struct, frozen=True, gc=False):
     turn: int
     created_at: int
     snippet: str
-    score: float  # higher is better (bm25 negated on SQLite)
+    # 0 to 1, the same scale on every backend: the share of the query the hit holds,
+    # never above a better-ranked hit's (torpor.store.fulltext.calibrated).
+    score: float
+    rank: float = 0.0  # the backend's own relevance (bm25 negated; ts_rank): higher is better
 
 
 class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
@@ -93,6 +96,8 @@ class ModelCall(msgspec.Struct, frozen=True, gc=False):
 
     ``cache_read_tokens`` / ``cache_write_tokens``: of the reported prompt, what the
     provider read from / wrote to its prompt cache (None: not reported).
+    ``turn_id`` … ``topic_changed``: the call's anatomy (None: a row written before
+    torpor recorded it).
     ``purpose``: ``"turn"`` for a call that answers the conversation (its recipe
     rebuilds what it was sent), ``"summary"`` for a summarizer's call at a fold
     (its recipe names the folded span; its prompt is the summarizer's own).
@@ -117,6 +122,13 @@ class ModelCall(msgspec.Struct, frozen=True, gc=False):
     cache_read_tokens: int | None = None
     cache_write_tokens: int | None = None
     purpose: str = "turn"
+    # The anatomy of design source 001, Annex A.4 (torpor.compaction.anatomy). Added
+    # last, with defaults, so rows written before them still decode (as unknown).
+    turn_id: str = ""  # time-sortable (ULID-shaped), the same on every call of the turn
+    events_in_context: int | None = None  # conversation messages rendered
+    markers: int | None = None  # time-range markers in context
+    topic: str | None = None  # the turn's detected topic (its best topic hint)
+    topic_changed: bool | None = None  # the topic differs from the previous call's
 
 
 class PendingCall(msgspec.Struct, frozen=True, gc=False):

@@ -15,10 +15,12 @@ from __future__ import annotations
 import zlib
 from typing import Any, Protocol
 
+import msgspec
+
 from torpor.errors import StoreError, UnknownArtifact
 from torpor.events import Event, decode_body, kind_of, searchable_text
 from torpor.store.clip import artifact_of, expanded
-from torpor.store.fulltext import first_match, snippet
+from torpor.store.fulltext import calibrated, coverage, snippet
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.protocol import (
     Checkpoint,
@@ -197,27 +199,33 @@ async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
     terms, identifiers = search_terms(query)
     if not terms:
         return []
-    hits = []
+    found: list[tuple[SearchHit, float]] = []
     for position, score, turn, created_at, data in await db.fetch(
         _SEARCH, name, terms, identifiers, k
     ):
         body = decode_body(data, conversation_id=name, position=position)
         text = searchable_text(body)
+        share = coverage(text, query)
         artifact = artifact_of(body)
-        if artifact is not None and first_match(text, query) < 0:  # beyond the preview
+        if artifact is not None and share < 1.0:  # the rest may lie beyond the preview
             full = await get_artifact(db, artifact)
             text = searchable_text(expanded(body, full.decode("utf-8", "replace")))
-        hits.append(
-            SearchHit(
-                position=position,
-                kind=kind_of(body),
-                turn=turn,
-                created_at=created_at,
-                snippet=snippet(text, query),
-                score=float(score),
-            )
+            share = coverage(text, query)
+        hit = SearchHit(
+            position=position,
+            kind=kind_of(body),
+            turn=turn,
+            created_at=created_at,
+            snippet=snippet(text, query),
+            score=0.0,
+            rank=float(score),
         )
-    return hits
+        found.append((hit, share))
+    scores = calibrated([share for _, share in found])
+    return [
+        msgspec.structs.replace(hit, score=score)
+        for (hit, _), score in zip(found, scores, strict=True)
+    ]
 
 
 async def get_artifact(db: Reader, artifact_id: str) -> bytes:

@@ -18,10 +18,12 @@ import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
+import msgspec
+
 from torpor.errors import StoreError, UnknownArtifact
 from torpor.events import Body, Event, decode_body, kind_of, searchable_text
 from torpor.store.clip import artifact_of, expanded
-from torpor.store.fulltext import first_match, snippet
+from torpor.store.fulltext import calibrated, coverage, snippet
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -176,7 +178,7 @@ def search(
             "AND rowid BETWEEN ? AND ? ORDER BY bm25(events_fts) LIMIT ?",
             (expression, low, low | 0xFFFFFFFF, k),
         ).fetchall()
-        hits = []
+        found_hits: list[tuple[SearchHit, float]] = []
         for rowid, bm25 in matches:
             position = rowid & 0xFFFFFFFF
             event = conn.execute(
@@ -188,19 +190,25 @@ def search(
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
             text = searchable_text(body)
-            if artifact_of(body) is not None:
+            share = coverage(text, query)
+            if artifact_of(body) is not None and share < 1.0:  # the rest may lie beyond
                 text = _full_text(conn, body, text, query)
-            hits.append(
-                SearchHit(
-                    position=position,
-                    kind=kind_of(body),
-                    turn=int(event[0]),
-                    created_at=int(event[1]),
-                    snippet=snippet(text, query),
-                    score=-float(bm25),
-                )
+                share = coverage(text, query)
+            hit = SearchHit(
+                position=position,
+                kind=kind_of(body),
+                turn=int(event[0]),
+                created_at=int(event[1]),
+                snippet=snippet(text, query),
+                score=0.0,
+                rank=-float(bm25),
             )
-        return hits
+            found_hits.append((hit, share))
+        scores = calibrated([share for _, share in found_hits])
+        return [
+            msgspec.structs.replace(hit, score=score)
+            for (hit, _), score in zip(found_hits, scores, strict=True)
+        ]
 
     return _snapshot(conn, read)
 
@@ -208,7 +216,7 @@ def search(
 def _full_text(conn: sqlite3.Connection, body: Body, preview: str, query: str) -> str:
     """A clipped body's full searchable text when the match lies beyond its preview."""
     artifact = artifact_of(body)
-    if first_match(preview, query) >= 0 or artifact is None:
+    if artifact is None:
         return preview
     data = get_artifact(conn, artifact)
     return searchable_text(expanded(body, data.decode("utf-8", "replace")))
