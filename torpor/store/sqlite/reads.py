@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
-from torpor.errors import StoreError, UnknownArtifact
-from torpor.events import Body, Event, decode_body, kind_of, searchable_text
-from torpor.store.clip import artifact_of, expanded
-from torpor.store.fulltext import first_match, snippet
+from torpor.errors import StoreError
+from torpor.events import Event, decode_body, searchable_text
+from torpor.store.hits import artifact_bytes, beyond_preview, expanded_text, search_hit
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -188,15 +186,17 @@ def search(
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
             text = searchable_text(body)
-            if artifact_of(body) is not None:
-                text = _full_text(conn, body, text, query)
+            artifact = beyond_preview(body, text, query)
+            if artifact is not None:
+                text = expanded_text(body, get_artifact(conn, artifact))
             hits.append(
-                SearchHit(
+                search_hit(
+                    body,
                     position=position,
-                    kind=kind_of(body),
                     turn=int(event[0]),
                     created_at=int(event[1]),
-                    snippet=snippet(text, query),
+                    text=text,
+                    query=query,
                     score=-float(bm25),
                 )
             )
@@ -205,23 +205,9 @@ def search(
     return _snapshot(conn, read)
 
 
-def _full_text(conn: sqlite3.Connection, body: Body, preview: str, query: str) -> str:
-    """A clipped body's full searchable text when the match lies beyond its preview."""
-    artifact = artifact_of(body)
-    if first_match(preview, query) >= 0 or artifact is None:
-        return preview
-    data = get_artifact(conn, artifact)
-    return searchable_text(expanded(body, data.decode("utf-8", "replace")))
-
-
 def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:
     row = conn.execute("SELECT data FROM artifacts WHERE id = ?", (artifact_id,)).fetchone()
-    if row is None:
-        raise UnknownArtifact(artifact_id)
-    try:
-        return zlib.decompress(row[0])
-    except zlib.error as exc:
-        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
+    return artifact_bytes(artifact_id, None if row is None else row[0])
 
 
 def model_calls(
