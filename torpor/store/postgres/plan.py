@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
+from torpor.errors import ConflictError, IdempotencyConflict, StoreError
 from torpor.events import Body, Event
+from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
 from torpor.store.pending import INDEXED_KINDS, PendingChanges
 from torpor.store.postgres.lexemes import document_chunks
@@ -298,12 +299,7 @@ class CheckpointOp:
     def plan(self, view: View) -> Plan:
         cp = self.checkpoint
         state = view.state(cp.conversation_id)
-        if not 0 <= cp.position <= state.head + 1:
-            raise InvalidInput(
-                "checkpoint.position",
-                f"{cp.position} is outside conversation {cp.conversation_id!r} "
-                f"(head {state.head})",
-            )
+        check_checkpoint_reach(cp, state.head)
         writes = Writes()
         writes.checkpoints.append(
             (cp.conversation_id, cp.position, cp.created_at, encode_checkpoint(cp))

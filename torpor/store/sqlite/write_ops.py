@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
+from torpor.errors import ConflictError, IdempotencyConflict, StoreError
 from torpor.events import Body, Event
+from torpor.store.admit import check_checkpoint_reach
 from torpor.store.pending import INDEXED_KINDS
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -173,12 +174,7 @@ class CheckpointOp:
     def plan(self, batch: Batch) -> Plan:
         cp = self.checkpoint
         state = batch.conversation(cp.conversation_id)
-        if not 0 <= cp.position <= state.head + 1:
-            raise InvalidInput(
-                "checkpoint.position",
-                f"{cp.position} is outside conversation {cp.conversation_id!r} "
-                f"(head {state.head})",
-            )
+        check_checkpoint_reach(cp, state.head)
         writes = batch.creating(cp.conversation_id, state)
         writes.append(
             (
