@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import msgspec
 
 from torpor.errors import ConflictError, IdempotencyConflict, StoreError
-from torpor.events import Body, Event
+from torpor.events import Body
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
 from torpor.store.pending import INDEXED_KINDS, PendingChanges
@@ -275,13 +275,7 @@ class AppendOp:
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
-        if not self.with_events:
-            return list(range(first, first + len(events)))
-        name = self.append.conversation_id
-        return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
-            for i, e in enumerate(events)
-        ]
+        return self.append.result(first, events, self.with_events)
 
 
 @dataclass(frozen=True, slots=True)

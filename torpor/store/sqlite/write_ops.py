@@ -117,13 +117,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
-        if not self.with_events:
-            return list(range(first, first + len(events)))
-        name = self.append.conversation_id
-        return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
-            for i, e in enumerate(events)
-        ]
+        return self.append.result(first, events, self.with_events)
 
     def _replay(self, batch: Batch, key: int, idem: str) -> list[Any] | None:
         """The first append with this key, if there was one: its positions or events.
