@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import structlog
 from pg_cluster import PgCluster, pg_cluster  # noqa: F401 - the session fixture
-from store_backends import Backend
+from store_backends import AnyStore, Backend
 
 from torpor.store import SQLiteStore
 
@@ -61,7 +61,26 @@ def pg_database(pg_cluster: PgCluster) -> str:  # noqa: F811
 @pytest.fixture(params=["sqlite", "postgres"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     """The same test on a real SQLite file and on a fresh schema of the real cluster."""
-    if request.param == "sqlite":
+    return await _backend(request, request.param, tmp_path)
+
+
+@pytest.fixture(params=["sqlite-memory", "sqlite-file", "postgres"])
+async def any_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """Every backend a store runs on: SQLite in memory and in a file, and PostgreSQL."""
+    if request.param == "sqlite-memory":
+        return Backend("sqlite", None)
+    return await _backend(request, request.param.removesuffix("-file"), tmp_path)
+
+
+@pytest.fixture
+async def store(any_backend: Backend) -> AsyncIterator[AnyStore]:
+    """An open store with default options, on each backend (the contract suite's fixture)."""
+    async with any_backend.open() as opened:
+        yield opened
+
+
+async def _backend(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> Backend:
+    if name == "sqlite":
         return Backend("sqlite", str(tmp_path / "log.db"))
     asyncpg = pytest.importorskip("asyncpg")
     database: str = request.getfixturevalue("pg_database")

@@ -1,4 +1,7 @@
-"""Appends: store-assigned dense positions, group commit, conflicts, idempotency, bad input."""
+"""Appends: store-assigned dense positions, group commit, conflicts, idempotency, bad input.
+
+A contract: every test runs on each backend (see store_backends.py).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,36 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from store_backends import AnyStore, Backend
 
 from torpor import ConflictError, EventTooLarge, InvalidInput, StoreError
 from torpor.events import AssistantMessage, ToolCall, UserMessage
 from torpor.store import SQLiteStore
 
+POISON_SQLITE = (
+    "CREATE TRIGGER poison BEFORE INSERT ON events WHEN instr(NEW.body, 'poison') > 0"
+    " BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"
+)
+POISON_POSTGRES = (
+    """
+    CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF position('poison' IN encode(NEW.body, 'escape')) > 0 THEN
+            RAISE EXCEPTION 'poisoned row';
+        END IF;
+        RETURN NEW;
+    END $$
+    """,
+    "CREATE TRIGGER poison BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION poison()",
+)
+
+
+def text_of(event: object) -> str:
+    return str(event.body.text)  # type: ignore[attr-defined]
+
 
 async def test_concurrent_appenders_get_dense_unique_positions_and_their_own(
-    sqlite_store: SQLiteStore,
+    store: AnyStore,
 ) -> None:
     conversations, appenders, rounds = 20, 5, 8  # 5 writers per conversation
 
@@ -23,63 +48,63 @@ async def test_concurrent_appenders_get_dense_unique_positions_and_their_own(
     async def appender(conv: int, writer: int) -> None:
         for step in range(rounds):
             texts = [f"c{conv} w{writer} s{step} e{i}" for i in range(1 + step % 3)]
-            positions = await sqlite_store.append(f"conv-{conv}", [UserMessage(t) for t in texts])
+            positions = await store.append(f"conv-{conv}", [UserMessage(t) for t in texts])
             assert positions == list(range(positions[0], positions[0] + len(texts)))
             told[conv].extend(zip(positions, texts, strict=True))
 
     await asyncio.gather(*(appender(c, w) for c in range(conversations) for w in range(appenders)))
     for conv in range(conversations):
-        log = await sqlite_store.read_since(f"conv-{conv}", 0)
+        log = await store.read_since(f"conv-{conv}", 0)
         assert [e.position for e in log] == list(range(len(log)))  # dense, from 0
         assert len(told[conv]) == len(log)  # every acknowledged event, no more
         stored = {e.position: e.body for e in log}
         for position, text in told[conv]:  # each caller was told where *its* event went
             assert stored[position] == UserMessage(text)
-        assert await sqlite_store.head(f"conv-{conv}") == len(log) - 1
-    writer = sqlite_store._writer
+        assert await store.head(f"conv-{conv}") == len(log) - 1
+    writer = store._writer
     assert writer is not None and writer.largest_batch > 1  # appends were grouped
 
 
-async def test_expect_head_conflict_writes_nothing(sqlite_store: SQLiteStore) -> None:
-    assert await sqlite_store.append("c", [UserMessage("a")], expect_head=-1) == [0]
-    assert await sqlite_store.append("c", [UserMessage("b")], expect_head=0) == [1]
+async def test_expect_head_conflict_writes_nothing(store: AnyStore) -> None:
+    assert await store.append("c", [UserMessage("a")], expect_head=-1) == [0]
+    assert await store.append("c", [UserMessage("b")], expect_head=0) == [1]
     with pytest.raises(ConflictError) as caught:
-        await sqlite_store.append("c", [UserMessage("stale")], expect_head=0)
+        await store.append("c", [UserMessage("stale")], expect_head=0)
     assert (caught.value.expected, caught.value.actual) == (0, 1)
     with pytest.raises(ConflictError):
-        await sqlite_store.append("c", [UserMessage("not empty")], expect_head=-1)
+        await store.append("c", [UserMessage("not empty")], expect_head=-1)
     with pytest.raises(ConflictError):
-        await sqlite_store.append("new", [UserMessage("x")], expect_head=3)
-    assert [e.body for e in await sqlite_store.read_since("c", 0)] == [
+        await store.append("new", [UserMessage("x")], expect_head=3)
+    assert [e.body for e in await store.read_since("c", 0)] == [
         UserMessage("a"),
         UserMessage("b"),
     ]
-    assert await sqlite_store.conversation("new") is None  # a refused append creates nothing
-    assert await sqlite_store.append("c", [UserMessage("c")], expect_head=None) == [2]
+    assert await store.conversation("new") is None  # a refused append creates nothing
+    assert await store.append("c", [UserMessage("c")], expect_head=None) == [2]
 
 
-async def test_second_writer_with_the_same_expected_head_loses(sqlite_store: SQLiteStore) -> None:
-    await sqlite_store.append("c", [UserMessage("a")])
+async def test_second_writer_with_the_same_expected_head_loses(store: AnyStore) -> None:
+    await store.append("c", [UserMessage("a")])
     outcomes = await asyncio.gather(
-        sqlite_store.append("c", [UserMessage("first")], expect_head=0),
-        sqlite_store.append("c", [UserMessage("second")], expect_head=0),
+        store.append("c", [UserMessage("first")], expect_head=0),
+        store.append("c", [UserMessage("second")], expect_head=0),
         return_exceptions=True,
     )
     assert outcomes[0] == [1]
     assert isinstance(outcomes[1], ConflictError)
-    assert len(await sqlite_store.read_since("c", 0)) == 2
+    assert len(await store.read_since("c", 0)) == 2
 
 
-async def test_invalid_append_in_a_batch_fails_only_itself(sqlite_store: SQLiteStore) -> None:
-    await sqlite_store.append("a", [UserMessage("seed")])
-    writer = sqlite_store._writer
+async def test_invalid_append_in_a_batch_fails_only_itself(store: AnyStore) -> None:
+    await store.append("a", [UserMessage("seed")])
+    writer = store._writer
     assert writer is not None
     before = writer.batches
     outcomes = await asyncio.gather(
-        sqlite_store.append("a", [UserMessage("ok 1")]),
-        sqlite_store.append("a", [UserMessage("conflict")], expect_head=7),
-        sqlite_store.append("b", [UserMessage("ok 2")]),
-        sqlite_store.append("a", [UserMessage("ok 3")], expect_head=1),
+        store.append("a", [UserMessage("ok 1")]),
+        store.append("a", [UserMessage("conflict")], expect_head=7),
+        store.append("b", [UserMessage("ok 2")]),
+        store.append("a", [UserMessage("ok 3")], expect_head=1),
         return_exceptions=True,
     )
     assert writer.batches == before + 1  # all four were in one transaction
@@ -87,24 +112,18 @@ async def test_invalid_append_in_a_batch_fails_only_itself(sqlite_store: SQLiteS
     assert isinstance(outcomes[1], ConflictError)
     assert outcomes[2] == [0]
     assert outcomes[3] == [2]  # planned against the head without the refused append
-    assert [e.body.text for e in await sqlite_store.read_since("a", 0)] == [  # type: ignore[union-attr]
+    assert [e.body.text for e in await store.read_since("a", 0)] == [  # type: ignore[union-attr]
         "seed",
         "ok 1",
         "ok 3",
     ]
 
 
-async def test_a_write_that_fails_in_sqlite_fails_alone(tmp_path: Path) -> None:
-    path = tmp_path / "log.db"
-    async with SQLiteStore(str(path)) as store:
+async def test_a_write_the_database_refuses_fails_alone(backend: Backend) -> None:
+    async with backend.open() as store:
         await store.append("a", [UserMessage("seed")])
-        raw = sqlite3.connect(path)
-        raw.execute(
-            "CREATE TRIGGER poison BEFORE INSERT ON events WHEN instr(NEW.body, 'poison') > 0"
-            " BEGIN SELECT RAISE(ABORT, 'poisoned row'); END"
-        )
-        raw.commit()
-        raw.close()
+        for statement in POISON_POSTGRES if backend.postgres else (POISON_SQLITE,):
+            await backend.sql(statement)
         outcomes = await asyncio.gather(
             store.append("a", [UserMessage("ok 1")]),
             store.append("b", [UserMessage("fine"), UserMessage("poison")]),
@@ -114,11 +133,14 @@ async def test_a_write_that_fails_in_sqlite_fails_alone(tmp_path: Path) -> None:
         assert outcomes[0] == [1] and outcomes[2] == [2]
         assert isinstance(outcomes[1], StoreError) and "poisoned row" in str(outcomes[1])
         assert await store.head("b") is None  # not even the event before the poisoned one
-        assert await store.conversation("b") is None
+        assert await store.conversation("b") is None  # its new row was rolled back too
+        if backend.postgres:  # the bulk write failed, and the batch was replayed op by op
+            assert store._writer is not None and store._writer.stats.isolated == 1
         assert await store.append("b", [UserMessage("later")]) == [0]
 
 
 async def test_positions_follow_the_log_after_an_out_of_band_write(tmp_path: Path) -> None:
+    """SQLite only: its writer caches heads (PostgreSQL reads them under a row lock)."""
     path = tmp_path / "log.db"
     async with SQLiteStore(str(path)) as store:
         await store.append("c", [UserMessage("0")])
@@ -136,44 +158,56 @@ async def test_positions_follow_the_log_after_an_out_of_band_write(tmp_path: Pat
 
 
 async def test_idempotency_key_returns_the_first_positions_and_writes_nothing(
-    sqlite_store: SQLiteStore,
+    store: AnyStore,
 ) -> None:
-    first = await sqlite_store.append("c", [UserMessage("hi"), UserMessage("there")], key="m1")
-    await sqlite_store.append("c", [UserMessage("other")])
-    again = await sqlite_store.append("c", [UserMessage("hi"), UserMessage("there")], key="m1")
+    first = await store.append("c", [UserMessage("hi"), UserMessage("there")], key="m1")
+    await store.append("c", [UserMessage("other")])
+    again = await store.append("c", [UserMessage("hi"), UserMessage("there")], key="m1")
     assert first == again == [0, 1]
     # a retry with a stale expected head is still recognised as the same message
-    assert await sqlite_store.append("c", [UserMessage("hi")], key="m1", expect_head=-1) == [0, 1]
-    assert len(await sqlite_store.read_since("c", 0)) == 3
+    assert await store.append("c", [UserMessage("hi")], key="m1", expect_head=-1) == [0, 1]
+    assert len(await store.read_since("c", 0)) == 3
     # keys are per conversation
-    assert await sqlite_store.append("d", [UserMessage("hi")], key="m1") == [0]
+    assert await store.append("d", [UserMessage("hi")], key="m1") == [0]
     # the same key twice in one batch
     both = await asyncio.gather(
-        sqlite_store.append("e", [UserMessage("x")], key="k"),
-        sqlite_store.append("e", [UserMessage("x")], key="k"),
+        store.append("e", [UserMessage("x")], key="k"),
+        store.append("e", [UserMessage("x")], key="k"),
     )
     assert list(both) == [[0], [0]]
-    assert await sqlite_store.head("e") == 0
+    assert await store.head("e") == 0
 
 
-async def test_append_events_returns_what_was_stored(sqlite_store: SQLiteStore) -> None:
+async def test_idempotency_keys_are_in_the_database_not_the_process(backend: Backend) -> None:
+    async with backend.open() as store:
+        first = await store.append("c", [UserMessage("hi"), UserMessage("there")], key="m1")
+        assert first == [0, 1]
+        await store.append("c", [UserMessage("other")])
+    async with backend.open() as again:
+        assert await again.append("c", [UserMessage("hi")], key="m1") == [0, 1]
+        events = await again.append_events("c", [UserMessage("hi")], key="m1")
+        assert [text_of(e) for e in events] == ["hi", "there"]
+        assert len(await again.read_since("c", 0)) == 3
+
+
+async def test_append_events_returns_what_was_stored(store: AnyStore) -> None:
     body = AssistantMessage("calling", (ToolCall("t1", "grep", {"pattern": "x"}),))
-    events = await sqlite_store.append_events("c", [UserMessage("q"), body], turn=3, key="k")
+    events = await store.append_events("c", [UserMessage("q"), body], turn=3, key="k")
     assert [e.position for e in events] == [0, 1]
     assert [e.body for e in events] == [UserMessage("q"), body]
     assert all(e.turn == 3 and e.tokens > 0 and e.conversation_id == "c" for e in events)
-    assert await sqlite_store.read_since("c", 0) == events
-    assert await sqlite_store.append_events("c", [UserMessage("q"), body], key="k") == events
+    assert await store.read_since("c", 0) == events
+    assert await store.append_events("c", [UserMessage("q"), body], key="k") == events
 
 
-async def test_token_counter_is_called_once_per_event_at_append() -> None:
+async def test_token_counter_is_called_once_per_event_at_append(any_backend: Backend) -> None:
     seen: list[object] = []
 
     def counter(body: object) -> int:
         seen.append(body)
         return 42
 
-    async with SQLiteStore(None, token_counter=counter) as store:
+    async with any_backend.open(token_counter=counter) as store:
         await store.append("c", [UserMessage("a"), UserMessage("b")])
         events = await store.read_since("c", 0)
         await store.resume("c")
@@ -181,52 +215,76 @@ async def test_token_counter_is_called_once_per_event_at_append() -> None:
     assert [e.tokens for e in events] == [42, 42]
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 257, None, 7, b"bytes"])
-async def test_bad_conversation_ids_are_refused(sqlite_store: SQLiteStore, bad: object) -> None:
+async def test_append_events_returns_what_was_stored_and_tokens_are_counted_once(
+    any_backend: Backend,
+) -> None:
+    seen: list[object] = []
+
+    def counter(body: object) -> int:
+        seen.append(body)
+        return 42
+
+    body = AssistantMessage("calling", (ToolCall("t1", "grep", {"pattern": "x"}),))
+    async with any_backend.open(token_counter=counter) as store:
+        events = await store.append_events("c", [UserMessage("q"), body], turn=3, key="k")
+        assert [e.position for e in events] == [0, 1]
+        assert all(e.turn == 3 and e.tokens == 42 and e.conversation_id == "c" for e in events)
+        assert await store.read_since("c", 0) == events
+        await store.resume("c")
+        assert seen == [UserMessage("q"), body]  # once each, at append; never on reads
+        assert await store.append_events("c", [UserMessage("q"), body], key="k") == events
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 257, None, 7, b"bytes", "nul\x00inside"])
+async def test_bad_conversation_ids_are_refused(store: AnyStore, bad: object) -> None:
     with pytest.raises(ValueError):
-        await sqlite_store.append(bad, [UserMessage("a")])  # type: ignore[arg-type]
+        await store.append(bad, [UserMessage("a")])  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        await sqlite_store.read_since(bad, 0)  # type: ignore[arg-type]
-    assert await sqlite_store.conversations() == []
+        await store.read_since(bad, 0)  # type: ignore[arg-type]
+    assert await store.conversations() == []
 
 
 async def test_bad_appends_are_refused_before_anything_is_written(
-    sqlite_store: SQLiteStore,
+    store: AnyStore,
 ) -> None:
-    assert await sqlite_store.append("x" * 256, [UserMessage("longest id is fine")]) == [0]
+    assert await store.append("x" * 256, [UserMessage("longest id is fine")]) == [0]
     with pytest.raises(InvalidInput):
-        await sqlite_store.append("c", [])
+        await store.append("c", [])
     with pytest.raises(InvalidInput):
-        await sqlite_store.append("c", ["not a body"])  # type: ignore[list-item]
+        await store.append("c", ["not a body"])  # type: ignore[list-item]
     with pytest.raises(EventTooLarge) as caught:
-        await sqlite_store.append("c", [UserMessage("ok"), UserMessage("x" * (1024 * 1024 + 1))])
+        await store.append("c", [UserMessage("ok"), UserMessage("x" * (1024 * 1024 + 1))])
     assert caught.value.limit == 1024 * 1024
-    assert await sqlite_store.head("c") is None  # the small event went nowhere either
+    with pytest.raises(InvalidInput):
+        await store.append("c", [UserMessage("a")], key="nul\x00")
+    # text no backend can hold as text is refused the same way on both (SQLite too)
+    with pytest.raises(InvalidInput):
+        await store.append("c", [UserMessage("nul \x00 byte")])
+    assert await store.head("c") is None  # the small event went nowhere either
 
 
-async def test_close_commits_what_is_queued_and_refuses_later_writes(tmp_path: Path) -> None:
-    path = str(tmp_path / "log.db")
-    store = SQLiteStore(path)
-    await store.open()
-    pending = [
-        asyncio.ensure_future(store.append(f"c{i}", [UserMessage(str(i))])) for i in range(50)
-    ]
-    await asyncio.sleep(0)  # let them queue (not a synchronisation: they are already queued)
-    await store.close()
+async def test_close_commits_what_is_queued_and_refuses_later_work(backend: Backend) -> None:
+    async with backend.open() as store:
+        pending = [
+            asyncio.ensure_future(store.append(f"c{i}", [UserMessage(str(i))])) for i in range(50)
+        ]
+        await asyncio.sleep(0)  # let them queue (not a synchronisation: they are already queued)
     assert [p.result() for p in pending] == [[0]] * 50
     with pytest.raises(StoreError):
         await store.append("c0", [UserMessage("late")])
-    async with SQLiteStore(path) as reopened:
+    with pytest.raises(StoreError):
+        await store.read_since("c0", 0)
+    async with backend.open() as reopened:
         assert len(await reopened.conversations(limit=100)) == 50
 
 
 async def test_a_cancelled_append_that_was_not_yet_taken_is_never_written(
-    sqlite_store: SQLiteStore,
+    store: AnyStore,
 ) -> None:
-    task = asyncio.ensure_future(sqlite_store.append("c", [UserMessage("never")]))
+    task = asyncio.ensure_future(store.append("c", [UserMessage("never")]))
     await asyncio.sleep(0)  # one loop turn: the append is queued, the writer not yet run
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await sqlite_store.append("c", [UserMessage("first")]) == [0]
-    assert len(await sqlite_store.read_since("c", 0)) == 1
+    assert await store.append("c", [UserMessage("first")]) == [0]
+    assert len(await store.read_since("c", 0)) == 1

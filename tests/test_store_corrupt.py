@@ -6,6 +6,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from store_backends import Backend
 
 from torpor import CorruptEvent, CorruptStore, StoreError
 from torpor.events import UserMessage
@@ -14,21 +15,18 @@ from torpor.store import SQLiteStore
 
 @pytest.mark.parametrize("garbage", [b"\xc1\xff garbage", b"", b"\x81\xa4kind\xa4nope"])
 async def test_a_corrupt_body_raises_corrupt_event_with_its_position(
-    tmp_path: Path, garbage: bytes
+    backend: Backend, garbage: bytes
 ) -> None:
-    path = tmp_path / "log.db"
-    async with SQLiteStore(str(path)) as store:
-        await store.append("c", [UserMessage(str(i)) for i in range(10)])
-    raw = sqlite3.connect(path)
-    raw.execute("UPDATE events SET body = ? WHERE position = 6", (garbage,))
-    raw.commit()
-    raw.close()
-    async with SQLiteStore(str(path)) as store:
+    async with backend.open() as store:
+        await store.append("c", [UserMessage(f"word{i}") for i in range(10)])
+    await backend.sql("UPDATE events SET body = ? WHERE position = 6", garbage)
+    async with backend.open() as store:
         for read in (
             store.read_since("c", 0),
             store.page_backward("c"),
             store.read_range("c", 5, 7),
             store.resume("c"),
+            store.search("c", "word6"),
         ):
             with pytest.raises(CorruptEvent) as caught:
                 await read

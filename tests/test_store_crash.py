@@ -1,4 +1,7 @@
-"""Crash safety: SIGKILL a process mid-stream of appends; every acknowledged append survives."""
+"""Crash safety: SIGKILL a process mid-stream of appends; every acknowledged append survives.
+
+A contract: runs on a SQLite file and on PostgreSQL (see store_backends.py).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +10,17 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from store_backends import Backend
 
 from torpor.events import UserMessage
-from torpor.store import SQLiteStore
 
 # The child appends forever from several concurrent writers and prints each
 # position only after its append returned (i.e. after the commit containing it).
 CHILD = r"""
-import asyncio, sys
+import asyncio, logging, sys, structlog
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 from torpor.events import UserMessage
 from torpor.store import SQLiteStore
 
@@ -29,21 +32,26 @@ async def writer(store, conv):
         print("ack", conv, *positions, flush=True)
         step += 1
 
-async def main(path):
-    async with SQLiteStore(path) as store:
+async def main(backend, location):
+    if backend == "sqlite":
+        opened = SQLiteStore(location)
+    else:
+        from torpor.store.postgres import PostgresStore
+        opened = PostgresStore(location)
+    async with opened as store:
         await asyncio.gather(*(writer(store, f"conv-{n}") for n in range(8)))
 
-asyncio.run(main(sys.argv[1]))
+asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
 
 ACKNOWLEDGED_BEFORE_KILL = 400
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
-def test_sigkill_mid_stream_loses_no_acknowledged_append(tmp_path: Path) -> None:
-    path = tmp_path / "log.db"
+def test_sigkill_mid_stream_loses_no_acknowledged_append(backend: Backend) -> None:
+    assert backend.location is not None
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path)],
+        [sys.executable, "-c", CHILD, backend.name, backend.location],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -66,14 +74,15 @@ def test_sigkill_mid_stream_loses_no_acknowledged_append(tmp_path: Path) -> None
         child.wait()
     assert child.returncode == -signal.SIGKILL
 
-    raw = sqlite3.connect(path)
-    assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    raw.close()
-    asyncio.run(_check(path, acknowledged))
+    if backend.name == "sqlite":
+        raw = sqlite3.connect(backend.location)
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        raw.close()
+    asyncio.run(_check(backend, acknowledged))
 
 
-async def _check(path: Path, acknowledged: dict[str, set[int]]) -> None:
-    async with SQLiteStore(str(path)) as store:
+async def _check(backend: Backend, acknowledged: dict[str, set[int]]) -> None:
+    async with backend.open() as store:
         for conv, positions in acknowledged.items():
             events = await store.read_since(conv, 0)  # every row decodes
             stored = [e.position for e in events]

@@ -6,6 +6,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from store_backends import AnyStore
 
 from torpor import ConfigError, StoreError
 from torpor.events import UserMessage
@@ -79,9 +80,9 @@ async def test_durability_levels(tmp_path: Path) -> None:
         SQLiteStore(None, artifact_threshold=10)
 
 
-async def test_a_closed_store_refuses_work(sqlite_store: SQLiteStore) -> None:
-    await sqlite_store.close()
+async def test_a_closed_store_refuses_work(store: AnyStore) -> None:
+    await store.close()
     with pytest.raises(StoreError):
-        await sqlite_store.append("c", [UserMessage("late")])
+        await store.append("c", [UserMessage("late")])
     with pytest.raises(StoreError):
-        await sqlite_store.read_since("c", 0)
+        await store.read_since("c", 0)

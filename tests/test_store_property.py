@@ -1,14 +1,20 @@
-"""Property: after any interleaving of appends and checkpoints, the tail is a suffix of the log."""
+"""Property: after any interleaving of appends and checkpoints, the tail is a suffix of the log.
+
+A contract: runs on each backend (see store_backends.py). Examples share the
+backend's database, so each plays on conversations of its own.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from store_backends import Backend
 
 from torpor.events import Aborted, AssistantMessage, ToolResult, UserMessage
-from torpor.store import Checkpoint, SQLiteStore
+from torpor.store import Checkpoint
 
 # What the log can hold: no NUL, no lone surrogates; ids non-empty.
 storable = st.characters(exclude_categories=("Cs",), exclude_characters="\x00")
@@ -31,18 +37,24 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(steps)
 def test_read_since_latest_checkpoint_is_the_suffix_of_the_full_log(
-    script: list[tuple[str, str, object]],
+    any_backend: Backend, script: list[tuple[str, str, object]]
 ) -> None:
-    asyncio.run(_play(script))
+    asyncio.run(_play(any_backend, script))
 
 
-async def _play(script: list[tuple[str, str, object]]) -> None:
-    async with SQLiteStore(None) as store:
-        expected: dict[str, list[object]] = {"a": [], "b": []}
-        for action, conv, arg in script:
+async def _play(backend: Backend, script: list[tuple[str, str, object]]) -> None:
+    run = uuid.uuid4().hex[:8]
+    async with backend.open() as store:
+        expected: dict[str, list[object]] = {f"{run}-a": [], f"{run}-b": []}
+        for action, name, arg in script:
+            conv = f"{run}-{name}"
             if action == "append":
                 assert isinstance(arg, list)
                 positions = await store.append(conv, arg)

@@ -1,38 +1,43 @@
-"""Full-text search over the whole log, and artifacts for large tool results."""
+"""Full-text search over the whole log, and artifacts for large tool results.
+
+A contract: every test runs on each backend (see store_backends.py).
+"""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from store_backends import AnyStore, Backend
 
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
-from torpor.store import SQLiteStore
 from torpor.store.prepare import PREVIEW_BYTES
 
 FILLER = "the build ran and the tests passed without any surprises today"
 
 
 async def test_search_finds_a_hash_and_a_path_appended_long_ago(
-    sqlite_store: SQLiteStore,
+    store: AnyStore,
 ) -> None:
-    await sqlite_store.append("c", [UserMessage("we are at commit 3f9a2c1e77b0 now")])
-    await sqlite_store.append(
+    await store.append("c", [UserMessage("we are at commit 3f9a2c1e77b0 now")])
+    await store.append(
         "c",
         [AssistantMessage("", (ToolCall("t1", "open", {"path": "src/torpor/store/batch.py"}),))],
     )
-    for i in range(300):
-        await sqlite_store.append("c", [UserMessage(f"{FILLER} {i}")])
-    await sqlite_store.append("other", [UserMessage("3f9a2c1e77b0 is also here")])
+    await asyncio.gather(*(store.append("c", [UserMessage(f"{FILLER} {i}")]) for i in range(300)))
+    await store.append("other", [UserMessage("3f9a2c1e77b0 is also here")])
 
-    hits = await sqlite_store.search("c", "3f9a2c1e77b0")
+    hits = await store.search("c", "3f9a2c1e77b0")
     assert [h.position for h in hits] == [0]  # only this conversation
     assert "3f9a2c1e77b0" in hits[0].snippet and hits[0].kind == "user"
-    path_hits = await sqlite_store.search("c", "src/torpor/store/batch.py")
-    assert [h.position for h in path_hits] == [1]
-    assert "src/torpor/store/batch.py" in path_hits[0].snippet
+    for query in ("src/torpor/store/batch.py", "store/batch.py", "batch.py", "torpor/store"):
+        path_hits = await store.search("c", query)
+        assert [h.position for h in path_hits] == [1], query
+        assert "src/torpor/store/batch.py" in path_hits[0].snippet
 
 
-async def test_scores_rank_better_matches_higher_and_k_limits(sqlite_store: SQLiteStore) -> None:
-    await sqlite_store.append(
+async def test_scores_rank_better_matches_higher_and_k_limits(store: AnyStore) -> None:
+    await store.append(
         "c",
         [
             UserMessage("deploy the service"),
@@ -41,30 +46,31 @@ async def test_scores_rank_better_matches_higher_and_k_limits(sqlite_store: SQLi
             UserMessage("payment"),
         ],
     )
-    hits = await sqlite_store.search("c", "payment rollback", k=10)
+    hits = await store.search("c", "payment rollback", k=10)
     assert hits[0].position == 1  # matches both terms
     assert {h.position for h in hits} == {1, 3}
-    assert hits[0].score > hits[1].score
-    assert len(await sqlite_store.search("c", "deploy service payment", k=2)) == 2
+    assert hits[0].score > hits[1].score > 0
+    assert len(await store.search("c", "deploy service payment", k=2)) == 2
 
 
 @pytest.mark.parametrize(
     "query",
-    ['"', "AND", "a OR", "NEAR(", "*", "col:umn", "-x", "(", "^start", "it's", 'a"b', "\\"],
+    ['"', "AND", "a OR", "NEAR(", "*", "col:umn", "-x", "(", "^start", "it's", 'a"b', "\\",
+     "a | b", "!x", "&", "'"],  # fmt: skip - FTS5 syntax, then tsquery syntax
 )
 async def test_queries_with_fts_syntax_characters_do_not_raise(
-    sqlite_store: SQLiteStore, query: str
+    store: AnyStore, query: str
 ) -> None:
-    await sqlite_store.append("c", [UserMessage("AND it's a column: value (x) -x ^start")])
-    hits = await sqlite_store.search("c", query)
+    await store.append("c", [UserMessage("AND it's a column: value (x) -x ^start !x a | b")])
+    hits = await store.search("c", query)
     assert all(h.position == 0 for h in hits)
-    assert await sqlite_store.search("c", "   ") == []
+    assert await store.search("c", "   ") == []
 
 
-async def test_large_tool_results_are_clipped_into_artifacts() -> None:
+async def test_large_tool_results_are_clipped_into_artifacts(any_backend: Backend) -> None:
     tail = "needle-b7e4 is only at the very end"
     content = "x " * 20_000 + tail
-    async with SQLiteStore(None, artifact_threshold=16 * 1024) as store:
+    async with any_backend.open(artifact_threshold=16 * 1024) as store:
         [event] = await store.append_events("c", [ToolResult("call-1", "cat", content)])
         body = event.body
         assert isinstance(body, ToolResult)
@@ -83,11 +89,15 @@ async def test_large_tool_results_are_clipped_into_artifacts() -> None:
         # small results are kept whole
         [small] = await store.append_events("c", [ToolResult("call-2", "cat", "short")])
         assert isinstance(small.body, ToolResult) and small.body.artifact is None
+        # a text longer than one index chunk is searchable to its end
+        long = " ".join(f"w{i}" for i in range(40_000)) + " last-9c1d"
+        await store.append("c", [ToolResult("call-3", "cat", long)])
+        assert [h.position for h in await store.search("c", "last-9c1d")] == [2]
 
 
-async def test_put_and_get_artifact(sqlite_store: SQLiteStore) -> None:
+async def test_put_and_get_artifact(store: AnyStore) -> None:
     data = bytes(range(256)) * 100
-    artifact_id = await sqlite_store.put_artifact("c", data)
-    assert await sqlite_store.get_artifact(artifact_id) == data
+    artifact_id = await store.put_artifact("c", data)
+    assert await store.get_artifact(artifact_id) == data
     with pytest.raises(KeyError):
-        await sqlite_store.get_artifact("art-missing")
+        await store.get_artifact("art-missing")

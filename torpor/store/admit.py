@@ -37,7 +37,7 @@ from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
 from torpor.store.protocol import Checkpoint, Marker, ModelCall
 from torpor.text import check_id, check_text, is_storable, repair_text
 
-__all__ = ["admit_model_call", "check_body", "check_checkpoint"]
+__all__ = ["admit_model_call", "check_body", "check_checkpoint", "check_checkpoint_reach"]
 
 _ABORT_REASONS = frozenset(get_args(AbortReason))
 _MAX_DEPTH = 64  # nesting of tool-call arguments; deeper is not a real tool call
@@ -180,6 +180,19 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
         for topic_index, topic in enumerate(marker.topics):
             check_text(topic, f"{at}.topics[{topic_index}]")
     return checkpoint
+
+
+def check_checkpoint_reach(checkpoint: Checkpoint, head: int) -> None:
+    """A checkpoint covers only events that exist: position 0 .. head + 1 (all of them).
+
+    Checked where the batch plans it, against the head the batch sees.
+    """
+    if not 0 <= checkpoint.position <= head + 1:
+        raise InvalidInput(
+            "checkpoint.position",
+            f"{checkpoint.position} is outside conversation {checkpoint.conversation_id!r} "
+            f"(head {head})",
+        )
 
 
 def admit_model_call(call: object) -> ModelCall:

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -29,6 +30,7 @@ from torpor.events import (
     Aborted,
     AssistantMessage,
     Body,
+    Event,
     ToolResult,
     encode_body,
     kind_of,
@@ -125,6 +127,19 @@ class PreparedAppend(msgspec.Struct, frozen=True, gc=False):
         if first.artifact_id is not None or first_body is None:
             return True  # nothing comparable: give the benefit of the doubt, as before
         return bytes(first_body) == first.body
+
+    def result(
+        self, first: int, events: tuple[PreparedEvent, ...], with_events: bool
+    ) -> list[Any]:
+        """What the append returns once ``events`` stand at ``first`` onwards (its own
+        events, or those an idempotency key found): their positions, or the events."""
+        if not with_events:
+            return list(range(first, first + len(events)))
+        name = self.conversation_id
+        return [
+            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
+            for i, e in enumerate(events)
+        ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import asyncpg
 
 from torpor._logging import get_logger
 from torpor.errors import StoreError
+from torpor.store.commit_queue import Failed
 from torpor.store.postgres.errors import is_unavailable
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
 from torpor.store.postgres.statements import CREATE, LOCK, write, write_pending
@@ -67,13 +68,6 @@ class BatchStats:
 
     retries: int = 0  # contention: a deadlock, a lock timeout, a serialization failure
     isolated: int = 0  # a write the database refused: replayed op by op
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """An operation's exception, carried back to its caller."""
-
-    error: BaseException
 
 
 async def run_batch(

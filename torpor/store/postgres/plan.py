@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
-from torpor.events import Body, Event
+from torpor.errors import ConflictError, IdempotencyConflict, StoreError
+from torpor.events import Body
+from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
 from torpor.store.pending import INDEXED_KINDS, PendingChanges
 from torpor.store.postgres.lexemes import document_chunks
@@ -274,13 +275,7 @@ class AppendOp:
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
-        if not self.with_events:
-            return list(range(first, first + len(events)))
-        name = self.append.conversation_id
-        return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
-            for i, e in enumerate(events)
-        ]
+        return self.append.result(first, events, self.with_events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,12 +293,7 @@ class CheckpointOp:
     def plan(self, view: View) -> Plan:
         cp = self.checkpoint
         state = view.state(cp.conversation_id)
-        if not 0 <= cp.position <= state.head + 1:
-            raise InvalidInput(
-                "checkpoint.position",
-                f"{cp.position} is outside conversation {cp.conversation_id!r} "
-                f"(head {state.head})",
-            )
+        check_checkpoint_reach(cp, state.head)
         writes = Writes()
         writes.checkpoints.append(
             (cp.conversation_id, cp.position, cp.created_at, encode_checkpoint(cp))

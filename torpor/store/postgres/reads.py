@@ -12,15 +12,16 @@ conversation and position.
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Protocol
 
-import msgspec
-
-from torpor.errors import StoreError, UnknownArtifact
-from torpor.events import Event, decode_body, kind_of, searchable_text
-from torpor.store.clip import artifact_of, expanded
-from torpor.store.fulltext import calibrated, coverage, snippet
+from torpor.events import Event, decode_body, searchable_text
+from torpor.store.hits import (
+    artifact_bytes,
+    beyond_preview,
+    expanded_text,
+    scored,
+    search_hit,
+)
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.protocol import (
     Checkpoint,
@@ -205,37 +206,26 @@ async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
     ):
         body = decode_body(data, conversation_id=name, position=position)
         text = searchable_text(body)
-        share = coverage(text, query)
-        artifact = artifact_of(body)
-        if artifact is not None and share < 1.0:  # the rest may lie beyond the preview
-            full = await get_artifact(db, artifact)
-            text = searchable_text(expanded(body, full.decode("utf-8", "replace")))
-            share = coverage(text, query)
-        hit = SearchHit(
-            position=position,
-            kind=kind_of(body),
-            turn=turn,
-            created_at=created_at,
-            snippet=snippet(text, query),
-            score=0.0,
-            rank=float(score),
+        artifact = beyond_preview(body, text, query)
+        if artifact is not None:
+            text = expanded_text(body, await get_artifact(db, artifact))
+        found.append(
+            search_hit(
+                body,
+                position=position,
+                turn=turn,
+                created_at=created_at,
+                text=text,
+                query=query,
+                rank=float(score),
+            )
         )
-        found.append((hit, share))
-    scores = calibrated([share for _, share in found])
-    return [
-        msgspec.structs.replace(hit, score=score)
-        for (hit, _), score in zip(found, scores, strict=True)
-    ]
+    return scored(found)
 
 
 async def get_artifact(db: Reader, artifact_id: str) -> bytes:
     data = await db.fetchval("SELECT data FROM artifacts WHERE id = $1", artifact_id)
-    if data is None:
-        raise UnknownArtifact(artifact_id)
-    try:
-        return zlib.decompress(data)
-    except zlib.error as exc:
-        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
+    return artifact_bytes(artifact_id, data)
 
 
 async def model_calls(db: Reader, name: str, turn: int | None, limit: int) -> list[ModelCall]:

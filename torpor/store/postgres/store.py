@@ -23,44 +23,29 @@ even where the server default is weaker.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
-from typing import Any, Self, TypeVar, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import asyncpg
-import msgspec
 
 from torpor._logging import get_logger
-from torpor.errors import ConfigError, InvalidInput, StoreError
-from torpor.events import Body, Event
-from torpor.store.admit import admit_model_call, check_checkpoint
-from torpor.store.arguments import (
-    check_after,
-    check_conversation_id,
-    check_limit,
-    check_position,
-    check_turn,
-    search_query,
-)
+from torpor.errors import ConfigError, StoreError
+from torpor.store.core import StoreCore
 from torpor.store.postgres import reads
 from torpor.store.postgres.errors import is_unavailable, store_error
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
-from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, now_ms
+from torpor.store.prepare import PreparedAppend
 from torpor.store.protocol import (
     Checkpoint,
-    ConversationInfo,
     HintExtractor,
     ModelCall,
-    PendingApproval,
-    Resume,
     SearchHit,
     TokenCounter,
 )
 from torpor.store.rows import compress_artifact
 from torpor.store.sqlite.schema import Durability
-from torpor.text import check_id
 
 __all__ = ["PostgresStore"]
 
@@ -68,8 +53,6 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-
-_check_id = check_conversation_id
 _DRIVER_ERRORS = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
@@ -79,7 +62,7 @@ _DRIVER_ERRORS = (
 )
 
 
-class PostgresStore:
+class PostgresStore(StoreCore):
     """An :class:`~torpor.store.protocol.EventStore` over one PostgreSQL database.
 
     Use as an async context manager (or through :func:`torpor.store.open_store`
@@ -87,6 +70,8 @@ class PostgresStore:
     migrates the schema and starts the writers; leaving commits whatever is
     queued, stops the writers and closes every connection.
     """
+
+    reads = reads
 
     def __init__(
         self,
@@ -101,43 +86,25 @@ class PostgresStore:
         writers: int = 1,
         max_batch: int = 2048,
     ) -> None:
-        if durability not in ("normal", "full"):
-            raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
-        if type(readers) is not int or readers < 1:
-            raise ConfigError("readers", "at least one reader connection is needed")
-        if type(writers) is not int or writers < 1:
-            raise ConfigError("writers", "at least one writer connection is needed")
-        if type(max_batch) is not int or max_batch < 1:
-            raise ConfigError("max_batch", "must be at least 1")
-        self.dsn = dsn
-        self.durability: Durability = durability
-        self._policy = AppendPolicy(
+        super().__init__(
             token_counter=token_counter,
             hint_extractor=hint_extractor,
+            durability=durability,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
+            readers=readers,
+            max_batch=max_batch,
         )
-        self._reader_count = readers
+        if type(writers) is not int or writers < 1:
+            raise ConfigError("writers", "at least one writer connection is needed")
+        self.dsn = dsn
         self._writer_count = writers
-        self._max_batch = max_batch
         self._writer: GroupCommitWriter | None = None
         self._writer_conns: list[asyncpg.Connection] = []
         self._pool: asyncpg.Pool | None = None
         self._log = log.bind(store=_redact(dsn))
 
     # lifecycle -------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         if self._writer is not None or self._writer_conns:
@@ -231,137 +198,29 @@ class PostgresStore:
                 raise store_error(exc, "read failed") from exc
         raise AssertionError("unreachable")
 
-    # writes ----------------------------------------------------------------------
+    # what StoreCore asks of a backend ----------------------------------------------
 
-    def _prepare(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        turn: int,
-        expect_head: int | None,
-        key: str | None,
-    ) -> PreparedAppend:
-        return self._policy.prepare(
-            conversation_id, events, turn=turn, expect_head=expect_head, key=key
-        )
+    async def _submit(self, op: Any) -> Any:
+        return await self._write().submit(op)
 
-    async def append(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        *,
-        turn: int = 0,
-        expect_head: int | None = None,
-        key: str | None = None,
-    ) -> list[int]:
-        prepared = self._prepare(conversation_id, events, turn, expect_head, key)
-        return cast(list[int], await self._write().submit(AppendOp.build(prepared)))
+    async def _reading(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return await self._read(fn, *args)
 
-    async def append_events(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        *,
-        turn: int = 0,
-        expect_head: int | None = None,
-        key: str | None = None,
-    ) -> list[Event]:
-        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
-        prepared = self._prepare(conversation_id, events, turn, expect_head, key)
-        op = AppendOp.build(prepared, with_events=True)
-        return cast(list[Event], await self._write().submit(op))
+    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
+        return AppendOp.build(prepared, with_events=with_events)
 
-    async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
-        await self._write().submit(CheckpointOp(check_checkpoint(checkpoint)))
+    def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
+        return CheckpointOp(checkpoint)
 
-    async def put_artifact(self, conversation_id: str, data: bytes) -> str:
-        _check_id(conversation_id)
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidInput("data", "artifact data must be bytes")
-        raw = bytes(data)
-        op = ArtifactOp(conversation_id, new_artifact_id(), len(raw), compress_artifact(raw))
-        return cast(str, await self._write().submit(op))
+    def _artifact_op(self, conversation_id: str, artifact_id: str, data: bytes) -> ArtifactOp:
+        return ArtifactOp(conversation_id, artifact_id, len(data), compress_artifact(data))
 
-    async def record_model_call(self, call: ModelCall) -> None:
-        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        call = admit_model_call(call)
-        if not call.created_at:
-            call = msgspec.structs.replace(call, created_at=now_ms())
-        await self._write().submit(ModelCallOp(call))
+    def _model_call_op(self, call: ModelCall) -> ModelCallOp:
+        return ModelCallOp(call)
 
-    # reads -----------------------------------------------------------------------
-
-    async def head(self, conversation_id: str) -> int | None:
-        return await self._read(reads.head, _check_id(conversation_id))
-
-    async def read_since(self, conversation_id: str, position: int) -> list[Event]:
-        _check_id(conversation_id)
-        check_position(position)
-        return await self._read(reads.read_since, conversation_id, position)
-
-    async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
-        _check_id(conversation_id)
-        check_position(start, "start")
-        check_position(end, "end")
-        return await self._read(reads.read_range, conversation_id, start, end)
-
-    async def page_backward(
-        self, conversation_id: str, before: int | None = None, limit: int = 50
-    ) -> list[Event]:
-        _check_id(conversation_id)
-        if before is not None:
-            check_position(before, "before")
-        check_limit(limit)
-        return await self._read(reads.page_backward, conversation_id, before, limit)
-
-    async def resume(self, conversation_id: str) -> Resume:
-        """Latest checkpoint, head and every event since: one statement, one snapshot."""
-        return await self._read(reads.resume, _check_id(conversation_id))
-
-    async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None:
-        return await self._read(reads.latest_checkpoint, _check_id(conversation_id))
-
-    async def checkpoints(self, conversation_id: str) -> list[Checkpoint]:
-        return await self._read(reads.checkpoints, _check_id(conversation_id))
-
-    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
-        """ts_rank-scored events of one conversation; see :mod:`.lexemes` for the matching."""
-        _check_id(conversation_id)
-        check_limit(k, "k")
-        return await self._read(reads.search, conversation_id, search_query(query), k)
-
-    async def get_artifact(self, artifact_id: str) -> bytes:
-        """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""
-        return await self._read(reads.get_artifact, check_id(artifact_id, "artifact_id"))
-
-    async def model_calls(
-        self, conversation_id: str, *, turn: int | None = None, limit: int = 100
-    ) -> list[ModelCall]:
-        """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
-        _check_id(conversation_id)
-        if turn is not None:
-            check_turn(turn)
-        check_limit(limit)
-        return await self._read(reads.model_calls, conversation_id, turn, limit)
-
-    async def conversations(
-        self, *, after: str | None = None, limit: int = 100
-    ) -> list[ConversationInfo]:
-        """Conversations ordered by id (bytewise), those after ``after`` (keyset pagination)."""
-        check_after(after)
-        check_limit(limit)
-        return await self._read(reads.conversations, after, limit)
-
-    async def conversation(self, conversation_id: str) -> ConversationInfo | None:
-        return await self._read(reads.conversation, _check_id(conversation_id))
-
-    async def pending(
-        self, *, after: str | None = None, limit: int = 100
-    ) -> list[PendingApproval]:
-        """Conversations waiting on outside answers, by id (bytewise), after ``after``."""
-        check_after(after)
-        check_limit(limit)
-        return await self._read(reads.pending, after, limit)
+    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+        """ts_rank-scored; see :mod:`.lexemes` for the matching."""
+        return await self._read(reads.search, conversation_id, query, k)
 
 
 def _redact(dsn: str) -> str:

@@ -36,15 +36,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 
 from torpor._logging import get_logger
-from torpor.errors import StoreError
-from torpor.store.postgres.batch import BatchStats, Failed, run_batch
+from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
+from torpor.store.postgres.batch import BatchStats, run_batch
 from torpor.store.postgres.errors import is_unavailable, store_error
 from torpor.store.postgres.plan import WriteOp
 from torpor.store.prepare import now_ms
@@ -53,7 +52,7 @@ __all__ = ["GroupCommitWriter"]
 
 log = get_logger(__name__)
 
-_Pending = tuple[WriteOp, "asyncio.Future[Any]"]
+_Pending = Pending[WriteOp]
 Connect = Callable[[], Awaitable[asyncpg.Connection]]
 
 
@@ -65,10 +64,7 @@ class GroupCommitWriter:
     ) -> None:
         self._connections = connections
         self._connect = connect
-        self._max_batch = max_batch
-        self._pending: deque[_Pending] = deque()
-        self._wake = asyncio.Event()
-        self._closing = False
+        self._queue: CommitQueue[WriteOp] = CommitQueue(max_batch)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
         self.batches = 0  # committed batches, for stats and tests
@@ -84,17 +80,12 @@ class GroupCommitWriter:
 
     async def submit(self, op: WriteOp) -> Any:
         """Queue ``op`` and wait for the commit that contains it; its result or its error."""
-        if self._closing or not self._tasks or all(t.done() for t in self._tasks):
-            raise StoreError("the store is closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wake.set()
-        return await future
+        running = any(not t.done() for t in self._tasks)
+        return await self._queue.submit(op, running=running)
 
     async def aclose(self) -> None:
         """Commit what is queued, then stop. If this wait is cancelled, so are the writers."""
-        self._closing = True
-        self._wake.set()
+        self._queue.close()
         tasks = self._tasks
         try:
             await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
@@ -110,30 +101,14 @@ class GroupCommitWriter:
 
     async def _run(self, index: int) -> None:
         try:
-            while True:
-                if not self._pending:
-                    if self._closing:
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                batch = self._take()
-                if batch:
-                    task = asyncio.get_running_loop().create_task(self._commit(index, batch))
-                    self._inflight.add(task)
-                    task.add_done_callback(self._inflight.discard)
-                    await asyncio.shield(task)
+            while (batch := await self._queue.next_batch()) is not None:
+                task = asyncio.get_running_loop().create_task(self._commit(index, batch))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+                await asyncio.shield(task)
         finally:
             if all(t.done() or t is asyncio.current_task() for t in self._tasks):
-                self._fail_pending(StoreError("the store closed before this write was committed"))
-
-    def _take(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        while self._pending and len(batch) < self._max_batch:
-            item = self._pending.popleft()
-            if not item[1].done():  # a caller cancelled before its turn: never written
-                batch.append(item)
-        return batch
+                self._queue.fail_pending()
 
     async def _commit(self, index: int, batch: list[_Pending]) -> None:
         ops = [op for op, _ in batch]
@@ -151,13 +126,7 @@ class GroupCommitWriter:
         self.largest_batch = max(self.largest_batch, len(batch))
         # One debug record per batch (free unless enabled): what serve's metrics read.
         log.debug("group_commit", ops=len(ops), seconds=time.perf_counter() - started)
-        for (_, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, Failed):
-                future.set_exception(result.error)
-            else:
-                future.set_result(result)
+        deliver([future for _, future in batch], results)
 
     def _drop(self, index: int) -> None:
         """Abandon a writer connection after the database failed us; the next batch reconnects."""
@@ -172,9 +141,3 @@ class GroupCommitWriter:
             conn = await self._connect()
             self._connections[index] = conn
         return conn
-
-    def _fail_pending(self, error: StoreError) -> None:
-        while self._pending:
-            _, future = self._pending.popleft()
-            if not future.done():
-                future.set_exception(error)

@@ -39,13 +39,13 @@ import contextlib
 import sqlite3
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 
 from torpor.errors import StoreError
 from torpor.events import Body
+from torpor.store.commit_queue import Failed
 from torpor.store.pending import PendingChanges
 from torpor.store.sqlite.errors import UNAVAILABLE, primary_code, store_error
 from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
@@ -197,13 +197,6 @@ class Batch:
 
     def committed(self) -> dict[str, ConvState]:
         return {name: state for name, state in self.states.items() if state.stored}
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """An operation's exception, carried back to its caller."""
-
-    error: BaseException
 
 
 Deliver = Callable[[list[object]], None]

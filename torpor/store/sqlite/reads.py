@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
-import msgspec
-
-from torpor.errors import StoreError, UnknownArtifact
-from torpor.events import Body, Event, decode_body, kind_of, searchable_text
-from torpor.store.clip import artifact_of, expanded
-from torpor.store.fulltext import calibrated, coverage, snippet
+from torpor.errors import StoreError
+from torpor.events import Event, decode_body, searchable_text
+from torpor.store.hits import (
+    artifact_bytes,
+    beyond_preview,
+    expanded_text,
+    scored,
+    search_hit,
+)
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -190,46 +192,28 @@ def search(
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
             text = searchable_text(body)
-            share = coverage(text, query)
-            if artifact_of(body) is not None and share < 1.0:  # the rest may lie beyond
-                text = _full_text(conn, body, text, query)
-                share = coverage(text, query)
-            hit = SearchHit(
-                position=position,
-                kind=kind_of(body),
-                turn=int(event[0]),
-                created_at=int(event[1]),
-                snippet=snippet(text, query),
-                score=0.0,
-                rank=-float(bm25),
+            artifact = beyond_preview(body, text, query)
+            if artifact is not None:
+                text = expanded_text(body, get_artifact(conn, artifact))
+            found_hits.append(
+                search_hit(
+                    body,
+                    position=position,
+                    turn=int(event[0]),
+                    created_at=int(event[1]),
+                    text=text,
+                    query=query,
+                    rank=-float(bm25),
+                )
             )
-            found_hits.append((hit, share))
-        scores = calibrated([share for _, share in found_hits])
-        return [
-            msgspec.structs.replace(hit, score=score)
-            for (hit, _), score in zip(found_hits, scores, strict=True)
-        ]
+        return scored(found_hits)
 
     return _snapshot(conn, read)
 
 
-def _full_text(conn: sqlite3.Connection, body: Body, preview: str, query: str) -> str:
-    """A clipped body's full searchable text when the match lies beyond its preview."""
-    artifact = artifact_of(body)
-    if artifact is None:
-        return preview
-    data = get_artifact(conn, artifact)
-    return searchable_text(expanded(body, data.decode("utf-8", "replace")))
-
-
 def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:
     row = conn.execute("SELECT data FROM artifacts WHERE id = ?", (artifact_id,)).fetchone()
-    if row is None:
-        raise UnknownArtifact(artifact_id)
-    try:
-        return zlib.decompress(row[0])
-    except zlib.error as exc:
-        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
+    return artifact_bytes(artifact_id, None if row is None else row[0])
 
 
 def model_calls(

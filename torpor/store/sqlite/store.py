@@ -28,33 +28,19 @@ import asyncio
 import contextlib
 import sqlite3
 from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import Any, Self, TypeVar, cast
+from typing import Any, TypeVar
 
 import aiosqlite
-import msgspec
 
 from torpor._logging import get_logger
-from torpor.errors import ConfigError, InvalidInput, StoreError
-from torpor.events import Body, Event
-from torpor.store.admit import admit_model_call, check_checkpoint
-from torpor.store.arguments import (
-    check_after,
-    check_conversation_id,
-    check_limit,
-    check_position,
-    check_turn,
-    search_query,
-)
+from torpor.errors import ConfigError, StoreError
+from torpor.store.core import StoreCore
 from torpor.store.fulltext import match_expression
-from torpor.store.prepare import AppendPolicy, new_artifact_id, now_ms
+from torpor.store.prepare import PreparedAppend
 from torpor.store.protocol import (
     Checkpoint,
-    ConversationInfo,
     HintExtractor,
     ModelCall,
-    PendingApproval,
-    Resume,
     SearchHit,
     TokenCounter,
 )
@@ -64,7 +50,6 @@ from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
 from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.sqlite.writer import GroupCommitWriter
-from torpor.text import check_id
 
 __all__ = ["SQLiteStore"]
 
@@ -102,7 +87,7 @@ class _Readers:
             self._busy[index] -= 1
 
 
-class SQLiteStore:
+class SQLiteStore(StoreCore):
     """An :class:`~torpor.store.protocol.EventStore` over one SQLite database.
 
     Use as an async context manager (or through :func:`torpor.store.open_store`):
@@ -115,6 +100,8 @@ class SQLiteStore:
     ``busy_timeout`` seconds) makes writes raise StoreUnavailable while reads
     go on, and writes resume by themselves once it can write again.
     """
+
+    reads = reads
 
     def __init__(
         self,
@@ -129,26 +116,20 @@ class SQLiteStore:
         max_batch: int = 2048,
         busy_timeout: float = 10.0,
     ) -> None:
-        if durability not in ("normal", "full"):
-            raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
-        if type(readers) is not int or readers < 1:
-            raise ConfigError("readers", "at least one reader connection is needed")
-        if type(max_batch) is not int or max_batch < 1:
-            raise ConfigError("max_batch", "must be at least 1")
+        super().__init__(
+            token_counter=token_counter,
+            hint_extractor=hint_extractor,
+            durability=durability,
+            artifact_threshold=artifact_threshold,
+            max_event_bytes=max_event_bytes,
+            readers=readers,
+            max_batch=max_batch,
+        )
         if not isinstance(busy_timeout, int | float) or not 0 <= busy_timeout <= 3600:
             raise ConfigError("busy_timeout", "must be 0..3600 seconds")
         if path is not None and (not isinstance(path, str) or "\x00" in path):
             raise ConfigError("path", "must be a file path without NUL, or None for memory")
         self.path = path
-        self.durability: Durability = durability
-        self._policy = AppendPolicy(
-            token_counter=token_counter,
-            hint_extractor=hint_extractor,
-            artifact_threshold=artifact_threshold,
-            max_event_bytes=max_event_bytes,
-        )
-        self._reader_count = readers
-        self._max_batch = max_batch
         self._busy_ms = int(busy_timeout * 1000)
         self._conns: list[aiosqlite.Connection] = []
         self._writer: GroupCommitWriter | None = None
@@ -156,18 +137,6 @@ class SQLiteStore:
         self._log = log.bind(store=path or ":memory:")
 
     # lifecycle -------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         if self._conns:
@@ -267,134 +236,29 @@ class SQLiteStore:
         """
         return await hop(self._write().connection, fn, *args)
 
-    # writes ----------------------------------------------------------------------
+    # what StoreCore asks of a backend ----------------------------------------------
 
-    async def append(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        *,
-        turn: int = 0,
-        expect_head: int | None = None,
-        key: str | None = None,
-    ) -> list[int]:
-        prepared = self._policy.prepare(
-            conversation_id, events, turn=turn, expect_head=expect_head, key=key
-        )
-        return cast(list[int], await self._write().submit(AppendOp(prepared)))
+    async def _submit(self, op: Any) -> Any:
+        return await self._write().submit(op)
 
-    async def append_events(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        *,
-        turn: int = 0,
-        expect_head: int | None = None,
-        key: str | None = None,
-    ) -> list[Event]:
-        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
-        prepared = self._policy.prepare(
-            conversation_id, events, turn=turn, expect_head=expect_head, key=key
-        )
-        op = AppendOp(prepared, with_events=True)
-        return cast(list[Event], await self._write().submit(op))
+    async def _reading(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._read().run(fn, *args)
 
-    async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
-        await self._write().submit(CheckpointOp(check_checkpoint(checkpoint)))
+    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
+        return AppendOp(prepared, with_events=with_events)
 
-    async def put_artifact(self, conversation_id: str, data: bytes) -> str:
-        check_conversation_id(conversation_id)
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise InvalidInput("data", "artifact data must be bytes")
-        op = ArtifactOp(conversation_id, new_artifact_id(), bytes(data))
-        return cast(str, await self._write().submit(op))
+    def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
+        return CheckpointOp(checkpoint)
 
-    async def record_model_call(self, call: ModelCall) -> None:
-        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        call = admit_model_call(call)
-        if not call.created_at:
-            call = msgspec.structs.replace(call, created_at=now_ms())
-        await self._write().submit(ModelCallOp(call))
+    def _artifact_op(self, conversation_id: str, artifact_id: str, data: bytes) -> ArtifactOp:
+        return ArtifactOp(conversation_id, artifact_id, data)
 
-    # reads -----------------------------------------------------------------------
+    def _model_call_op(self, call: ModelCall) -> ModelCallOp:
+        return ModelCallOp(call)
 
-    async def head(self, conversation_id: str) -> int | None:
-        check_conversation_id(conversation_id)
-        return await self._read().run(reads.head, conversation_id)
-
-    async def read_since(self, conversation_id: str, position: int) -> list[Event]:
-        check_conversation_id(conversation_id)
-        check_position(position)
-        return await self._read().run(reads.read_since, conversation_id, position)
-
-    async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
-        check_conversation_id(conversation_id)
-        check_position(start, "start")
-        check_position(end, "end")
-        return await self._read().run(reads.read_range, conversation_id, start, end)
-
-    async def page_backward(
-        self, conversation_id: str, before: int | None = None, limit: int = 50
-    ) -> list[Event]:
-        check_conversation_id(conversation_id)
-        if before is not None:
-            check_position(before, "before")
-        check_limit(limit)
-        return await self._read().run(reads.page_backward, conversation_id, before, limit)
-
-    async def resume(self, conversation_id: str) -> Resume:
-        check_conversation_id(conversation_id)
-        return await self._read().run(reads.resume, conversation_id)
-
-    async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None:
-        check_conversation_id(conversation_id)
-        return await self._read().run(reads.latest_checkpoint, conversation_id)
-
-    async def checkpoints(self, conversation_id: str) -> list[Checkpoint]:
-        check_conversation_id(conversation_id)
-        return await self._read().run(reads.checkpoints, conversation_id)
-
-    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
-        """bm25-ranked events of one conversation; every term of ``query`` is matched literally."""
-        check_conversation_id(conversation_id)
-        check_limit(k, "k")
-        query = search_query(query)
+    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+        """bm25-ranked: ``query`` becomes an FTS5 expression of literal terms."""
         expression = match_expression(query)
         if expression is None:
             return []
         return await self._read().run(reads.search, conversation_id, expression, query, k)
-
-    async def get_artifact(self, artifact_id: str) -> bytes:
-        """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""
-        check_id(artifact_id, "artifact_id")
-        return await self._read().run(reads.get_artifact, artifact_id)
-
-    async def model_calls(
-        self, conversation_id: str, *, turn: int | None = None, limit: int = 100
-    ) -> list[ModelCall]:
-        """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
-        check_conversation_id(conversation_id)
-        if turn is not None:
-            check_turn(turn)
-        check_limit(limit)
-        return await self._read().run(reads.model_calls, conversation_id, turn, limit)
-
-    async def conversations(
-        self, *, after: str | None = None, limit: int = 100
-    ) -> list[ConversationInfo]:
-        """Conversations ordered by id, those after ``after`` (keyset pagination)."""
-        check_after(after)
-        check_limit(limit)
-        return await self._read().run(reads.conversations, after, limit)
-
-    async def conversation(self, conversation_id: str) -> ConversationInfo | None:
-        check_conversation_id(conversation_id)
-        return await self._read().run(reads.conversation, conversation_id)
-
-    async def pending(
-        self, *, after: str | None = None, limit: int = 100
-    ) -> list[PendingApproval]:
-        """Conversations waiting on outside answers, by id, after ``after``: from the index."""
-        check_after(after)
-        check_limit(limit)
-        return await self._read().run(reads.pending, after, limit)

@@ -13,8 +13,9 @@ from typing import Any
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, InvalidInput, StoreError
+from torpor.errors import ConflictError, IdempotencyConflict, StoreError
 from torpor.events import Body, Event
+from torpor.store.admit import check_checkpoint_reach
 from torpor.store.pending import INDEXED_KINDS
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -116,13 +117,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
-        if not self.with_events:
-            return list(range(first, first + len(events)))
-        name = self.append.conversation_id
-        return [
-            Event(name, first + i, e.turn, e.tokens, e.created_at, e.value, e.hints)
-            for i, e in enumerate(events)
-        ]
+        return self.append.result(first, events, self.with_events)
 
     def _replay(self, batch: Batch, key: int, idem: str) -> list[Any] | None:
         """The first append with this key, if there was one: its positions or events.
@@ -173,12 +168,7 @@ class CheckpointOp:
     def plan(self, batch: Batch) -> Plan:
         cp = self.checkpoint
         state = batch.conversation(cp.conversation_id)
-        if not 0 <= cp.position <= state.head + 1:
-            raise InvalidInput(
-                "checkpoint.position",
-                f"{cp.position} is outside conversation {cp.conversation_id!r} "
-                f"(head {state.head})",
-            )
+        check_checkpoint_reach(cp, state.head)
         writes = batch.creating(cp.conversation_id, state)
         writes.append(
             (

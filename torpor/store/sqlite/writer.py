@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,8 +28,9 @@ import aiosqlite
 
 from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
+from torpor.store.commit_queue import CommitQueue, Pending, deliver
 from torpor.store.prepare import now_ms
-from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
+from torpor.store.sqlite.batch import HeadCache, WriteOp, run_batch
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
 from torpor.store.sqlite.hop import hop
 
@@ -38,7 +38,7 @@ __all__ = ["GroupCommitWriter"]
 
 log = get_logger(__name__)
 
-_Pending = tuple[WriteOp, "asyncio.Future[Any]"]
+_Pending = Pending[WriteOp]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
 
 
@@ -62,11 +62,8 @@ class GroupCommitWriter:
         self._conn = conn
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
-        self._max_batch = max_batch
         self._cache = HeadCache(cache_size)
-        self._pending: deque[_Pending] = deque()
-        self._wake = asyncio.Event()
-        self._closing = False
+        self._queue: CommitQueue[WriteOp] = CommitQueue(max_batch)
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # committed batches, for stats and tests
         self.largest_batch = 0
@@ -76,17 +73,12 @@ class GroupCommitWriter:
 
     async def submit(self, op: WriteOp) -> Any:
         """Queue ``op`` and wait for the commit that contains it; its result or its error."""
-        if self._closing or self._task is None or self._task.done():
-            raise StoreError("the store is closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wake.set()
-        return await future
+        running = self._task is not None and not self._task.done()
+        return await self._queue.submit(op, running=running)
 
     async def aclose(self) -> None:
         """Commit what is queued, then stop. If this wait is cancelled, so is the writer."""
-        self._closing = True
-        self._wake.set()
+        self._queue.close()
         task = self._task
         if task is None:
             return
@@ -100,28 +92,12 @@ class GroupCommitWriter:
 
     async def _run(self) -> None:
         try:
-            while True:
-                if not self._pending:
-                    if self._closing:
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                batch = self._take()
-                if batch:
-                    # If this task is cancelled mid-commit, the batch still finishes on
-                    # its thread and ``deliver`` still resolves its callers' futures.
-                    await self._commit(batch)
+            while (batch := await self._queue.next_batch()) is not None:
+                # If this task is cancelled mid-commit, the batch still finishes on
+                # its thread and ``deliver`` still resolves its callers' futures.
+                await self._commit(batch)
         finally:
-            self._fail_pending(StoreError("the store closed before this write was committed"))
-
-    def _take(self) -> list[_Pending]:
-        batch: list[_Pending] = []
-        while self._pending and len(batch) < self._max_batch:
-            item = self._pending.popleft()
-            if not item[1].done():  # a caller cancelled before its turn: never written
-                batch.append(item)
-        return batch
+            self._queue.fail_pending()
 
     @property
     def connection(self) -> aiosqlite.Connection:
@@ -160,19 +136,7 @@ class GroupCommitWriter:
     def _delivered(self, futures: list[asyncio.Future[Any]], results: list[object]) -> None:
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(futures))
-        for future, result in zip(futures, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, Failed):
-                future.set_exception(result.error)
-            else:
-                future.set_result(result)
-
-    def _fail_pending(self, error: StoreError) -> None:
-        while self._pending:
-            _, future = self._pending.popleft()
-            if not future.done():
-                future.set_exception(error)
+        deliver(futures, results)
 
 
 def _unavailable(exc: Exception) -> StoreError:

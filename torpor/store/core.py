@@ -1,0 +1,263 @@
+"""What both store backends share above the database: the public, validating methods.
+
+Every argument a caller passes is checked here, once, the same way for SQLite
+and PostgreSQL (so a bad id, cursor or limit is the same InvalidInput on
+both), and appends are prepared by one :class:`~torpor.store.prepare.AppendPolicy`
+(token counting, clip-on-entry). A backend supplies only what differs: how an
+operation is queued for its group commit (``_submit`` and the ``_*_op``
+builders) and how a read helper is run on its connections (``_reading``, with
+the helpers of its ``reads`` module, which share one set of names and
+signatures after the connection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType, TracebackType
+from typing import Any, Self, cast
+
+import msgspec
+
+from torpor.errors import ConfigError, InvalidInput
+from torpor.events import Body, Event
+from torpor.store.admit import admit_model_call, check_checkpoint
+from torpor.store.arguments import (
+    check_after,
+    check_conversation_id,
+    check_limit,
+    check_position,
+    check_turn,
+    search_query,
+)
+from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, now_ms
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    HintExtractor,
+    ModelCall,
+    PendingApproval,
+    Resume,
+    SearchHit,
+    TokenCounter,
+)
+from torpor.store.sqlite.schema import Durability
+from torpor.text import check_id
+
+__all__ = ["StoreCore"]
+
+
+class StoreCore:
+    """The validating half of an :class:`~torpor.store.protocol.EventStore`."""
+
+    reads: ModuleType  # the backend's read helpers: ``fn(connection, *args)``
+
+    def __init__(
+        self,
+        *,
+        token_counter: TokenCounter | None,
+        hint_extractor: HintExtractor | None,
+        durability: Durability,
+        artifact_threshold: int,
+        max_event_bytes: int,
+        readers: int,
+        max_batch: int,
+    ) -> None:
+        if durability not in ("normal", "full"):
+            raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
+        if type(readers) is not int or readers < 1:
+            raise ConfigError("readers", "at least one reader connection is needed")
+        if type(max_batch) is not int or max_batch < 1:
+            raise ConfigError("max_batch", "must be at least 1")
+        self.durability: Durability = durability
+        self._policy = AppendPolicy(
+            token_counter=token_counter,
+            hint_extractor=hint_extractor,
+            artifact_threshold=artifact_threshold,
+            max_event_bytes=max_event_bytes,
+        )
+        self._reader_count = readers
+        self._max_batch = max_batch
+
+    # what a backend supplies -----------------------------------------------------------
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def _submit(self, op: Any) -> Any:
+        """Queue ``op`` for the group commit; its result once committed."""
+        raise NotImplementedError
+
+    async def _reading(self, fn: Any, *args: Any) -> Any:
+        """Run the read helper ``fn(connection, *args)`` on a reader connection."""
+        raise NotImplementedError
+
+    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> Any:
+        raise NotImplementedError
+
+    def _checkpoint_op(self, checkpoint: Checkpoint) -> Any:
+        raise NotImplementedError
+
+    def _artifact_op(self, conversation_id: str, artifact_id: str, data: bytes) -> Any:
+        raise NotImplementedError
+
+    def _model_call_op(self, call: ModelCall) -> Any:
+        raise NotImplementedError
+
+    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+        """Search with arguments already checked (``query`` through :func:`search_query`)."""
+        raise NotImplementedError
+
+    # lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # writes ----------------------------------------------------------------------------
+
+    async def append(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[int]:
+        prepared = self._policy.prepare(
+            conversation_id, events, turn=turn, expect_head=expect_head, key=key
+        )
+        return cast(list[int], await self._submit(self._append_op(prepared, False)))
+
+    async def append_events(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        *,
+        turn: int = 0,
+        expect_head: int | None = None,
+        key: str | None = None,
+    ) -> list[Event]:
+        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
+        prepared = self._policy.prepare(
+            conversation_id, events, turn=turn, expect_head=expect_head, key=key
+        )
+        return cast(list[Event], await self._submit(self._append_op(prepared, True)))
+
+    async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
+        await self._submit(self._checkpoint_op(check_checkpoint(checkpoint)))
+
+    async def put_artifact(self, conversation_id: str, data: bytes) -> str:
+        check_conversation_id(conversation_id)
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidInput("data", "artifact data must be bytes")
+        op = self._artifact_op(conversation_id, new_artifact_id(), bytes(data))
+        return cast(str, await self._submit(op))
+
+    async def record_model_call(self, call: ModelCall) -> None:
+        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
+        call = admit_model_call(call)
+        if not call.created_at:
+            call = msgspec.structs.replace(call, created_at=now_ms())
+        await self._submit(self._model_call_op(call))
+
+    # reads -----------------------------------------------------------------------------
+
+    async def head(self, conversation_id: str) -> int | None:
+        check_conversation_id(conversation_id)
+        return cast(int | None, await self._reading(self.reads.head, conversation_id))
+
+    async def read_since(self, conversation_id: str, position: int) -> list[Event]:
+        check_conversation_id(conversation_id)
+        check_position(position)
+        return cast(
+            list[Event], await self._reading(self.reads.read_since, conversation_id, position)
+        )
+
+    async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
+        check_conversation_id(conversation_id)
+        check_position(start, "start")
+        check_position(end, "end")
+        events = await self._reading(self.reads.read_range, conversation_id, start, end)
+        return cast(list[Event], events)
+
+    async def page_backward(
+        self, conversation_id: str, before: int | None = None, limit: int = 50
+    ) -> list[Event]:
+        check_conversation_id(conversation_id)
+        if before is not None:
+            check_position(before, "before")
+        check_limit(limit)
+        events = await self._reading(self.reads.page_backward, conversation_id, before, limit)
+        return cast(list[Event], events)
+
+    async def resume(self, conversation_id: str) -> Resume:
+        """Latest checkpoint, head and every event since, from one snapshot."""
+        check_conversation_id(conversation_id)
+        return cast(Resume, await self._reading(self.reads.resume, conversation_id))
+
+    async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None:
+        check_conversation_id(conversation_id)
+        found = await self._reading(self.reads.latest_checkpoint, conversation_id)
+        return cast(Checkpoint | None, found)
+
+    async def checkpoints(self, conversation_id: str) -> list[Checkpoint]:
+        check_conversation_id(conversation_id)
+        return cast(list[Checkpoint], await self._reading(self.reads.checkpoints, conversation_id))
+
+    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
+        """Ranked events of one conversation (bm25 on SQLite, ts_rank on PostgreSQL);
+        every term of ``query`` is matched literally, query syntax is never interpreted."""
+        check_conversation_id(conversation_id)
+        check_limit(k, "k")
+        return await self._search(conversation_id, search_query(query), k)
+
+    async def get_artifact(self, artifact_id: str) -> bytes:
+        """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""
+        check_id(artifact_id, "artifact_id")
+        return cast(bytes, await self._reading(self.reads.get_artifact, artifact_id))
+
+    async def model_calls(
+        self, conversation_id: str, *, turn: int | None = None, limit: int = 100
+    ) -> list[ModelCall]:
+        """The most recent ``limit`` calls (of ``turn`` if given), oldest first."""
+        check_conversation_id(conversation_id)
+        if turn is not None:
+            check_turn(turn)
+        check_limit(limit)
+        calls = await self._reading(self.reads.model_calls, conversation_id, turn, limit)
+        return cast(list[ModelCall], calls)
+
+    async def conversations(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[ConversationInfo]:
+        """Conversations ordered by id (bytewise), those after ``after`` (keyset pagination)."""
+        check_after(after)
+        check_limit(limit)
+        return cast(
+            list[ConversationInfo], await self._reading(self.reads.conversations, after, limit)
+        )
+
+    async def conversation(self, conversation_id: str) -> ConversationInfo | None:
+        check_conversation_id(conversation_id)
+        found = await self._reading(self.reads.conversation, conversation_id)
+        return cast(ConversationInfo | None, found)
+
+    async def pending(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[PendingApproval]:
+        """Conversations waiting on outside answers, by id (bytewise), after ``after``."""
+        check_after(after)
+        check_limit(limit)
+        return cast(list[PendingApproval], await self._reading(self.reads.pending, after, limit))

@@ -1,0 +1,70 @@
+"""Search hits and artifact bytes from stored rows: the same on both backends.
+
+The backends find the matching rows their own way (FTS5 and bm25 on SQLite,
+tsvector and ts_rank on PostgreSQL); what a hit then says, and when a clipped
+tool result is searched beyond its preview, is decided here once.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import msgspec
+
+from torpor.errors import StoreError, UnknownArtifact
+from torpor.events import Body, kind_of, searchable_text
+from torpor.store.clip import artifact_of, expanded
+from torpor.store.fulltext import calibrated, coverage, snippet
+from torpor.store.protocol import SearchHit
+
+__all__ = ["artifact_bytes", "beyond_preview", "expanded_text", "scored", "search_hit"]
+
+
+def beyond_preview(body: Body, text: str, query: str) -> str | None:
+    """The artifact that holds a clipped body's full text, when the preview does not hold
+    all of ``query`` (the rest may lie beyond it)."""
+    artifact = artifact_of(body)
+    if artifact is not None and coverage(text, query) < 1.0:
+        return artifact
+    return None
+
+
+def expanded_text(body: Body, full: bytes) -> str:
+    """A clipped body's searchable text with its artifact's full content in place."""
+    return searchable_text(expanded(body, full.decode("utf-8", "replace")))
+
+
+def search_hit(
+    body: Body, *, position: int, turn: int, created_at: int, text: str, query: str, rank: float
+) -> tuple[SearchHit, float]:
+    """A hit with the backend's own ``rank``, and the share of the query its text holds."""
+    hit = SearchHit(
+        position=position,
+        kind=kind_of(body),
+        turn=turn,
+        created_at=created_at,
+        snippet=snippet(text, query),
+        score=0.0,
+        rank=rank,
+    )
+    return hit, coverage(text, query)
+
+
+def scored(found: Sequence[tuple[SearchHit, float]]) -> list[SearchHit]:
+    """Hits in the backend's order with scores on the one 0-1 scale (see store.fulltext)."""
+    scores = calibrated([share for _, share in found])
+    return [
+        msgspec.structs.replace(hit, score=score)
+        for (hit, _), score in zip(found, scores, strict=True)
+    ]
+
+
+def artifact_bytes(artifact_id: str, data: bytes | None) -> bytes:
+    """An artifact row's stored data (None: there is no such row) as the original bytes."""
+    if data is None:
+        raise UnknownArtifact(artifact_id)
+    try:
+        return zlib.decompress(data)
+    except zlib.error as exc:
+        raise StoreError(f"artifact {artifact_id!r} is corrupt: {exc}") from exc
