@@ -167,18 +167,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         return
     if agent.state is not AgentState.AWAITING_INPUT or agent.postponed:
         # A turn is open (suspended on an approval): log it now, run it after.
-        try:
-            turn = await postpone(agent, host, request.text, request.key)
-        except StoreUnavailable as exc:
-            fail(request, exc)  # nothing was written; the agent is fine
-            return
-        except Exception as exc:
-            fail(request, exc)
-            if isinstance(exc, ValueError | TypeError):
-                return  # bad input: nothing was written
-            raise
-        if not request.accepted.done():
-            request.accepted.set_result(turn)
+        await _postpone_request(agent, host, request)
         return
     next_turn = agent.turn + 1
     try:
@@ -237,6 +226,45 @@ async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn
     host.log.debug("postponed", conversation_id=agent.id, turn=event.turn,
                    position=event.position)
     return turn
+
+
+async def _postpone_request(agent: Agent, host: Host, request: SendRequest) -> None:
+    try:
+        turn = await postpone(agent, host, request.text, request.key)
+    except StoreUnavailable as exc:
+        fail(request, exc)  # nothing was written; the agent is fine
+        return
+    except Exception as exc:
+        fail(request, exc)
+        if isinstance(exc, ValueError | TypeError):
+            return  # bad input: nothing was written
+        raise
+    if not request.accepted.done():
+        request.accepted.set_result(turn)
+
+
+async def _take_waiting(agent: Agent, host: Host) -> None:
+    """A turn starts: nothing already in the mailbox may wait for it to end.
+
+    The actor reads its mailbox only between turns, and a turn may run for
+    minutes. So what was posted before this turn began is settled now: a user
+    message is logged and postponed behind it (its caller gets its Turn), a
+    cancel applies to it, and an answer is refused, since the agent waits for
+    no call while a turn starts. Anything posted from here on is settled by the
+    runtime directly (see ``Runtime.send``, ``cancel`` and ``resolve``).
+    """
+    while (message := agent.next_message()) is not None:
+        if isinstance(message, SendRequest):
+            if not message.accepted.done():
+                await _postpone_request(agent, host, message)
+        elif isinstance(message, CancelRequest):
+            if agent.cancels is None:
+                agent.cancels = []
+            agent.cancels.append(message.done)  # answered when this turn ends
+        elif not message.done.done():
+            message.done.set_exception(
+                UnknownCall(f"{agent.id}: not waiting for tool call {message.call_id!r}")
+            )
 
 
 def _next_turn(agent: Agent) -> Callable[[], int]:
@@ -312,6 +340,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         with anyio.CancelScope() as scope:
             agent.scope = scope
             try:
+                await _take_waiting(agent, host)
                 final = await run_steps(agent, host)
             except ModelFailed as exc:
                 reason, detail, partial = "model_error", str(exc), exc.partial

@@ -234,6 +234,10 @@ class Agent:
     def mailbox_depth(self) -> int:
         return 0 if self.mailbox is None else len(self.mailbox)
 
+    def queued_in_mailbox(self) -> int:
+        """User messages in the mailbox (not yet logged)."""
+        return 0 if self.mailbox is None else self.mailbox.sends
+
     def queued_sends(self) -> int:
         """User messages not yet run: in the mailbox, or logged and postponed."""
         queued = 0 if self.mailbox is None else self.mailbox.sends
