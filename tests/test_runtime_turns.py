@@ -234,6 +234,33 @@ async def test_leaving_the_runtime_mid_stream_logs_a_shutdown_abort(tmp_path: ob
         assert last.partial_text == "half"
 
 
+async def test_concurrent_sends_while_streaming_never_exceed_the_mailbox_bound() -> None:
+    # Found by the fuzzer (and the flaky test above): messages being logged behind the
+    # open turn were not counted until written, so concurrent sends all got in.
+    go = anyio.Event()
+    model = ScriptedModel([[Wait(go), Text("a")]], loop=True)
+    async with Runtime("sqlite://", model=model,
+                       config=RuntimeConfig(mailbox_bound=2)) as rt:
+        first = await rt.send("c", "0")
+        outcomes: list[object] = []
+
+        async def send(text: str) -> None:
+            try:
+                outcomes.append(await rt.send("c", text))
+            except Busy as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(1, 6):
+                tg.start_soon(send, str(i))
+        assert sum(isinstance(o, torpor.Turn) for o in outcomes) == 2
+        assert sum(isinstance(o, Busy) for o in outcomes) == 3
+        go.set()
+        await first.result()
+        texts = [e.body.text for e in await log_of(rt, "c") if isinstance(e.body, UserMessage)]
+        assert len(texts) == 3
+
+
 async def test_requests_queued_before_a_turn_started_do_not_wait_for_it_to_end() -> None:
     # Found by the fuzzer: the actor read its mailbox only between turns, so a send or a
     # cancel queued while the agent was reviving waited for the whole first turn, forever

@@ -212,7 +212,13 @@ async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn
     even if the caller gave up meanwhile (the log has it; it must be answered).
     """
     with anyio.CancelScope(shield=True):
-        events = await logged(agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key)
+        agent.postponing += 1  # counted against mailbox_bound while it is being written
+        try:
+            events = await logged(
+                agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key
+            )
+        finally:
+            agent.postponing -= 1
         event = events[0]
         if (agent.postponed and event.turn <= agent.postponed[-1].event.turn) or (
             event.turn <= agent.turn

@@ -117,6 +117,7 @@ class Agent:
         "parked_cause",
         "pending",
         "postponed",
+        "postponing",
         "profile",
         "restarts",
         "scope",
@@ -161,6 +162,7 @@ class Agent:
         # serialized, since a message sent mid-turn is logged by the sender's task.
         self.lock: asyncio.Lock | None = None
         self.postponed: deque[Waiting] | None = None  # turns logged behind the open one
+        self.postponing = 0  # user messages being logged behind the open turn right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
@@ -239,6 +241,6 @@ class Agent:
         return 0 if self.mailbox is None else self.mailbox.sends
 
     def queued_sends(self) -> int:
-        """User messages not yet run: in the mailbox, or logged and postponed."""
+        """User messages not yet run: in the mailbox, being logged, or logged and postponed."""
         queued = 0 if self.mailbox is None else self.mailbox.sends
-        return queued + (len(self.postponed) if self.postponed else 0)
+        return queued + self.postponing + (len(self.postponed) if self.postponed else 0)
