@@ -128,8 +128,11 @@ async def revive(agent: Agent, host: Host) -> None:
     agent.parked_cause = restored.parked_cause
     _adopt_postponed(agent, host, restored.postponed)
     if restored.unfinished and restored.state is not AgentState.PARKED:
-        # The process died mid-turn: the log must say so before anything else happens.
-        await append(agent, host, [Aborted("interrupted", detail="found unfinished on revival")])
+        # The turn died mid-way (the process, or the store): the log must say so before
+        # anything else happens, with the text its stream had delivered.
+        await append(agent, host, [Aborted("interrupted", partial_text=agent.unlogged,
+                                           detail="found unfinished on revival")])
+    agent.unlogged = ""
     agent.store_failures = 0
     _measure(agent)
     agent.set_state(host, restored.state)
@@ -367,8 +370,8 @@ async def _run_turn(agent: Agent, host: Host) -> None:
     finally:
         agent.scope = None
         agent.cancellable = False
-    if reason == "cancelled":
-        partial = _partial(agent)
+    if reason in ("cancelled", "crashed"):
+        partial = _partial(agent)  # what the stream delivered: the abort holds it
     if reason is None and final is None and agent.cancels:
         # Suspended with a cancel waiting: the caller asked to stop this turn.
         reason, detail = "cancelled", "suspended turn cancelled by caller"

@@ -125,6 +125,7 @@ class Agent:
         "store_failures",
         "task",
         "turn",
+        "unlogged",
         "waiter",
         "ws",
         "ws_bytes",
@@ -166,6 +167,9 @@ class Agent:
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
+        # Text a dead stream delivered that no logged event holds yet: the Aborted owed for
+        # its turn carries it, and until then it is the text in flight for new followers.
+        self.unlogged = ""
 
     # -- state ---------------------------------------------------------------
     @property

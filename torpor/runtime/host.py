@@ -347,6 +347,8 @@ class Runtime:
             if hub.parts:
                 follower.push(TextDelta("".join(hub.parts)))
             hub.followers = followers
+        elif agent is not None and agent.unlogged:  # a dead stream's text, its abort owed
+            follower.push(TextDelta(agent.unlogged))
         followers.append(follower)
         return follower
 
