@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import pytest
 from support import writes_fail, writes_succeed
 
 from torpor import (
@@ -70,3 +71,24 @@ async def test_a_stream_whose_answer_cannot_be_logged_is_aborted_with_the_text_i
         follower.close()
         late.close()
 
+
+async def test_a_cancel_whose_abort_cannot_be_logged_says_so(tmp_path: Path) -> None:
+    # Found by the fuzzer: cancel returned True, yet the log never ended the turn with a
+    # cancelled abort (it could not write one); the turn ended "interrupted" later.
+    reached, never = anyio.Event(), anyio.Event()
+    model = ScriptedModel([[Text("slow"), Signal(reached), Wait(never)], [Text("back")]])
+    async with Runtime(f"sqlite:///{tmp_path}/c.db", model=model, config=CONFIG) as rt:
+        turn = await rt.send("c", "question")
+        await reached.wait()
+        await writes_fail(rt.store)
+        with anyio.fail_after(5), pytest.raises(StoreUnavailable):
+            await rt.cancel("c")
+        with pytest.raises(StoreUnavailable):
+            await turn.result()
+        await writes_succeed(rt.store)
+        with anyio.fail_after(5):
+            assert (await (await rt.send("c", "again")).result()).text == "back"
+        bodies = [e.body for e in await rt.store.read_since("c", 0)]
+        aborted = [b for b in bodies if isinstance(b, Aborted)]
+        assert [(a.reason, a.partial_text) for a in aborted] == [("interrupted", "slow")]
+        assert (await rt.admin.stats()).crashes == 0

@@ -377,13 +377,17 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         reason, detail = "cancelled", "suspended turn cancelled by caller"
     if reason is not None:
         if isinstance(crash, StoreUnavailable):
+            _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
             raise crash  # nothing more can be logged now; the supervisor retries later
         try:
             await abort_turn(agent, host, reason, detail, partial)
-        except Exception:
+        except Exception as exc:
+            # The abort is not in the log, so no cancel took effect: its callers get the
+            # error (a cancel is True only once the log ends the turn with it).
+            _answer_cancels(agent, False, exc)
             if crash is None:
                 raise
-        finally:
+        else:
             _answer_cancels(agent, reason == "cancelled")
         if crash is not None:
             raise crash
@@ -419,10 +423,17 @@ def _suspension_of(agent: Agent) -> Suspended:
     return Suspended(agent.pending)
 
 
-def _answer_cancels(agent: Agent, took_effect: bool) -> None:
+def _answer_cancels(
+    agent: Agent, took_effect: bool, error: BaseException | None = None
+) -> None:
     cancels, agent.cancels = agent.cancels, None
     for future in cancels or ():
-        if not future.done():
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+            future.exception()  # a caller that gave up must not leave "never retrieved"
+        else:
             future.set_result(took_effect)
 
 
