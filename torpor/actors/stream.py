@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import TypeAlias
 
-from torpor.events import Event
+from torpor.events import Event, UserMessage
 from torpor.llm.protocol import TextDelta
 
 __all__ = ["Follower", "StreamHub", "StreamItem", "Subscriber"]
@@ -154,15 +154,36 @@ class Follower(Subscriber):
             if cut is None:  # nothing was live: the replay covers all it read
                 cut = events[-1].position if events else self._after
                 self._cut = cut
-                self._items = deque(
-                    i for i in self._items if not (isinstance(i, Event) and i.position <= cut)
-                )
+                self._items = _after_cut(self._items, cut)
             for event in events:
                 if event.position > cut:
                     break
                 yield event
         async for item in super()._iterate():
             yield item
+
+
+def _after_cut(items: deque[StreamItem], cut: int) -> deque[StreamItem]:
+    """Items pushed live before the replay was read, less what the replay delivers.
+
+    That is the events up to ``cut`` and the text of the answers among them: a
+    stream's text comes before the event that ends it, so text pushed before
+    such an event (anything but a user message, which may be logged mid-stream
+    behind the open turn) belongs to the replay too.
+    """
+    last = -1
+    for index, item in enumerate(items):
+        if (
+            isinstance(item, Event)
+            and item.position <= cut
+            and not isinstance(item.body, UserMessage)
+        ):
+            last = index
+    return deque(
+        item
+        for index, item in enumerate(items)
+        if index > last and not (isinstance(item, Event) and item.position <= cut)
+    )
 
 
 class StreamHub:
