@@ -323,3 +323,51 @@ async def test_live_agent_cap_holds_after_a_burst_of_first_messages() -> None:
         await settle()
         assert (await rt.admin.stats()).live <= 10
         assert (await rt.admin.stats()).evictions >= 90
+
+
+async def test_resolve_while_a_turn_streams_answers_at_once_and_does_not_hold_sends() -> None:
+    # Found by the fuzzer: a resolve for a call the agent is not waiting for was queued
+    # behind the running turn, so it (and every send after it) waited for the turn to end.
+    go = anyio.Event()
+    model = ScriptedModel([[Text("thinking"), torpor.llm.Wait(go), Text(" done")],
+                           [Text("second")]])
+    async with Runtime("sqlite://", model=model, agent=AgentConfig(tools=[APPROVE])) as rt:
+        turn = await rt.send("c", "first")
+        await settle()
+        with anyio.fail_after(5):
+            with pytest.raises(UnknownCall):
+                await rt.resolve("c", "nope", "yes")
+            later = await rt.send("c", "second message")
+        assert later.postponed and not later.done()
+        go.set()
+        assert (await turn.result()).text == "thinking done"
+        assert (await later.result()).text == "second"
+
+
+async def test_resolve_before_the_suspension_is_refused_while_local_tools_run() -> None:
+    # Found by the fuzzer: an answer for an outside call of the running model answer was
+    # queued until its local calls finished, so a hanging local tool held it (and every
+    # request behind it). The call is not awaited until the turn suspends on it.
+    started, release = anyio.Event(), anyio.Event()
+
+    @torpor.tool
+    async def slow() -> str:
+        """Takes as long as it takes."""
+        started.set()
+        await release.wait()
+        return "slow done"
+
+    model = ScriptedModel([[Call("slow", id="s1"), Call("approve", {"what": "x"}, id="c1")],
+                           [Text("all done")]])
+    async with Runtime("sqlite://", model=model,
+                       agent=AgentConfig(tools=[slow, APPROVE])) as rt:
+        turn = await rt.send("c", "go")
+        await started.wait()
+        assert (await rt.admin.inspect("c")).state == "running_tools"
+        with anyio.fail_after(5), pytest.raises(UnknownCall):
+            await rt.resolve("c", "c1", "too early")
+        release.set()
+        suspended = await turn.result()
+        assert isinstance(suspended, Suspended) and suspended.call_ids == ("c1",)
+        resumed = await rt.resolve("c", "c1", "now")
+        assert resumed is not None and (await resumed.result()).text == "all done"

@@ -232,3 +232,61 @@ async def test_leaving_the_runtime_mid_stream_logs_a_shutdown_abort(tmp_path: ob
         last = (await log_of(rt2, "c"))[-1].body
         assert isinstance(last, Aborted) and last.reason == "shutdown"
         assert last.partial_text == "half"
+
+
+async def test_concurrent_sends_while_streaming_never_exceed_the_mailbox_bound() -> None:
+    # Found by the fuzzer (and the flaky test above): messages being logged behind the
+    # open turn were not counted until written, so concurrent sends all got in.
+    go = anyio.Event()
+    model = ScriptedModel([[Wait(go), Text("a")]], loop=True)
+    async with Runtime("sqlite://", model=model,
+                       config=RuntimeConfig(mailbox_bound=2)) as rt:
+        first = await rt.send("c", "0")
+        outcomes: list[object] = []
+
+        async def send(text: str) -> None:
+            try:
+                outcomes.append(await rt.send("c", text))
+            except Busy as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(1, 6):
+                tg.start_soon(send, str(i))
+        assert sum(isinstance(o, torpor.Turn) for o in outcomes) == 2
+        assert sum(isinstance(o, Busy) for o in outcomes) == 3
+        go.set()
+        await first.result()
+        texts = [e.body.text for e in await log_of(rt, "c") if isinstance(e.body, UserMessage)]
+        assert len(texts) == 3
+
+
+async def test_requests_queued_before_a_turn_started_do_not_wait_for_it_to_end() -> None:
+    # Found by the fuzzer: the actor read its mailbox only between turns, so a send or a
+    # cancel queued while the agent was reviving waited for the whole first turn, forever
+    # if its model hung.
+    never = anyio.Event()
+    model = ScriptedModel([[Text("stuck"), Wait(never)], [Text("second answer")]])
+    async with Runtime("sqlite://", model=model) as rt:
+        results: dict[str, object] = {}
+
+        async def send(text: str) -> None:
+            results[text] = await rt.send("c", text)
+
+        async def cancel() -> None:
+            results["cancel"] = await rt.cancel("c")
+
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:  # all queued before it revives
+                tg.start_soon(send, "first")
+                tg.start_soon(send, "second")
+                tg.start_soon(cancel)
+        first, second = results["first"], results["second"]
+        assert isinstance(first, torpor.Turn) and isinstance(second, torpor.Turn)
+        assert second.postponed and results["cancel"] is True
+        with pytest.raises(TurnAborted):
+            await first.result()
+        assert (await second.result()).text == "second answer"
+        kinds = [(type(e.body).__name__, e.turn) for e in await log_of(rt, "c")]
+        assert kinds == [("UserMessage", 1), ("UserMessage", 2), ("Aborted", 1),
+                         ("AssistantMessage", 2)]

@@ -129,8 +129,11 @@ async def revive(agent: Agent, host: Host) -> None:
     agent.parked_cause = restored.parked_cause
     _adopt_postponed(agent, host, restored.postponed)
     if restored.unfinished and restored.state is not AgentState.PARKED:
-        # The process died mid-turn: the log must say so before anything else happens.
-        await append(agent, host, [Aborted("interrupted", detail="found unfinished on revival")])
+        # The turn died mid-way (the process, or the store): the log must say so before
+        # anything else happens, with the text its stream had delivered.
+        await append(agent, host, [Aborted("interrupted", partial_text=agent.unlogged,
+                                           detail="found unfinished on revival")])
+    agent.unlogged = ""
     agent.store_failures = 0
     _measure(agent)
     agent.set_state(host, restored.state)
@@ -168,18 +171,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         return
     if agent.state is not AgentState.AWAITING_INPUT or agent.postponed:
         # A turn is open (suspended on an approval): log it now, run it after.
-        try:
-            turn = await postpone(agent, host, request.text, request.key)
-        except StoreUnavailable as exc:
-            fail(request, exc)  # nothing was written; the agent is fine
-            return
-        except Exception as exc:
-            fail(request, exc)
-            if isinstance(exc, ValueError | TypeError):
-                return  # bad input: nothing was written
-            raise
-        if not request.accepted.done():
-            request.accepted.set_result(turn)
+        await _postpone_request(agent, host, request)
         return
     next_turn = agent.turn + 1
     try:
@@ -244,6 +236,45 @@ async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn
     host.log.debug("postponed", conversation_id=agent.id, turn=event.turn,
                    position=event.position)
     return turn
+
+
+async def _postpone_request(agent: Agent, host: Host, request: SendRequest) -> None:
+    try:
+        turn = await postpone(agent, host, request.text, request.key)
+    except StoreUnavailable as exc:
+        fail(request, exc)  # nothing was written; the agent is fine
+        return
+    except Exception as exc:
+        fail(request, exc)
+        if isinstance(exc, ValueError | TypeError):
+            return  # bad input: nothing was written
+        raise
+    if not request.accepted.done():
+        request.accepted.set_result(turn)
+
+
+async def _take_waiting(agent: Agent, host: Host) -> None:
+    """A turn starts: nothing already in the mailbox may wait for it to end.
+
+    The actor reads its mailbox only between turns, and a turn may run for
+    minutes. So what was posted before this turn began is settled now: a user
+    message is logged and postponed behind it (its caller gets its Turn), a
+    cancel applies to it, and an answer is refused, since the agent waits for
+    no call while a turn starts. Anything posted from here on is settled by the
+    runtime directly (see ``Runtime.send``, ``cancel`` and ``resolve``).
+    """
+    while (message := agent.next_message()) is not None:
+        if isinstance(message, SendRequest):
+            if not message.accepted.done():
+                await _postpone_request(agent, host, message)
+        elif isinstance(message, CancelRequest):
+            if agent.cancels is None:
+                agent.cancels = []
+            agent.cancels.append(message.done)  # answered when this turn ends
+        elif not message.done.done():
+            message.done.set_exception(
+                UnknownCall(f"{agent.id}: not waiting for tool call {message.call_id!r}")
+            )
 
 
 def _next_turn(agent: Agent) -> Callable[[], int]:
@@ -319,6 +350,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         with anyio.CancelScope() as scope:
             agent.scope = scope
             try:
+                await _take_waiting(agent, host)
                 final = await run_steps(agent, host)
             except ModelFailed as exc:
                 reason, detail, partial = "model_error", str(exc), exc.partial
@@ -339,20 +371,24 @@ async def _run_turn(agent: Agent, host: Host) -> None:
     finally:
         agent.scope = None
         agent.cancellable = False
-    if reason == "cancelled":
-        partial = _partial(agent)
+    if reason in ("cancelled", "crashed"):
+        partial = _partial(agent)  # what the stream delivered: the abort holds it
     if reason is None and final is None and agent.cancels:
         # Suspended with a cancel waiting: the caller asked to stop this turn.
         reason, detail = "cancelled", "suspended turn cancelled by caller"
     if reason is not None:
         if isinstance(crash, StoreUnavailable):
+            _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
             raise crash  # nothing more can be logged now; the supervisor retries later
         try:
             await abort_turn(agent, host, reason, detail, partial)
-        except Exception:
+        except Exception as exc:
+            # The abort is not in the log, so no cancel took effect: its callers get the
+            # error (a cancel is True only once the log ends the turn with it).
+            _answer_cancels(agent, False, exc)
             if crash is None:
                 raise
-        finally:
+        else:
             _answer_cancels(agent, reason == "cancelled")
         if crash is not None:
             raise crash
@@ -388,10 +424,17 @@ def _suspension_of(agent: Agent) -> Suspended:
     return Suspended(agent.pending)
 
 
-def _answer_cancels(agent: Agent, took_effect: bool) -> None:
+def _answer_cancels(
+    agent: Agent, took_effect: bool, error: BaseException | None = None
+) -> None:
     cancels, agent.cancels = agent.cancels, None
     for future in cancels or ():
-        if not future.done():
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+            future.exception()  # a caller that gave up must not leave "never retrieved"
+        else:
             future.set_result(took_effect)
 
 

@@ -125,6 +125,7 @@ class Agent:
         "task",
         "topic",
         "turn",
+        "unlogged",
         "waiter",
         "ws",
         "ws_bytes",
@@ -167,6 +168,9 @@ class Agent:
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
+        # Text a dead stream delivered that no logged event holds yet: the Aborted owed for
+        # its turn carries it, and until then it is the text in flight for new followers.
+        self.unlogged = ""
 
     # -- state ---------------------------------------------------------------
     @property
@@ -240,6 +244,10 @@ class Agent:
 
     def mailbox_depth(self) -> int:
         return 0 if self.mailbox is None else len(self.mailbox)
+
+    def queued_in_mailbox(self) -> int:
+        """User messages in the mailbox (not yet logged)."""
+        return 0 if self.mailbox is None else self.mailbox.sends
 
     def queued_sends(self) -> int:
         """User messages not yet run: in the mailbox, being logged, or logged and postponed."""

@@ -30,6 +30,7 @@ from torpor.errors import (
     InvalidInput,
     RuntimeClosed,
     TurnAborted,
+    UnknownCall,
     UnknownConversation,
 )
 from torpor.events import Event
@@ -257,7 +258,7 @@ class Runtime:
         if agent.state is AgentState.PARKED:
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
         self._check_bound(agent)
-        if agent.scope is not None and agent.ws is not None and not agent.mailbox_depth():
+        if agent.scope is not None and agent.ws is not None and not agent.queued_in_mailbox():
             # The actor is inside a turn and will not read its mailbox until the turn
             # ends: log the message from here, so send returns once it is durable.
             turn = await postpone(agent, self._host, text, key)
@@ -282,8 +283,10 @@ class Runtime:
 
         Returns the continuation ``Turn`` (a new stream) once every call the turn
         waits for is answered, None while others are still unanswered. Raises
-        ``UnknownCall`` when the agent is not waiting for ``call_id`` and
-        ``UnknownConversation`` for a conversation with no events.
+        ``UnknownCall`` when the agent is not waiting for ``call_id`` (also while
+        a turn is still running, before it suspends: answer the call ids of the
+        ``Suspended`` that ends the turn's stream) and ``UnknownConversation`` for
+        a conversation with no events.
         """
         self._check_open()
         check_id(conversation_id)
@@ -294,6 +297,11 @@ class Runtime:
         agent = await self._known(conversation_id)
         if agent is None:
             raise UnknownConversation(conversation_id)
+        if agent.scope is not None:
+            # A turn is running: the agent waits for no answer until it suspends, and the
+            # actor would read this only once the turn stopped (minutes, maybe), holding up
+            # every request after it. Say so now.
+            raise UnknownCall(f"{conversation_id}: not waiting for tool call {call_id!r}")
         done: asyncio.Future[Turn | None] = asyncio.get_running_loop().create_future()
         agent.post(ResolveRequest(call_id, result, is_error, done))
         self._registry.unqueue(agent)
@@ -361,6 +369,8 @@ class Runtime:
             if hub.parts:
                 follower.push(TextDelta("".join(hub.parts)))
             hub.followers = followers
+        elif agent is not None and agent.unlogged:  # a dead stream's text, its abort owed
+            follower.push(TextDelta(agent.unlogged))
         followers.append(follower)
         return follower
 

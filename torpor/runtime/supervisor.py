@@ -114,6 +114,7 @@ class Supervisor:
             agent.current._fail(error)
             agent.current = None
         if agent.hub is not None:
+            agent.unlogged = "".join(agent.hub.parts)  # streamed, not logged: still owed
             agent.hub.close(error)
             agent.hub = None
         cancels, agent.cancels = agent.cancels, None
