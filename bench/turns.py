@@ -17,7 +17,16 @@ follows the tail's length (reported at the end): a single conversation taking
 turns back to back for seconds accumulates thousands of short messages before
 its first fold, which is why it costs more per turn than many short ones.
 
-Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--duration 5] [--json FILE]``.
+The floor: at the concurrency levels named by ``--naive`` (default 1 and 100)
+a hand-rolled loop runs first, in the same process and on the same disk: one
+shared aiosqlite connection with the same PRAGMAs (WAL, synchronous=NORMAL)
+doing the same two durable commits per turn (INSERT the user message, COMMIT;
+INSERT the echoed reply, COMMIT) and nothing else. ``torpor_over_naive`` is
+how many times longer a torpor turn takes (naive turns/s over torpor's), the
+issue's target being at most 2.
+
+Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from _common import emit, fresh_db, quiet, table
+import aiosqlite
+from _common import emit, fresh_db, quiet, ratio, table
 
 import torpor
 from torpor.llm.protocol import ContextMessage, StreamEvent, ToolSpec
@@ -108,29 +118,121 @@ async def _turn(rt: torpor.Runtime, conversation_id: str) -> None:
     await (await rt.send(conversation_id, "ping")).result()
 
 
+NAIVE_SCHEMA = (
+    "CREATE TABLE messages (id INTEGER PRIMARY KEY, conversation TEXT NOT NULL, "
+    "role TEXT NOT NULL, body TEXT NOT NULL)",
+    "CREATE INDEX messages_by_conversation ON messages (conversation, id)",
+)
+
+
+async def naive_level(path: Path, conversations: int, duration: float) -> dict[str, Any]:
+    """The floor: what a hand-rolled chat loop does per turn with aiosqlite, nothing else.
+
+    One shared aiosqlite connection (WAL, synchronous=NORMAL, like torpor's
+    default); a turn is INSERT the user message, COMMIT, "call the model" (echo
+    the message), INSERT the reply, COMMIT. Both commits are awaited, so each
+    message is durable (against a process crash) before the turn goes on, as in
+    torpor. No history is read, rendered or audited: torpor's extra work per
+    turn is the difference.
+    """
+    names = [f"naive-{i:06d}" for i in range(conversations)]
+    latencies: list[float] = []
+    async with aiosqlite.connect(str(path)) as db:
+        await db.execute("PRAGMA journal_mode = WAL")
+        await db.execute("PRAGMA synchronous = NORMAL")
+        for sql in NAIVE_SCHEMA:
+            await db.execute(sql)
+        await db.commit()
+
+        async def turn(c: str) -> None:
+            text = "ping"
+            await db.execute(
+                "INSERT INTO messages (conversation, role, body) VALUES (?, 'user', ?)",
+                (c, text),
+            )
+            await db.commit()
+            await db.execute(
+                "INSERT INTO messages (conversation, role, body) VALUES (?, 'assistant', ?)",
+                (c, text),
+            )
+            await db.commit()
+
+        await asyncio.gather(*(turn(c) for c in names))  # same warm-up as torpor's activation
+        deadline = time.perf_counter() + duration
+
+        async def loop(c: str) -> None:
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                await turn(c)
+                latencies.append(time.perf_counter() - t0)
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(loop(c) for c in names))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    turns = len(latencies)
+    return {
+        "conversations": conversations,
+        "turns": turns,
+        "seconds": round(elapsed, 3),
+        "turns_per_second": round(turns / elapsed, 1),
+        "cpu_us_per_turn": round(cpu / turns * 1e6, 1),
+        "latency_p50_ms": round((percentile(latencies, 50) or 0) * 1000, 3),
+        "latency_p99_ms": round((percentile(latencies, 99) or 0) * 1000, 3),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 100, 10_000])
+    p.add_argument("--naive", type=int, nargs="*", default=[1, 100], metavar="N",
+                   help="concurrency levels at which the naive aiosqlite loop runs too")
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--dir", default=None)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     quiet()
     rows = []
+    naive: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="torpor-turns-", dir=args.dir) as tmp:
         for c in args.concurrency:
+            if c in args.naive:  # the floor first, back to back with torpor's run
+                path = Path(tmp) / f"naive-{c}.db"
+                naive[c] = asyncio.run(naive_level(path, c, args.duration))
+                print(f"  {c:,} conversations, naive: {naive[c]['turns_per_second']:,} turns/s",
+                      file=sys.stderr)
             url = fresh_db(Path(tmp), f"turns-{c}.db")
             rows.append(asyncio.run(level(url, c, args.duration)))
             print(f"  {c:,} conversations: {rows[-1]['turns_per_second']:,} turns/s",
                   file=sys.stderr)
+            floor = naive.get(c)
+            if floor is not None:
+                rows[-1]["naive"] = floor
+                # How many times longer a torpor turn takes than a naive one (<= 2 is the target).
+                rows[-1]["torpor_over_naive"] = ratio(floor["turns_per_second"],
+                                                      rows[-1]["turns_per_second"])
+                rows[-1]["torpor_over_naive_cpu"] = ratio(rows[-1]["cpu_us_per_turn"],
+                                                          floor["cpu_us_per_turn"])
     result = {"benchmark": "turns", "params": {"concurrency": args.concurrency,
-                                               "duration": args.duration}, "levels": rows}
+                                               "naive": args.naive,
+                                               "duration": args.duration}, "levels": rows,
+              "targets": {"torpor_over_naive_max": 2.0, "p99_over_p50_max_at_1": 2.0}}
     columns = ("conversations", "turns/s", "overhead µs/turn", "model µs/turn", "CPU µs/turn",
                "p50 ms", "p99 ms", "tail events", "errors")
     tab = [(r["conversations"], r["turns_per_second"], r["overhead_us_per_turn"],
             r["model_us_per_turn"], r["cpu_us_per_turn"], r["latency_p50_ms"],
             r["latency_p99_ms"], r["tail_events_at_end"], r["errors"]) for r in rows]
-    emit(result, [table("turns with a zero-latency model", columns, tab)], args.json)
+    tables = [table("turns with a zero-latency model", columns, tab)]
+    floors = [(r["conversations"], r["naive"]["turns_per_second"], r["turns_per_second"],
+               r["torpor_over_naive"], r["naive"]["cpu_us_per_turn"], r["cpu_us_per_turn"],
+               r["torpor_over_naive_cpu"], r["naive"]["latency_p50_ms"],
+               r["naive"]["latency_p99_ms"]) for r in rows if "naive" in r]
+    if floors:
+        tables.append(table(
+            "against the naive aiosqlite loop (same two commits per turn, same run)",
+            ("conversations", "naive turns/s", "torpor turns/s", "torpor/naive time",
+             "naive CPU µs", "torpor CPU µs", "torpor/naive CPU", "naive p50 ms",
+             "naive p99 ms"), floors))
+    emit(result, tables, args.json)
 
 
 if __name__ == "__main__":
