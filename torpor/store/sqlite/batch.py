@@ -53,7 +53,6 @@ from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
 __all__ = [
     "Batch",
     "ConvState",
-    "Deliver",
     "Failed",
     "HeadCache",
     "Plan",
@@ -206,18 +205,15 @@ class Failed:
     error: BaseException
 
 
-Deliver = Callable[[list[object]], None]
-
-
 def run_batch(
-    conn: sqlite3.Connection, cache: HeadCache, ops: Sequence[WriteOp], now: int, deliver: Deliver
-) -> int:
-    """Commit ``ops`` in one transaction; hand each its result or :class:`Failed` via ``deliver``.
+    conn: sqlite3.Connection, cache: HeadCache, ops: Sequence[WriteOp], now: int
+) -> tuple[list[object], BaseException | None]:
+    """Commit ``ops`` in one transaction: each one's result or :class:`Failed`, in order.
 
-    ``deliver`` is called here, on the writer thread, right after COMMIT (it
-    schedules the futures' resolution on the event loop), so callers learn the
-    outcome even if the writer task was cancelled while the batch ran.
-    Returns how many operations failed.
+    Never raises: when the whole transaction fails (nothing of it committed)
+    every operation gets a :class:`Failed` and the cause comes back as the
+    second item, for the writer to log and to decide whether the connection
+    must be replaced. Runs on the writer thread.
     """
     try:
         try:
@@ -233,11 +229,9 @@ def run_batch(
         _rollback(conn)
         for op in ops:
             cache.forget(op.conversation_id)
-        deliver([Failed(_batch_error(len(ops), exc)) for _ in ops])
-        raise
+        return [Failed(_batch_error(len(ops), exc)) for _ in ops], exc
     cache.absorb(batch.committed())
-    deliver(results)
-    return sum(isinstance(result, Failed) for result in results)
+    return results, None
 
 
 Writer = Callable[[sqlite3.Connection, list[Plan]], None]

@@ -2,23 +2,36 @@
 
 Callers queue an operation and await a future. A single writer task, owned by
 the store (started when it opens, awaited when it closes), takes everything
-queued, runs it as one transaction in one thread hop (:func:`run_batch`), and
-each caller's future resolves once the COMMIT that contains its operation has
-returned. While a batch is on the writer thread the next one accumulates, so
-under load a batch holds roughly everything that arrived during the previous
-commit: the per-transaction cost is shared instead of paid per append.
+queued and hands it to the writer connection's thread as one job
+(:func:`~torpor.store.sqlite.hop.post`): one transaction (:func:`run_batch`),
+then one ``call_soon_threadsafe`` back to the event loop that resolves every
+caller's future and wakes the writer task. That is the whole round trip: one
+hand-off to the thread and one back per batch, whatever its size. While a
+batch is on the writer thread the next one accumulates, so under load a batch
+holds roughly everything that arrived during the previous commit: the
+per-transaction cost is shared instead of paid per append.
+
+Callers are resolved before the writer task resumes, so what they write as
+soon as they learn their result (a turn's next message) joins the very next
+batch instead of waiting for a later one.
 
 When the database cannot write (see :mod:`.errors`), the whole batch fails
 with StoreUnavailable and the writer carries on: the next batch is tried as
 usual, so writes resume by themselves once the condition clears. After the
 errors that can leave the connection itself unable to write (read-only, I/O),
 the store's ``reconnect`` replaces it before the next batch.
+
+The writer can be *held* (:meth:`GroupCommitWriter.hold`): it finishes the
+batch in flight and takes no new one until released. The WAL checkpointer
+(:mod:`.checkpoint`) holds it for the rare checkpoint that needs the database
+to itself, so writes wait in the queue instead of failing on SQLite's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -31,7 +44,7 @@ from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.prepare import now_ms
 from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
-from torpor.store.sqlite.hop import hop
+from torpor.store.sqlite.hop import post
 
 __all__ = ["GroupCommitWriter"]
 
@@ -39,6 +52,7 @@ log = get_logger(__name__)
 
 _Pending = tuple[WriteOp, "asyncio.Future[Any]"]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
+OnCommit = Callable[[int], None]
 
 
 class GroupCommitWriter:
@@ -48,6 +62,9 @@ class GroupCommitWriter:
     batch while the thread commits the previous one was measured and lost:
     both sides need the GIL for their Python work, and the thread then waits
     for the loop's switch interval after every SQLite call.
+
+    ``wal_path``: the WAL file, whose size is read on the writer thread after
+    every commit and handed to ``on_commit`` (the checkpointer's gauge).
     """
 
     def __init__(
@@ -57,35 +74,43 @@ class GroupCommitWriter:
         reconnect: Reconnect | None = None,
         max_batch: int = 2048,
         cache_size: int = 65536,
+        wal_path: str | None = None,
     ) -> None:
         self._conn = conn
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._max_batch = max_batch
         self._cache = HeadCache(cache_size)
+        self._wal_path = wal_path
+        self.on_commit: OnCommit | None = None  # WAL bytes after each commit, on the loop
         self._pending: deque[_Pending] = deque()
-        self._wake = asyncio.Event()
+        self._wakeup: asyncio.Future[None] | None = None  # the idle writer task waits on it
+        self._current: asyncio.Future[None] | None = None  # the batch in flight
+        self._holds = 0
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # committed batches, for stats and tests
         self.largest_batch = 0
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="torpor-writer")
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="torpor-writer")
 
     async def submit(self, op: WriteOp) -> Any:
         """Queue ``op`` and wait for the commit that contains it; its result or its error."""
-        if self._closing or self._task is None or self._task.done():
+        task, loop = self._task, self._loop
+        if self._closing or task is None or loop is None or task.done():
             raise StoreError("the store is closed")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((op, future))
-        self._wake.set()
+        self._wake()
         return await future
 
     async def aclose(self) -> None:
         """Commit what is queued, then stop. If this wait is cancelled, so is the writer."""
         self._closing = True
-        self._wake.set()
+        self._wake()
         task = self._task
         if task is None:
             return
@@ -97,27 +122,57 @@ class GroupCommitWriter:
                 await task
             raise
 
+    # holding, for the checkpointer ---------------------------------------------------
+
+    def hold(self) -> None:
+        """Take no new batch until :meth:`release` (the one in flight still commits).
+
+        A closing writer ignores holds: what was queued before close is committed.
+        """
+        self._holds += 1
+
+    def release(self) -> None:
+        self._holds -= 1
+        if self._holds == 0:
+            self._wake()
+
+    async def quiesce(self) -> None:
+        """Return once no batch is on the writer thread (call after :meth:`hold`)."""
+        current = self._current
+        while current is not None:
+            await asyncio.wait((current,))
+            current = self._current
+
+    # the writer task -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            if not wakeup.done():
+                wakeup.set_result(None)
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                if not self._pending:
-                    if self._closing:
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()
+                if self._pending and (not self._holds or self._closing):
+                    batch = self._take()
+                    if batch:
+                        await self._commit(loop, batch)
                     continue
-                batch = self._take()
-                if batch:
-                    # If this task is cancelled mid-commit, the batch still finishes on
-                    # its thread and ``deliver`` still resolves its callers' futures.
-                    await self._commit(batch)
+                if self._closing and not self._pending:
+                    return
+                self._wakeup = loop.create_future()
+                await self._wakeup
         finally:
             self._fail_pending(StoreError("the store closed before this write was committed"))
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
-        while self._pending and len(batch) < self._max_batch:
-            item = self._pending.popleft()
+        pending = self._pending
+        while pending and len(batch) < self._max_batch:
+            item = pending.popleft()
             if not item[1].done():  # a caller cancelled before its turn: never written
                 batch.append(item)
         return batch
@@ -126,44 +181,100 @@ class GroupCommitWriter:
     def connection(self) -> aiosqlite.Connection:
         return self._conn
 
-    async def _commit(self, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
+    async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
+        done: asyncio.Future[None] = loop.create_future()
+        self._current = done
         futures = [future for _, future in batch]
-
-        def deliver(results: list[object]) -> None:  # runs on the writer thread
-            loop.call_soon_threadsafe(self._delivered, futures, results)
-
         ops = [op for op, _ in batch]
         try:
-            if self._stale and self._reconnect is not None:
-                self._conn = await self._reconnect(self._conn)
-                self._stale = False
-                log.info("writer_reconnected")
-            failures = await hop(self._conn, run_batch, self._cache, ops, now_ms(), deliver)
-        except Exception as exc:
-            log.error("group_commit_failed", ops=len(ops), error=repr(exc))
-            if isinstance(exc, sqlite3.Error) and primary_code(exc) in RECONNECT:
+            try:
+                if self._stale and self._reconnect is not None:
+                    self._conn = await self._reconnect(self._conn)
+                    self._stale = False
+                    log.info("writer_reconnected")
+                job, lost = self._job(loop, ops, futures, done)
+                post(self._conn, job, lost)
+            except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
+                if isinstance(exc, Exception):
+                    log.error("group_commit_failed", ops=len(ops), error=repr(exc))
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(
+                            _unavailable(exc)
+                            if isinstance(exc, Exception)
+                            else StoreError("the store closed before this write was committed")
+                        )
+                if isinstance(exc, Exception):
+                    return
+                raise
+            # If this task is cancelled now, the batch still finishes on its thread and
+            # ``_finish`` still resolves its callers' futures.
+            await done
+        finally:
+            if self._current is done:
+                self._current = None
+
+    def _job(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        ops: list[WriteOp],
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[None],
+    ) -> tuple[Callable[[sqlite3.Connection], None], Callable[[BaseException], None]]:
+        """The batch as it runs on the writer thread, and what it does if the connection is gone."""
+        cache = self._cache
+        wal = self._wal_path
+        finish = self._finish
+
+        def report(results: list[object], error: BaseException | None, size: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(finish, futures, done, results, error, size)
+
+        def job(conn: sqlite3.Connection) -> None:
+            try:
+                results, error = run_batch(conn, cache, ops, now_ms())
+            except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
+                results, error = [Failed(_unavailable(exc)) for _ in ops], exc
+            size = -1
+            if wal is not None and error is None:
+                with contextlib.suppress(OSError):
+                    size = os.stat(wal).st_size
+            report(results, error, size)
+
+        def lost(exc: BaseException) -> None:
+            report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+
+        return job, lost
+
+    def _finish(
+        self,
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[None],
+        results: list[object],
+        error: BaseException | None,
+        wal_size: int,
+    ) -> None:
+        """On the loop: every caller learns its outcome, then the writer task may go on."""
+        if error is None:
+            self.batches += 1
+            if len(futures) > self.largest_batch:
+                self.largest_batch = len(futures)
+        else:
+            log.error("group_commit_failed", ops=len(futures), error=repr(error))
+            if isinstance(error, sqlite3.Error) and primary_code(error) in RECONNECT:
                 self._stale = True
-            # Callers run_batch has told already are done; anyone else (the reconnect or
-            # the hop itself failed) learns it here, so no future is ever left waiting.
-            for future in futures:
-                if not future.done():
-                    future.set_exception(_unavailable(exc))
-            return
-        if failures:
-            log.debug("group_commit", ops=len(ops), failed=failures)
-
-
-    def _delivered(self, futures: list[asyncio.Future[Any]], results: list[object]) -> None:
-        self.batches += 1
-        self.largest_batch = max(self.largest_batch, len(futures))
         for future, result in zip(futures, results, strict=True):
             if future.done():
                 continue
-            if isinstance(result, Failed):
+            if type(result) is Failed:
                 future.set_exception(result.error)
             else:
                 future.set_result(result)
+        if not done.done():
+            done.set_result(None)
+        on_commit = self.on_commit
+        if on_commit is not None and wal_size >= 0:
+            on_commit(wal_size)
 
     def _fail_pending(self, error: StoreError) -> None:
         while self._pending:
@@ -172,7 +283,7 @@ class GroupCommitWriter:
                 future.set_exception(error)
 
 
-def _unavailable(exc: Exception) -> StoreError:
+def _unavailable(exc: BaseException) -> StoreError:
     """A fresh error per caller (one exception object must not be raised in many tasks)."""
     if isinstance(exc, sqlite3.Error):
         return store_error(exc, "the writer connection failed")
