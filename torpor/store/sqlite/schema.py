@@ -232,13 +232,26 @@ def _common(conn: sqlite3.Connection, busy_ms: int) -> None:
 
 
 def configure_writer(
-    conn: sqlite3.Connection, durability: Durability, *, file: bool, busy_ms: int = 10_000
+    conn: sqlite3.Connection,
+    durability: Durability,
+    *,
+    file: bool,
+    busy_ms: int = 10_000,
+    wal_keep: int | None = None,
 ) -> None:
+    """The writer connection. A file store's WAL is checkpointed by the store's
+    checkpointer (:mod:`.checkpoint`), never inside a commit: automatic
+    checkpoints are off, and ``wal_keep`` (bytes, ``journal_size_limit``) is
+    what is kept of the WAL file when it starts over.
+    """
     _common(conn, busy_ms)
     if file:
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(f"could not switch the database to WAL mode (got {mode!r})")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        if wal_keep is not None:
+            conn.execute(f"PRAGMA journal_size_limit = {int(wal_keep)}")
     conn.execute(f"PRAGMA synchronous = {durability.upper()}")
 
 

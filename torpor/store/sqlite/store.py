@@ -58,6 +58,7 @@ from torpor.store.protocol import (
     TokenCounter,
 )
 from torpor.store.sqlite import reads
+from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
@@ -73,14 +74,16 @@ T = TypeVar("T")
 
 
 def _setup_writer(
-    conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int
+    conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int, wal_keep: int
 ) -> int:
-    configure_writer(conn, durability, file=file, busy_ms=busy_ms)
+    configure_writer(conn, durability, file=file, busy_ms=busy_ms, wal_keep=wal_keep)
     return migrate(conn)
 
 
-def _configure_writer(conn: sqlite3.Connection, durability: Durability, busy_ms: int) -> None:
-    configure_writer(conn, durability, file=True, busy_ms=busy_ms)
+def _configure_writer(
+    conn: sqlite3.Connection, durability: Durability, busy_ms: int, wal_keep: int
+) -> None:
+    configure_writer(conn, durability, file=True, busy_ms=busy_ms, wal_keep=wal_keep)
 
 
 class _Readers:
@@ -126,6 +129,9 @@ class SQLiteStore:
         readers: int = 2,
         max_batch: int = 2048,
         busy_timeout: float = 10.0,
+        checkpoint_interval: float = 1.0,
+        wal_limit: int = 64 * 1024 * 1024,
+        idle_checkpoint: float = 5.0,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ConfigError("durability", f"must be 'normal' or 'full', got {durability!r}")
@@ -147,8 +153,12 @@ class SQLiteStore:
         self._reader_count = readers
         self._max_batch = max_batch
         self._busy_ms = int(busy_timeout * 1000)
+        self._checkpoints = CheckpointPolicy(
+            interval=checkpoint_interval, wal_limit=wal_limit, idle_after=idle_checkpoint
+        )
         self._conns: list[aiosqlite.Connection] = []
         self._writer: GroupCommitWriter | None = None
+        self._checkpointer: Checkpointer | None = None
         self._readers: _Readers | None = None
         self._log = log.bind(store=path or ":memory:")
 
@@ -169,16 +179,25 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._conns:
             raise StoreError("the store is already open")
+        checkpointer: aiosqlite.Connection | None = None
         try:
             writer = await self._connect()
             version = await hop(
-                writer, _setup_writer, self.durability, self.path is not None, self._busy_ms
+                writer,
+                _setup_writer,
+                self.durability,
+                self.path is not None,
+                self._busy_ms,
+                self._checkpoints.soft_limit,
             )
             readers = [writer]
             if self.path is not None:
                 readers = [await self._connect() for _ in range(self._reader_count)]
                 for reader in readers:
                     await hop(reader, configure_reader, self._busy_ms)
+                checkpointer = await self._connect()
+                busy_ms = int(self._checkpoints.busy * 1000)
+                await hop(checkpointer, configure_checkpointer, self.durability.upper(), busy_ms)
         except BaseException as exc:
             await self._close_connections()
             if isinstance(exc, sqlite3.Error):
@@ -189,8 +208,13 @@ class SQLiteStore:
             writer,
             reconnect=None if self.path is None else self._reconnect_writer,
             max_batch=self._max_batch,
+            wal_path=None if self.path is None else self.path + "-wal",
         )
         self._writer.start()
+        if checkpointer is not None:
+            self._checkpointer = Checkpointer(checkpointer, self._writer, self._checkpoints)
+            self._writer.on_commit = self._checkpointer.committed
+            self._checkpointer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
 
     async def _connect(self) -> aiosqlite.Connection:
@@ -210,7 +234,8 @@ class SQLiteStore:
         """
         conn = await self._connect()
         try:
-            await hop(conn, _configure_writer, self.durability, self._busy_ms)
+            keep = self._checkpoints.soft_limit
+            await hop(conn, _configure_writer, self.durability, self._busy_ms, keep)
         except BaseException as exc:
             self._conns.remove(conn)
             with contextlib.suppress(Exception):
@@ -226,8 +251,14 @@ class SQLiteStore:
 
     async def close(self) -> None:
         try:
-            if self._writer is not None:
-                await self._writer.aclose()
+            checkpointer, self._checkpointer = self._checkpointer, None
+            try:
+                if checkpointer is not None:  # first: it may be holding the writer
+                    await checkpointer.aclose()
+            finally:
+                if self._writer is not None:
+                    self._writer.on_commit = None
+                    await self._writer.aclose()
         finally:
             self._writer = None
             self._readers = None
