@@ -27,6 +27,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   waiting conversations in id order is one range scan of its primary key.
 * ``idempotency_keys.fingerprint`` (version 2) identifies what a key was
   first used for, so reusing it for something else is refused.
+* ``fts_backlog`` (version 3) holds the full-text rows of small group-commit
+  batches until they are indexed in bulk: an FTS5 index writes a segment at
+  every commit that touches it, which doubled the cost of a one-append commit.
+  A search first has the backlog of its conversation indexed.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -193,7 +197,12 @@ _V2: Sequence[Step] = (
     _backfill_pending,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2)
+_V3: Sequence[Step] = (
+    # Full-text rows of small batches, indexed later in bulk (see batch.SearchBacklog).
+    "CREATE TABLE fts_backlog (rowid INTEGER PRIMARY KEY, text TEXT NOT NULL)",
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

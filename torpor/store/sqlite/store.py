@@ -35,7 +35,7 @@ import aiosqlite
 import msgspec
 
 from torpor._logging import get_logger
-from torpor.errors import ConfigError, InvalidInput, StoreError
+from torpor.errors import ConfigError, InvalidInput, StoreError, StoreUnavailable
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
 from torpor.store.arguments import (
@@ -58,6 +58,7 @@ from torpor.store.protocol import (
     TokenCounter,
 )
 from torpor.store.sqlite import reads
+from torpor.store.sqlite.batch import FlushSearchIndex
 from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
@@ -75,9 +76,17 @@ T = TypeVar("T")
 
 def _setup_writer(
     conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int, wal_keep: int
-) -> int:
+) -> tuple[int, tuple[int, int]]:
+    """Configure and migrate; the schema version and what waits in the search backlog."""
     configure_writer(conn, durability, file=file, busy_ms=busy_ms, wal_keep=wal_keep)
-    return migrate(conn)
+    version = migrate(conn)
+    try:
+        rows, text = conn.execute(
+            "SELECT count(*), total(length(text)) FROM fts_backlog"
+        ).fetchone()
+    except sqlite3.DatabaseError:  # damaged pages: the reads that meet them say so, not open
+        return version, (1, 0)  # maybe not empty: the next flush reads it
+    return version, (int(rows), int(text))
 
 
 def _configure_writer(
@@ -182,7 +191,7 @@ class SQLiteStore:
         checkpointer: aiosqlite.Connection | None = None
         try:
             writer = await self._connect()
-            version = await hop(
+            version, backlog = await hop(
                 writer,
                 _setup_writer,
                 self.durability,
@@ -209,6 +218,7 @@ class SQLiteStore:
             reconnect=None if self.path is None else self._reconnect_writer,
             max_batch=self._max_batch,
             wal_path=None if self.path is None else self.path + "-wal",
+            search_backlog=backlog,
         )
         self._writer.start()
         if checkpointer is not None:
@@ -390,7 +400,17 @@ class SQLiteStore:
         expression = match_expression(query)
         if expression is None:
             return []
-        return await self._read().run(reads.search, conversation_id, expression, query, k)
+        read = self._read()
+        hits = await read.run(reads.search, conversation_id, expression, query, k, "ask")
+        if hits is None:  # some of its events wait in the search backlog: index them first
+            backlog: reads.Backlog = "ignore"
+            try:
+                await self._write().submit(FlushSearchIndex())
+            except StoreUnavailable:  # reads go on while the database cannot write
+                backlog = "scan"
+            hits = await read.run(reads.search, conversation_id, expression, query, k, backlog)
+            assert hits is not None
+        return hits
 
     async def get_artifact(self, artifact_id: str) -> bytes:
         """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""

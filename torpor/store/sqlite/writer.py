@@ -42,7 +42,7 @@ import aiosqlite
 from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.prepare import now_ms
-from torpor.store.sqlite.batch import Failed, HeadCache, WriteOp, run_batch
+from torpor.store.sqlite.batch import Failed, HeadCache, SearchBacklog, WriteOp, run_batch
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
 from torpor.store.sqlite.hop import post
 
@@ -65,6 +65,7 @@ class GroupCommitWriter:
 
     ``wal_path``: the WAL file, whose size is read on the writer thread after
     every commit and handed to ``on_commit`` (the checkpointer's gauge).
+    ``search_backlog``: (rows, text bytes) in ``fts_backlog`` when the store opened.
     """
 
     def __init__(
@@ -75,12 +76,14 @@ class GroupCommitWriter:
         max_batch: int = 2048,
         cache_size: int = 65536,
         wal_path: str | None = None,
+        search_backlog: tuple[int, int] = (0, 0),
     ) -> None:
         self._conn = conn
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._max_batch = max_batch
         self._cache = HeadCache(cache_size)
+        self._backlog = SearchBacklog(search_backlog)
         self._wal_path = wal_path
         self.on_commit: OnCommit | None = None  # WAL bytes after each commit, on the loop
         self._pending: deque[_Pending] = deque()
@@ -181,6 +184,11 @@ class GroupCommitWriter:
     def connection(self) -> aiosqlite.Connection:
         return self._conn
 
+    @property
+    def search_backlog(self) -> int:
+        """Rows written but not yet full-text indexed, as of the last commit."""
+        return self._backlog.size[0]
+
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
         done: asyncio.Future[None] = loop.create_future()
         self._current = done
@@ -222,7 +230,7 @@ class GroupCommitWriter:
         done: asyncio.Future[None],
     ) -> tuple[Callable[[sqlite3.Connection], None], Callable[[BaseException], None]]:
         """The batch as it runs on the writer thread, and what it does if the connection is gone."""
-        cache = self._cache
+        cache, backlog = self._cache, self._backlog
         wal = self._wal_path
         finish = self._finish
 
@@ -232,7 +240,7 @@ class GroupCommitWriter:
 
         def job(conn: sqlite3.Connection) -> None:
             try:
-                results, error = run_batch(conn, cache, ops, now_ms())
+                results, error = run_batch(conn, cache, backlog, ops, now_ms())
             except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
                 results, error = [Failed(_unavailable(exc)) for _ in ops], exc
             size = -1
