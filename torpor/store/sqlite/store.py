@@ -197,7 +197,7 @@ class SQLiteStore:
                 self.durability,
                 self.path is not None,
                 self._busy_ms,
-                self._checkpoints.soft_limit,
+                self._checkpoints.step,
             )
             readers = [writer]
             if self.path is not None:
@@ -244,7 +244,7 @@ class SQLiteStore:
         """
         conn = await self._connect()
         try:
-            keep = self._checkpoints.soft_limit
+            keep = self._checkpoints.step
             await hop(conn, _configure_writer, self.durability, self._busy_ms, keep)
         except BaseException as exc:
             self._conns.remove(conn)
