@@ -283,3 +283,29 @@ async def test_reader_pinning_the_wal_never_fails_a_write(tmp_path: Path) -> Non
             await asyncio.sleep(0.005)
         assert checkpointer(store).rewinds > rewinds
         assert await store.head("c") is not None
+
+
+async def test_idle_truncate_blocked_by_a_reader_does_not_spin(tmp_path: Path) -> None:
+    """An idle TRUNCATE that a reader's snapshot defeats is retried after another idle
+    spell, not at once: the writer is not held over and over, writes go through."""
+    path = tmp_path / "log.db"
+    async with SQLiteStore(str(path), idle_checkpoint=0.1, checkpoint_interval=3600) as store:
+        await store.append("c", [UserMessage("first")])
+        outside = sqlite3.connect(path, isolation_level=None)
+        try:
+            outside.execute("BEGIN")
+            outside.execute("SELECT count(*) FROM events").fetchone()
+            await store.append("c", [UserMessage("second")])  # the snapshot predates it
+            await asyncio.sleep(0.55)
+            attempts = checkpointer(store).checkpoints["TRUNCATE"]
+            assert 2 <= attempts <= 8  # about one per idle spell (0.1 s), not a busy loop
+            assert checkpointer(store).rewinds == 0 and wal_bytes(path) > 0
+            assert await store.append("c", [UserMessage("third")]) == [2]
+        finally:
+            outside.execute("COMMIT")
+            outside.close()
+        for _ in range(200):  # the reader is gone: the next idle spell truncates
+            if wal_bytes(path) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert wal_bytes(path) == 0

@@ -245,8 +245,11 @@ class Checkpointer:
             await self._rewind(loop, "RESTART", held=self._holding)
             return
         if not self._empty and now >= self._last_write + self._policy.idle_after:
-            if await self._rewind(loop, "TRUNCATE") and self._last_write <= now:
-                self._empty = True  # unless a write came in meanwhile
+            if await self._rewind(loop, "TRUNCATE"):
+                if self._last_write <= now:
+                    self._empty = True  # unless a write came in meanwhile
+            else:  # a reader holds an old snapshot: try again after another idle spell
+                self._last_write = loop.time()
             return
         if self._size > self._passive_at or (
             self._dirty and now >= self._last_passive + self._policy.interval

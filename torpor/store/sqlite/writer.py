@@ -252,8 +252,10 @@ class GroupCommitWriter:
                 results, error = [Failed(_unavailable(exc)) for _ in ops], exc
             size = -1
             if wal is not None and error is None:
-                with contextlib.suppress(OSError):
+                try:
                     size = os.stat(wal).st_size
+                except OSError:
+                    size = 0  # unknown: the checkpointer still learns that a commit was made
             report(results, error, size)
 
         def lost(exc: BaseException) -> None:
