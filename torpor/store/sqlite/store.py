@@ -6,7 +6,10 @@ the last committed snapshot while the writer writes. A private in-memory
 database (``sqlite://``) has a single connection that serves both: SQLite
 cannot share one in-memory database between connections without shared-cache
 mode, whose table locks make readers fail with SQLITE_LOCKED mid-write. Every
-public method is one hop to a connection thread.
+read is one hop to a connection thread; a write waits for the group-commit
+batch that carries it, one hop there and back for the whole batch. A file
+store has one more connection, the checkpointer's (:mod:`.checkpoint`): WAL
+checkpoints never run inside a commit.
 
 Durability (``durability=``, SQLite's ``synchronous`` in WAL mode):
 
@@ -125,6 +128,13 @@ class SQLiteStore:
     that cannot write (disk full, read-only, locked for longer than
     ``busy_timeout`` seconds) makes writes raise StoreUnavailable while reads
     go on, and writes resume by themselves once it can write again.
+
+    WAL (file stores): ``checkpoint_interval`` seconds at most between passive
+    checkpoints while there are writes; ``wal_limit`` bytes is the bound on the
+    WAL file (past half of it the WAL is rewound, the writer held for a few
+    milliseconds; past all of it no further batch is committed until it is);
+    after ``idle_checkpoint`` seconds without writes the WAL is truncated. See
+    :mod:`torpor.store.sqlite.checkpoint`.
     """
 
     def __init__(
