@@ -7,8 +7,7 @@ connection therefore runs with ``wal_autocheckpoint=0`` and this module keeps
 the WAL in check from a separate connection, on that connection's own thread:
 
 * **Passive** checkpoints (``PRAGMA wal_checkpoint(PASSIVE)``) while there are
-  writes: every ``interval`` seconds, and whenever the WAL has grown by an
-  eighth of ``wal_limit`` since the last one. They copy what they can without
+  writes, at most every ``interval`` seconds. They copy what they can without
   taking any lock a writer needs, so commits go on meanwhile. When writes
   leave gaps (any real chat: a model call takes seconds), a passive
   checkpoint catches up with the whole WAL and the next commit starts the WAL
@@ -16,8 +15,8 @@ the WAL in check from a separate connection, on that connection's own thread:
 * Under **sustained** writes no passive checkpoint ever catches the WAL whole
   (commits keep landing behind it), so the WAL is never restarted and would
   grow forever. Once the file passes the *soft* bound (half of
-  ``wal_limit``), a last passive checkpoint copies what the earlier ones left
-  while writes go on, then the writer is *held* (its queue waits, see
+  ``wal_limit``), a passive checkpoint copies the bulk while writes go on,
+  then the writer is *held* (its queue waits, see
   :meth:`~torpor.store.sqlite.writer.GroupCommitWriter.hold`) for a RESTART
   checkpoint that copies the few frames left and rewinds the WAL. That one
   wait (about two fsyncs) is paid once per soft bound of WAL written, instead
@@ -29,10 +28,9 @@ the WAL in check from a separate connection, on that connection's own thread:
 * **Idle**: once nothing has been written for ``idle_after`` seconds, a
   TRUNCATE checkpoint (writer held) empties the WAL file.
 
-``journal_size_limit`` is set to an eighth of ``wal_limit`` on the writer, so
-after a restart the file is cut back to that: above it, the WAL file's size is
-a measure of how much WAL is in use, which is what the writer reports after
-every commit.
+``journal_size_limit`` is set to the soft bound on the writer, so after a
+restart the file is cut back to it: the WAL file's size is then a measure of
+how much WAL is in use, which is what the writer reports after every commit.
 
 The checkpointer never makes a write fail: passive checkpoints take no lock a
 writer waits for, and the blocking ones run only while the writer is held, so
@@ -90,13 +88,7 @@ class CheckpointPolicy:
 
     @property
     def soft_limit(self) -> int:
-        """Past this, the WAL is rewound (the writer held for the last copy)."""
         return self.wal_limit // 2
-
-    @property
-    def step(self) -> int:
-        """WAL growth that calls for a passive checkpoint; also what the file is cut to."""
-        return self.wal_limit // 8
 
 
 class Checkpointer:
@@ -117,8 +109,6 @@ class Checkpointer:
         self._policy = policy
         self._soft = policy.soft_limit
         self._hard = policy.wal_limit
-        self._growth = policy.step
-        self._passive_at = 2 * policy.step  # a passive checkpoint once the file passes it
         self._size = 0  # WAL file bytes after the last commit (0: rewound since)
         self._dirty = False  # written since the last passive checkpoint
         self._empty = True  # nothing written since the WAL was last truncated
@@ -168,7 +158,7 @@ class Checkpointer:
         if not self._dirty:
             self._dirty = True
             self._wake()
-        if wal_bytes > self._passive_at:
+        if wal_bytes > self._soft:
             if (
                 wal_bytes > self._hard
                 and not self._holding
@@ -207,8 +197,6 @@ class Checkpointer:
         if self._holding:
             return 0.0
         if self._size > self._soft and now >= self._hard_armed_at:
-            return 0.0
-        if self._size > self._passive_at:
             return 0.0
         due: float | None = None
         if self._dirty:
@@ -251,15 +239,12 @@ class Checkpointer:
             else:  # a reader holds an old snapshot: try again after another idle spell
                 self._last_write = loop.time()
             return
-        if self._size > self._passive_at or (
-            self._dirty and now >= self._last_passive + self._policy.interval
-        ):
+        if self._dirty and now >= self._last_passive + self._policy.interval:
             await self._passive(loop)
 
     async def _passive(self, loop: asyncio.AbstractEventLoop) -> None:
         self._dirty = False
         self._last_passive = loop.time()
-        self._passive_at = max(self._size, self._growth) + self._growth
         await self._checkpoint("PASSIVE")
 
     async def _rewind(
@@ -296,7 +281,6 @@ class Checkpointer:
         if rewound:
             self.rewinds += 1
             self._size = 0
-            self._passive_at = 2 * self._growth
         else:
             self._hard_armed_at = loop.time() + self._policy.interval
             log.warning("wal_not_rewound", mode=mode, wal_bytes=self._size)

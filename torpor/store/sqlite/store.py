@@ -207,7 +207,7 @@ class SQLiteStore:
                 self.durability,
                 self.path is not None,
                 self._busy_ms,
-                self._checkpoints.step,
+                self._checkpoints.soft_limit,
             )
             readers = [writer]
             if self.path is not None:
@@ -254,7 +254,7 @@ class SQLiteStore:
         """
         conn = await self._connect()
         try:
-            keep = self._checkpoints.step
+            keep = self._checkpoints.soft_limit
             await hop(conn, _configure_writer, self.durability, self._busy_ms, keep)
         except BaseException as exc:
             self._conns.remove(conn)
