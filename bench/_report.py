@@ -96,13 +96,29 @@ def storm(r: dict[str, Any]) -> str:
 
 
 def turns(r: dict[str, Any]) -> str:
-    return _table(
+    out = _table(
         ("concurrent conversations", "turns/s", "overhead µs/turn", "model µs/turn",
-         "CPU µs/turn", "p50 ms", "p99 ms", "tail events at end", "errors"),
+         "CPU µs/turn", "p50 ms", "p99 ms", "p99/p50", "tail events at end", "max WAL MB",
+         "errors"),
         [(x["conversations"], x["turns_per_second"], x["overhead_us_per_turn"],
           x["model_us_per_turn"], x["cpu_us_per_turn"], x["latency_p50_ms"],
-          x["latency_p99_ms"], x.get("tail_events_at_end"), x["errors"]) for x in r["levels"]],
+          x["latency_p99_ms"], x.get("p99_over_p50"), x.get("tail_events_at_end"),
+          _mb(x.get("max_wal_bytes")), x["errors"]) for x in r["levels"]],
     )
+    floors = [x for x in r["levels"] if "naive" in x]
+    if floors:
+        out += ("\nAgainst the naive aiosqlite loop (same two durable commits per turn, same "
+                "run; torpor/naive is how many times longer a torpor turn takes):\n\n")
+        out += _table(
+            ("concurrent conversations", "naive turns/s", "torpor turns/s", "torpor/naive time",
+             "naive CPU µs/turn", "torpor CPU µs/turn", "torpor/naive CPU", "naive p50 ms",
+             "naive p99 ms"),
+            [(x["conversations"], x["naive"]["turns_per_second"], x["turns_per_second"],
+              x["torpor_over_naive"], x["naive"]["cpu_us_per_turn"], x["cpu_us_per_turn"],
+              x.get("torpor_over_naive_cpu"), x["naive"]["latency_p50_ms"],
+              x["naive"]["latency_p99_ms"]) for x in floors],
+        )
+    return out + "\n" + _targets(r.get("targets", {}))
 
 
 def needles(r: dict[str, Any]) -> str:

@@ -43,7 +43,7 @@ QUICK: dict[str, list[str]] = {
                     "--length-agents", "10"],
     "resume": ["--sizes", "100", "1000", "--repeats", "2"],
     "storm": ["--agents", "300", "--history", "4", "--live-cap", "50"],
-    "turns": ["--concurrency", "1", "50", "--duration", "0.5"],
+    "turns": ["--concurrency", "1", "50", "--naive", "1", "50", "--duration", "0.5"],
     "needles": ["--sizes", "100,200"],
     "assembly": ["--runs", "20", "--calls", "30"],
     "store_append": ["--single", "200", "--conversations", "50", "--events", "5",

@@ -25,8 +25,13 @@ INSERT the echoed reply, COMMIT) and nothing else. ``torpor_over_naive`` is
 how many times longer a torpor turn takes (naive turns/s over torpor's), the
 issue's target being at most 2.
 
+The WAL file's size is sampled every 20 ms while a level runs (``max_wal_bytes``).
+``--soak SECONDS`` runs one level for that long instead, reporting latency and
+the largest WAL file per minute: is the WAL bounded over a long run? (Only run
+by hand: neither CI nor ``run_all.py`` passes it.)
+
 Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
-[--json FILE]``.
+[--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
 """
 
 from __future__ import annotations
@@ -71,13 +76,45 @@ class TimedModel:
             yield event
 
 
-async def level(url: str, conversations: int, duration: float) -> dict[str, Any]:
+class WalGauge:
+    """The WAL file's size, sampled every ``every`` seconds while a level runs: its maximum."""
+
+    def __init__(self, db: Path, every: float = 0.02) -> None:
+        self.path = Path(f"{db}-wal")
+        self.every = every
+        self.largest = 0
+        self.window = 0  # largest since the last window() call
+
+    def sample(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            size = 0
+        self.largest = max(self.largest, size)
+        self.window = max(self.window, size)
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.every)
+
+    def take_window(self) -> int:
+        largest, self.window = self.window, 0
+        return largest
+
+
+async def level(
+    db: Path, conversations: int, duration: float, *, window: float | None = None
+) -> dict[str, Any]:
+    """Turns back to back for ``duration`` seconds; with ``window``, figures per window too."""
     model = TimedModel()
     config = torpor.RuntimeConfig(hibernate_after=3600, evict_after=7200, sweep_interval=3600)
     names = [f"turns-{i:06d}" for i in range(conversations)]
     latencies: list[float] = []
+    windows: list[dict[str, Any]] = []
     errors = 0
-    async with torpor.Runtime(url, model=model, config=config) as rt:
+    gauge = WalGauge(db)
+    async with torpor.Runtime(f"sqlite:///{db}", model=model, config=config) as rt:
         await asyncio.gather(*(_turn(rt, c) for c in names))  # activation, untimed
         model.seconds = 0.0
         deadline = time.perf_counter() + duration
@@ -93,12 +130,36 @@ async def level(url: str, conversations: int, duration: float) -> dict[str, Any]
                 else:
                     latencies.append(time.perf_counter() - t0)
 
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(loop(c) for c in names))
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        async def report(every: float) -> None:
+            start = 0
+            while True:
+                await asyncio.sleep(every)
+                chunk, start = latencies[start:], len(latencies)
+                windows.append({
+                    "end_seconds": round(every * (len(windows) + 1)),
+                    "turns": len(chunk),
+                    "latency_p50_ms": round((percentile(chunk, 50) or 0) * 1000, 3),
+                    "latency_p99_ms": round((percentile(chunk, 99) or 0) * 1000, 3),
+                    "max_wal_bytes": gauge.take_window(),
+                })
+                print(f"    {windows[-1]}", file=sys.stderr)
+
+        sampler = asyncio.ensure_future(gauge.run())
+        reporter = asyncio.ensure_future(report(window)) if window else None
+        try:
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(loop(c) for c in names))
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        finally:
+            for task in (sampler, reporter):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(sampler, *([reporter] if reporter else []),
+                                 return_exceptions=True)
+        gauge.sample()
         sample = await rt.admin.inspect(names[0])
     turns = len(latencies)
-    return {
+    result = {
         "conversations": conversations,
         "turns": turns,
         "seconds": round(elapsed, 3),
@@ -111,7 +172,11 @@ async def level(url: str, conversations: int, duration: float) -> dict[str, Any]
         "errors": errors,
         "tail_events_at_end": sample.tail_length,
         "working_set_tokens_at_end": sample.working_set_tokens,
+        "max_wal_bytes": gauge.largest,
     }
+    if window:
+        result["windows"] = windows
+    return result
 
 
 async def _turn(rt: torpor.Runtime, conversation_id: str) -> None:
@@ -187,10 +252,16 @@ def main() -> None:
     p.add_argument("--naive", type=int, nargs="*", default=[1, 100], metavar="N",
                    help="concurrency levels at which the naive aiosqlite loop runs too")
     p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--soak", type=float, metavar="SECONDS", default=None,
+                   help="instead: one level of --concurrency (first value) for SECONDS, "
+                        "reporting latency and the largest WAL file every minute")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     quiet()
+    if args.soak is not None:
+        soak(args)
+        return
     rows = []
     naive: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="torpor-turns-", dir=args.dir) as tmp:
@@ -200,8 +271,8 @@ def main() -> None:
                 naive[c] = asyncio.run(naive_level(path, c, args.duration))
                 print(f"  {c:,} conversations, naive: {naive[c]['turns_per_second']:,} turns/s",
                       file=sys.stderr)
-            url = fresh_db(Path(tmp), f"turns-{c}.db")
-            rows.append(asyncio.run(level(url, c, args.duration)))
+            db = Path(fresh_db(Path(tmp), f"turns-{c}.db").removeprefix("sqlite:///"))
+            rows.append(asyncio.run(level(db, c, args.duration)))
             print(f"  {c:,} conversations: {rows[-1]['turns_per_second']:,} turns/s",
                   file=sys.stderr)
             floor = naive.get(c)
@@ -212,15 +283,18 @@ def main() -> None:
                                                       rows[-1]["turns_per_second"])
                 rows[-1]["torpor_over_naive_cpu"] = ratio(rows[-1]["cpu_us_per_turn"],
                                                           floor["cpu_us_per_turn"])
+            rows[-1]["p99_over_p50"] = ratio(rows[-1]["latency_p99_ms"],
+                                             rows[-1]["latency_p50_ms"])
     result = {"benchmark": "turns", "params": {"concurrency": args.concurrency,
                                                "naive": args.naive,
                                                "duration": args.duration}, "levels": rows,
               "targets": {"torpor_over_naive_max": 2.0, "p99_over_p50_max_at_1": 2.0}}
     columns = ("conversations", "turns/s", "overhead µs/turn", "model µs/turn", "CPU µs/turn",
-               "p50 ms", "p99 ms", "tail events", "errors")
+               "p50 ms", "p99 ms", "tail events", "max WAL MB", "errors")
     tab = [(r["conversations"], r["turns_per_second"], r["overhead_us_per_turn"],
             r["model_us_per_turn"], r["cpu_us_per_turn"], r["latency_p50_ms"],
-            r["latency_p99_ms"], r["tail_events_at_end"], r["errors"]) for r in rows]
+            r["latency_p99_ms"], r["tail_events_at_end"], round(r["max_wal_bytes"] / 1e6, 1),
+            r["errors"]) for r in rows]
     tables = [table("turns with a zero-latency model", columns, tab)]
     floors = [(r["conversations"], r["naive"]["turns_per_second"], r["turns_per_second"],
                r["torpor_over_naive"], r["naive"]["cpu_us_per_turn"], r["cpu_us_per_turn"],
@@ -233,6 +307,24 @@ def main() -> None:
              "naive CPU µs", "torpor CPU µs", "torpor/naive CPU", "naive p50 ms",
              "naive p99 ms"), floors))
     emit(result, tables, args.json)
+
+
+def soak(args: argparse.Namespace) -> None:
+    """``--soak SECONDS``: is the WAL bounded over a long run? (Never run by CI or run_all.)"""
+    conversations = args.concurrency[0]
+    with tempfile.TemporaryDirectory(prefix="torpor-soak-", dir=args.dir) as tmp:
+        db = Path(fresh_db(Path(tmp), "soak.db").removeprefix("sqlite:///"))
+        row = asyncio.run(level(db, conversations, args.soak, window=60.0))
+    row["p99_over_p50"] = ratio(row["latency_p99_ms"], row["latency_p50_ms"])
+    result = {"benchmark": "turns_soak", "params": {"concurrency": conversations,
+                                                    "seconds": args.soak}, "soak": row}
+    columns = ("window end s", "turns", "p50 ms", "p99 ms", "max WAL MB")
+    tab = [(w["end_seconds"], w["turns"], w["latency_p50_ms"], w["latency_p99_ms"],
+            round(w["max_wal_bytes"] / 1e6, 1)) for w in row.get("windows", [])]
+    tab.append(("all", row["turns"], row["latency_p50_ms"], row["latency_p99_ms"],
+                round(row["max_wal_bytes"] / 1e6, 1)))
+    emit(result, [table(f"soak: {conversations} conversation(s) for {args.soak:g} s", columns,
+                        tab)], args.json)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ async def _downgrade_to_version_1(backend: Backend) -> None:
     await backend.sql("ALTER TABLE idempotency_keys DROP COLUMN fingerprint")
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
     if backend.name == "sqlite":
+        await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 1")
     else:
         await backend.sql("DELETE FROM schema_version WHERE version > 1")

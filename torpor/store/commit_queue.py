@@ -49,12 +49,38 @@ class CommitQueue(Generic[Op]):
         ``running`` says whether a writer is still there to take it: without one
         the operation would wait forever, so it is refused at once.
         """
+        return await self.put(op, running=running)
+
+    def put(self, op: Op, *, running: bool) -> asyncio.Future[Any]:
+        """Queue ``op``; the future of the commit that contains it (:meth:`submit` unawaited).
+
+        A plain function, for a writer whose callers should hold nothing but
+        this future while they wait. Cancelling the future before its batch is
+        taken withdraws the operation.
+        """
         if self.closing or not running:
             raise StoreError("the store is closed")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((op, future))
         self._wake.set()
-        return await future
+        return future
+
+    def __len__(self) -> int:
+        """How many operations are queued (some of them perhaps withdrawn already)."""
+        return len(self._pending)
+
+    def wake(self) -> None:
+        """Wake a writer waiting in :meth:`wait` (e.g. once it may take batches again)."""
+        self._wake.set()
+
+    async def wait(self) -> None:
+        """Until the next :meth:`put`, :meth:`wake` or :meth:`close`.
+
+        For a writer that decides itself when to take a batch (instead of
+        :meth:`next_batch`): it checks what it needs, then waits here.
+        """
+        self._wake.clear()
+        await self._wake.wait()
 
     def close(self) -> None:
         """Take no more operations; the writer drains what is queued and stops."""

@@ -23,7 +23,12 @@ usable, so the next batch succeeds once the condition clears.
 
 Full-text rows are inserted last and in rowid order: FTS5 flushes its pending
 in-memory index whenever a rowid goes backwards, and interleaved conversations
-would otherwise make it flush after almost every row. The pending-approvals
+would otherwise make it flush after almost every row. A small batch does not
+index at all: FTS5 writes a new segment at every COMMIT that touched the index,
+which was half the cost of a one-append transaction and half its WAL pages, so
+its rows go to ``fts_backlog`` (a plain table, same transaction, so nothing is
+lost in a crash) and are indexed together later, in one segment (see
+:class:`SearchBacklog`). The pending-approvals
 index is written last too, from the net effect of the batch's kept plans
 (:class:`~torpor.store.pending.PendingChanges`), so statement grouping cannot
 reorder an insertion and a deletion of the same row.
@@ -39,6 +44,7 @@ import contextlib
 import sqlite3
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -53,10 +59,11 @@ from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
 __all__ = [
     "Batch",
     "ConvState",
-    "Deliver",
     "Failed",
+    "FlushSearchIndex",
     "HeadCache",
     "Plan",
+    "SearchBacklog",
     "WriteOp",
     "run_batch",
 ]
@@ -142,6 +149,8 @@ class Batch:
         self._next_key: int | None = None
         self._heads: dict[int, list[int]] = {}  # key -> [head, added bytes]
         self.fts: list[tuple[int, str]] = []
+        self.flush_search = False  # index the search backlog in this transaction
+        self.backlog = (0, 0)  # the search backlog's (rows, text bytes) once this commits
 
     def conversation(self, name: str) -> ConvState:
         """The conversation as this batch sees it; a new one gets a key but no row yet."""
@@ -199,38 +208,101 @@ class Batch:
         return {name: state for name, state in self.states.items() if state.stored}
 
 
-Deliver = Callable[[list[object]], None]
+class SearchBacklog:
+    """Rows of ``fts_backlog``: written, not yet in ``events_fts``; writer thread only.
+
+    A batch with few full-text rows appends them to the backlog. One with many
+    (``direct_rows``) or much text (``direct_bytes``), one that brings the
+    backlog to ``flush_rows`` rows or ``flush_bytes`` of text, and one asked to
+    (:class:`FlushSearchIndex`, sent by ``search`` when the backlog holds rows
+    of its conversation) indexes the backlog and its own rows together, in
+    rowid order. ``size`` is (rows, text bytes) as of the last COMMIT; a batch
+    learns its new value only once it has committed.
+    """
+
+    def __init__(
+        self,
+        size: tuple[int, int] = (0, 0),
+        *,
+        direct_rows: int = 64,
+        direct_bytes: int = 64 * 1024,
+        flush_rows: int = 512,
+        flush_bytes: int = 256 * 1024,
+    ) -> None:
+        self.size = size
+        self._direct_rows = direct_rows
+        self._direct_bytes = direct_bytes
+        self._flush_rows = flush_rows
+        self._flush_bytes = flush_bytes
+
+    def write(
+        self, conn: sqlite3.Connection, rows: list[tuple[int, str]], flush: bool
+    ) -> tuple[int, int]:
+        """Write ``rows`` (to the index or the backlog); the backlog's size once this commits."""
+        count, size = self.size
+        if not rows and not (flush and count):
+            return self.size
+        text = sum(len(t) for _, t in rows)
+        if (
+            flush
+            or len(rows) >= self._direct_rows
+            or text >= self._direct_bytes
+            or count + len(rows) >= self._flush_rows
+            or size + text >= self._flush_bytes
+        ):
+            if count:
+                rows = rows + conn.execute("SELECT rowid, text FROM fts_backlog").fetchall()
+                conn.execute("DELETE FROM fts_backlog")
+            rows.sort()
+            conn.executemany("INSERT INTO events_fts (rowid, text) VALUES (?, ?)", rows)
+            return (0, 0)
+        conn.executemany("INSERT INTO fts_backlog (rowid, text) VALUES (?, ?)", rows)
+        return (count + len(rows), size + text)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushSearchIndex:
+    """Index the whole backlog in the next commit (a no-op when it is empty)."""
+
+    conversation_id: str = ""
+
+    def plan(self, batch: Batch) -> Plan:
+        batch.flush_search = True
+        return Plan(None)
 
 
 def run_batch(
-    conn: sqlite3.Connection, cache: HeadCache, ops: Sequence[WriteOp], now: int, deliver: Deliver
-) -> int:
-    """Commit ``ops`` in one transaction; hand each its result or :class:`Failed` via ``deliver``.
+    conn: sqlite3.Connection,
+    cache: HeadCache,
+    backlog: SearchBacklog,
+    ops: Sequence[WriteOp],
+    now: int,
+) -> tuple[list[object], BaseException | None]:
+    """Commit ``ops`` in one transaction: each one's result or :class:`Failed`, in order.
 
-    ``deliver`` is called here, on the writer thread, right after COMMIT (it
-    schedules the futures' resolution on the event loop), so callers learn the
-    outcome even if the writer task was cancelled while the batch ran.
-    Returns how many operations failed.
+    Never raises: when the whole transaction fails (nothing of it committed)
+    every operation gets a :class:`Failed` and the cause comes back as the
+    second item, for the writer to log and to decide whether the connection
+    must be replaced. Runs on the writer thread.
     """
     try:
         try:
-            batch, results = _attempt(conn, cache, ops, now, _write_bulk)
+            batch, results = _attempt(conn, cache, backlog, ops, now, _write_bulk)
         except Exception as exc:
             if _unavailable(exc):  # nobody's fault but the database's: fail them all
                 raise
             _rollback(conn)  # the bulk write failed: find the culprit, one op at a time
             for op in ops:
                 cache.forget(op.conversation_id)
-            batch, results = _attempt(conn, cache, ops, now, None)
+            batch, results = _attempt(conn, cache, backlog, ops, now, None)
     except BaseException as exc:
         _rollback(conn)
         for op in ops:
             cache.forget(op.conversation_id)
-        deliver([Failed(_batch_error(len(ops), exc)) for _ in ops])
-        raise
+        return [Failed(_batch_error(len(ops), exc)) for _ in ops], exc
     cache.absorb(batch.committed())
-    deliver(results)
-    return sum(isinstance(result, Failed) for result in results)
+    backlog.size = batch.backlog
+    return results, None
 
 
 Writer = Callable[[sqlite3.Connection, list[Plan]], None]
@@ -239,6 +311,7 @@ Writer = Callable[[sqlite3.Connection, list[Plan]], None]
 def _attempt(
     conn: sqlite3.Connection,
     cache: HeadCache,
+    backlog: SearchBacklog,
     ops: Sequence[WriteOp],
     now: int,
     bulk: Writer | None,
@@ -275,9 +348,7 @@ def _attempt(
     if bulk is not None:
         bulk(conn, plans)
     conn.executemany(_UPDATE_HEAD, batch.head_updates())
-    if batch.fts:
-        batch.fts.sort()
-        conn.executemany("INSERT INTO events_fts (rowid, text) VALUES (?, ?)", batch.fts)
+    batch.backlog = backlog.write(conn, batch.fts, batch.flush_search)
     if batch.pending:
         _write_pending(conn, batch.pending)
     conn.execute("COMMIT")

@@ -12,8 +12,15 @@ underlying :class:`sqlite3.Connection`, which is only ever used from inside
 ``fn``, i.e. on the connection's own thread). aiosqlite still owns the
 connection's lifecycle (thread start, connect, close).
 
-If aiosqlite ever drops ``_execute``, replace this with a single-thread
-executor per connection; nothing else in torpor needs to change.
+The commit path uses :func:`post` instead: it puts the function on the
+thread's queue (``_tx``, the queue ``_execute`` feeds) without a future, and
+the function reports back itself, once, with ``call_soon_threadsafe``. That
+saves aiosqlite's own future and its second wake-up of the event loop per
+batch; the group-commit writer needs only the one callback that resolves its
+callers.
+
+If aiosqlite ever drops ``_execute`` or ``_tx``, replace this with a
+single-thread executor per connection; nothing else in torpor needs to change.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, TypeVar, cast
 
 import aiosqlite
 
-__all__ = ["hop"]
+__all__ = ["hop", "post"]
 
 T = TypeVar("T")
 
@@ -38,3 +45,30 @@ async def hop(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T
 
     execute: Callable[[Callable[[], T]], Awaitable[Any]] = conn._execute
     return cast(T, await execute(call))
+
+
+def post(
+    conn: aiosqlite.Connection,
+    fn: Callable[[sqlite3.Connection], None],
+    lost: Callable[[BaseException], None],
+) -> None:
+    """Queue ``fn(sqlite3_connection)`` on ``conn``'s thread and return at once.
+
+    Nobody is told when ``fn`` has run or what it raised (aiosqlite drops
+    both when there is no future): ``fn`` must catch everything and report
+    its outcome itself. If the connection is gone by the time the thread gets
+    to it, ``lost(error)`` is called there instead. Raises ValueError if the
+    connection is closed already.
+    """
+    if not conn._running or conn._connection is None:
+        raise ValueError("Connection closed")
+
+    def call() -> None:
+        try:
+            raw: sqlite3.Connection = conn._conn
+        except BaseException as exc:
+            lost(exc)
+            return
+        fn(raw)
+
+    conn._tx.put_nowait((None, call))

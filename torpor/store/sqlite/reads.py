@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from torpor.errors import StoreError
 from torpor.events import Event, decode_body, searchable_text
@@ -166,20 +166,48 @@ def resume(conn: sqlite3.Connection, name: str) -> Resume:
     return _snapshot(conn, read)
 
 
+Backlog = Literal["ask", "ignore", "scan"]
+
+_WAITING = "SELECT 1 FROM fts_backlog WHERE rowid BETWEEN ? AND ? LIMIT 1"
+# bm25 is NULL where a row has no score (see _score): ranked as 0, after every real match.
+_MATCHES = (
+    "SELECT rowid, coalesce(bm25(events_fts), 0.0) AS score FROM events_fts "
+    "WHERE events_fts MATCH ? AND rowid BETWEEN ? AND ? ORDER BY score LIMIT ?"
+)
+# The scratch index for a backlog searched in place: tokenized as events_fts is (schema v1).
+_SCRATCH = (
+    "CREATE VIRTUAL TABLE scratch USING fts5(text, content='', columnsize=0, "
+    "tokenize='unicode61 remove_diacritics 2')"
+)
+
+
 def search(
-    conn: sqlite3.Connection, name: str, expression: str, query: str, k: int
-) -> list[SearchHit]:
-    def read() -> list[SearchHit]:
+    conn: sqlite3.Connection, name: str, expression: str, query: str, k: int, backlog: Backlog
+) -> list[SearchHit] | None:
+    """bm25-ranked hits of one conversation.
+
+    Events of small batches wait in ``fts_backlog`` before they are indexed
+    (see :class:`~torpor.store.sqlite.batch.SearchBacklog`). ``backlog``:
+    ``"ask"`` returns None if some of this conversation's do (the store then
+    has them indexed and asks again with ``"ignore"``); ``"scan"`` searches them
+    in place, in a scratch index, for when the backlog cannot be indexed (the
+    database cannot write): their scores come from that small index, so they
+    rank less well against the others, but they are found.
+    """
+
+    def read() -> list[SearchHit] | None:
         row = conn.execute("SELECT key FROM conversations WHERE external_id = ?", (name,))
         found = row.fetchone()
         if found is None:
             return []
         low = int(found[0]) << 32
-        matches = conn.execute(
-            "SELECT rowid, bm25(events_fts) FROM events_fts WHERE events_fts MATCH ? "
-            "AND rowid BETWEEN ? AND ? ORDER BY bm25(events_fts) LIMIT ?",
-            (expression, low, low | 0xFFFFFFFF, k),
-        ).fetchall()
+        high = low | 0xFFFFFFFF
+        if backlog == "ask" and conn.execute(_WAITING, (low, high)).fetchone() is not None:
+            return None
+        matches = conn.execute(_MATCHES, (expression, low, high, k)).fetchall()
+        if backlog == "scan":
+            matches = sorted(matches + _scan_backlog(conn, expression, low, high, k),
+                             key=lambda match: -_score(match[1]))[:k]
         found_hits: list[tuple[SearchHit, float]] = []
         for rowid, bm25 in matches:
             position = rowid & 0xFFFFFFFF
@@ -203,12 +231,39 @@ def search(
                     created_at=int(event[1]),
                     text=text,
                     query=query,
-                    rank=-float(bm25),
+                    rank=_score(bm25),
                 )
             )
         return scored(found_hits)
 
     return _snapshot(conn, read)
+
+
+def _score(bm25: float | None) -> float:
+    """Higher is better. FTS5's bm25 is NULL for a row matched only by a term in every row
+    (with ``columnsize=0``, e.g. ``"number" OR "3"`` over "word number 0".."4"): no score."""
+    return 0.0 if bm25 is None else -float(bm25)
+
+
+def _scan_backlog(
+    conn: sqlite3.Connection, expression: str, low: int, high: int, k: int
+) -> list[tuple[int, float]]:
+    rows = conn.execute(
+        "SELECT rowid, text FROM fts_backlog WHERE rowid BETWEEN ? AND ?", (low, high)
+    ).fetchall()
+    if not rows:
+        return []
+    scratch = sqlite3.connect(":memory:")
+    try:
+        scratch.execute(_SCRATCH)
+        scratch.executemany("INSERT INTO scratch (rowid, text) VALUES (?, ?)", rows)
+        return scratch.execute(
+            "SELECT rowid, coalesce(bm25(scratch), 0.0) AS score FROM scratch "
+            "WHERE scratch MATCH ? ORDER BY score LIMIT ?",
+            (expression, k),
+        ).fetchall()
+    finally:
+        scratch.close()
 
 
 def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:

@@ -31,6 +31,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   topic hints) made of the body at append, opaque here; NULL for rows written
   before it or by a store given no extractor (compaction then extracts them when
   it needs them). Not backfilled: old rows cost what they always did.
+* ``fts_backlog`` (version 4) holds the full-text rows of small group-commit
+  batches until they are indexed in bulk: an FTS5 index writes a segment at
+  every commit that touches it, which doubled the cost of a one-append commit.
+  A search first has the backlog of its conversation indexed.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -199,7 +203,12 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints BLOB",)
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
+_V4: Sequence[Step] = (
+    # Full-text rows of small batches, indexed later in bulk (see batch.SearchBacklog).
+    "CREATE TABLE fts_backlog (rowid INTEGER PRIMARY KEY, text TEXT NOT NULL)",
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -238,13 +247,26 @@ def _common(conn: sqlite3.Connection, busy_ms: int) -> None:
 
 
 def configure_writer(
-    conn: sqlite3.Connection, durability: Durability, *, file: bool, busy_ms: int = 10_000
+    conn: sqlite3.Connection,
+    durability: Durability,
+    *,
+    file: bool,
+    busy_ms: int = 10_000,
+    wal_keep: int | None = None,
 ) -> None:
+    """The writer connection. A file store's WAL is checkpointed by the store's
+    checkpointer (:mod:`.checkpoint`), never inside a commit: automatic
+    checkpoints are off, and ``wal_keep`` (bytes, ``journal_size_limit``) is
+    what is kept of the WAL file when it starts over.
+    """
     _common(conn, busy_ms)
     if file:
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(f"could not switch the database to WAL mode (got {mode!r})")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        if wal_keep is not None:
+            conn.execute(f"PRAGMA journal_size_limit = {int(wal_keep)}")
     conn.execute(f"PRAGMA synchronous = {durability.upper()}")
 
 

@@ -6,7 +6,10 @@ the last committed snapshot while the writer writes. A private in-memory
 database (``sqlite://``) has a single connection that serves both: SQLite
 cannot share one in-memory database between connections without shared-cache
 mode, whose table locks make readers fail with SQLITE_LOCKED mid-write. Every
-public method is one hop to a connection thread.
+read is one hop to a connection thread; a write waits for the group-commit
+batch that carries it, one hop there and back for the whole batch. A file
+store has one more connection, the checkpointer's (:mod:`.checkpoint`): WAL
+checkpoints never run inside a commit.
 
 Durability (``durability=``, SQLite's ``synchronous`` in WAL mode):
 
@@ -33,7 +36,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from torpor._logging import get_logger
-from torpor.errors import ConfigError, StoreError
+from torpor.errors import ConfigError, StoreError, StoreUnavailable
 from torpor.store.core import StoreCore
 from torpor.store.fulltext import match_expression
 from torpor.store.prepare import PreparedAppend
@@ -45,6 +48,8 @@ from torpor.store.protocol import (
     TokenCounter,
 )
 from torpor.store.sqlite import reads
+from torpor.store.sqlite.batch import FlushSearchIndex
+from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
@@ -59,14 +64,24 @@ T = TypeVar("T")
 
 
 def _setup_writer(
-    conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int
-) -> int:
-    configure_writer(conn, durability, file=file, busy_ms=busy_ms)
-    return migrate(conn)
+    conn: sqlite3.Connection, durability: Durability, file: bool, busy_ms: int, wal_keep: int
+) -> tuple[int, tuple[int, int]]:
+    """Configure and migrate; the schema version and what waits in the search backlog."""
+    configure_writer(conn, durability, file=file, busy_ms=busy_ms, wal_keep=wal_keep)
+    version = migrate(conn)
+    try:
+        rows, text = conn.execute(
+            "SELECT count(*), total(length(text)) FROM fts_backlog"
+        ).fetchone()
+    except sqlite3.DatabaseError:  # damaged pages: the reads that meet them say so, not open
+        return version, (1, 0)  # maybe not empty: the next flush reads it
+    return version, (int(rows), int(text))
 
 
-def _configure_writer(conn: sqlite3.Connection, durability: Durability, busy_ms: int) -> None:
-    configure_writer(conn, durability, file=True, busy_ms=busy_ms)
+def _configure_writer(
+    conn: sqlite3.Connection, durability: Durability, busy_ms: int, wal_keep: int
+) -> None:
+    configure_writer(conn, durability, file=True, busy_ms=busy_ms, wal_keep=wal_keep)
 
 
 class _Readers:
@@ -99,6 +114,13 @@ class SQLiteStore(StoreCore):
     that cannot write (disk full, read-only, locked for longer than
     ``busy_timeout`` seconds) makes writes raise StoreUnavailable while reads
     go on, and writes resume by themselves once it can write again.
+
+    WAL (file stores): ``checkpoint_interval`` seconds at most between passive
+    checkpoints while there are writes; ``wal_limit`` bytes is the bound on the
+    WAL file (past half of it the WAL is rewound, the writer held for a few
+    milliseconds; past all of it no further batch is committed until it is);
+    after ``idle_checkpoint`` seconds without writes the WAL is truncated. See
+    :mod:`torpor.store.sqlite.checkpoint`.
     """
 
     reads = reads
@@ -115,6 +137,9 @@ class SQLiteStore(StoreCore):
         readers: int = 2,
         max_batch: int = 2048,
         busy_timeout: float = 10.0,
+        checkpoint_interval: float = 1.0,
+        wal_limit: int = 64 * 1024 * 1024,
+        idle_checkpoint: float = 5.0,
     ) -> None:
         super().__init__(
             token_counter=token_counter,
@@ -131,8 +156,12 @@ class SQLiteStore(StoreCore):
             raise ConfigError("path", "must be a file path without NUL, or None for memory")
         self.path = path
         self._busy_ms = int(busy_timeout * 1000)
+        self._checkpoints = CheckpointPolicy(
+            interval=checkpoint_interval, wal_limit=wal_limit, idle_after=idle_checkpoint
+        )
         self._conns: list[aiosqlite.Connection] = []
         self._writer: GroupCommitWriter | None = None
+        self._checkpointer: Checkpointer | None = None
         self._readers: _Readers | None = None
         self._log = log.bind(store=path or ":memory:")
 
@@ -141,16 +170,25 @@ class SQLiteStore(StoreCore):
     async def open(self) -> None:
         if self._conns:
             raise StoreError("the store is already open")
+        checkpointer: aiosqlite.Connection | None = None
         try:
             writer = await self._connect()
-            version = await hop(
-                writer, _setup_writer, self.durability, self.path is not None, self._busy_ms
+            version, backlog = await hop(
+                writer,
+                _setup_writer,
+                self.durability,
+                self.path is not None,
+                self._busy_ms,
+                self._checkpoints.soft_limit,
             )
             readers = [writer]
             if self.path is not None:
                 readers = [await self._connect() for _ in range(self._reader_count)]
                 for reader in readers:
                     await hop(reader, configure_reader, self._busy_ms)
+                checkpointer = await self._connect()
+                busy_ms = int(self._checkpoints.busy * 1000)
+                await hop(checkpointer, configure_checkpointer, self.durability.upper(), busy_ms)
         except BaseException as exc:
             await self._close_connections()
             if isinstance(exc, sqlite3.Error):
@@ -161,8 +199,14 @@ class SQLiteStore(StoreCore):
             writer,
             reconnect=None if self.path is None else self._reconnect_writer,
             max_batch=self._max_batch,
+            wal_path=None if self.path is None else self.path + "-wal",
+            search_backlog=backlog,
         )
         self._writer.start()
+        if checkpointer is not None:
+            self._checkpointer = Checkpointer(checkpointer, self._writer, self._checkpoints)
+            self._writer.on_commit = self._checkpointer.committed
+            self._checkpointer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
 
     async def _connect(self) -> aiosqlite.Connection:
@@ -182,7 +226,8 @@ class SQLiteStore(StoreCore):
         """
         conn = await self._connect()
         try:
-            await hop(conn, _configure_writer, self.durability, self._busy_ms)
+            keep = self._checkpoints.soft_limit
+            await hop(conn, _configure_writer, self.durability, self._busy_ms, keep)
         except BaseException as exc:
             self._conns.remove(conn)
             with contextlib.suppress(Exception):
@@ -198,8 +243,14 @@ class SQLiteStore(StoreCore):
 
     async def close(self) -> None:
         try:
-            if self._writer is not None:
-                await self._writer.aclose()
+            checkpointer, self._checkpointer = self._checkpointer, None
+            try:
+                if checkpointer is not None:  # first: it may be holding the writer
+                    await checkpointer.aclose()
+            finally:
+                if self._writer is not None:
+                    self._writer.on_commit = None
+                    await self._writer.aclose()
         finally:
             self._writer = None
             self._readers = None
@@ -261,4 +312,14 @@ class SQLiteStore(StoreCore):
         expression = match_expression(query)
         if expression is None:
             return []
-        return await self._read().run(reads.search, conversation_id, expression, query, k)
+        read = self._read()
+        hits = await read.run(reads.search, conversation_id, expression, query, k, "ask")
+        if hits is None:  # some of its events wait in the search backlog: index them first
+            backlog: reads.Backlog = "ignore"
+            try:
+                await self._write().submit(FlushSearchIndex())
+            except StoreUnavailable:  # reads go on while the database cannot write
+                backlog = "scan"
+            hits = await read.run(reads.search, conversation_id, expression, query, k, backlog)
+            assert hits is not None
+        return hits

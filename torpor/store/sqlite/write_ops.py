@@ -8,7 +8,6 @@ to write and the caller's result, or raises to refuse the operation. See
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -157,8 +156,7 @@ def _read_events(
     return events
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointOp:
+class CheckpointOp(msgspec.Struct, frozen=True, gc=False):
     checkpoint: Checkpoint
 
     @property
@@ -186,8 +184,7 @@ class CheckpointOp:
         return Plan(None, cp.conversation_id, ConvState(state.key, state.head), writes)
 
 
-@dataclass(frozen=True, slots=True)
-class ArtifactOp:
+class ArtifactOp(msgspec.Struct, frozen=True, gc=False):
     conversation_id: str
     artifact_id: str
     data: bytes
@@ -202,8 +199,7 @@ class ArtifactOp:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ModelCallOp:
+class ModelCallOp(msgspec.Struct, frozen=True, gc=False):
     call: ModelCall
 
     @property

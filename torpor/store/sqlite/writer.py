@@ -2,23 +2,36 @@
 
 Callers queue an operation and await a future. A single writer task, owned by
 the store (started when it opens, awaited when it closes), takes everything
-queued, runs it as one transaction in one thread hop (:func:`run_batch`), and
-each caller's future resolves once the COMMIT that contains its operation has
-returned. While a batch is on the writer thread the next one accumulates, so
-under load a batch holds roughly everything that arrived during the previous
-commit: the per-transaction cost is shared instead of paid per append.
+queued and hands it to the writer connection's thread as one job
+(:func:`~torpor.store.sqlite.hop.post`): one transaction (:func:`run_batch`),
+then one ``call_soon_threadsafe`` back to the event loop that resolves every
+caller's future and wakes the writer task. That is the whole round trip: one
+hand-off to the thread and one back per batch, whatever its size. While a
+batch is on the writer thread the next one accumulates, so under load a batch
+holds roughly everything that arrived during the previous commit: the
+per-transaction cost is shared instead of paid per append.
+
+Callers are resolved before the writer task resumes, so what they write as
+soon as they learn their result (a turn's next message) joins the very next
+batch instead of waiting for a later one.
 
 When the database cannot write (see :mod:`.errors`), the whole batch fails
 with StoreUnavailable and the writer carries on: the next batch is tried as
 usual, so writes resume by themselves once the condition clears. After the
 errors that can leave the connection itself unable to write (read-only, I/O),
 the store's ``reconnect`` replaces it before the next batch.
+
+The writer can be *held* (:meth:`GroupCommitWriter.hold`): it finishes the
+batch in flight and takes no new one until released. The WAL checkpointer
+(:mod:`.checkpoint`) holds it for the rare checkpoint that needs the database
+to itself, so writes wait in the queue instead of failing on SQLite's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -28,11 +41,11 @@ import aiosqlite
 
 from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
-from torpor.store.commit_queue import CommitQueue, Pending, deliver
+from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
 from torpor.store.prepare import now_ms
-from torpor.store.sqlite.batch import HeadCache, WriteOp, run_batch
+from torpor.store.sqlite.batch import HeadCache, SearchBacklog, WriteOp, run_batch
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
-from torpor.store.sqlite.hop import hop
+from torpor.store.sqlite.hop import post
 
 __all__ = ["GroupCommitWriter"]
 
@@ -40,6 +53,7 @@ log = get_logger(__name__)
 
 _Pending = Pending[WriteOp]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
+OnCommit = Callable[[int], None]
 
 
 class GroupCommitWriter:
@@ -49,6 +63,10 @@ class GroupCommitWriter:
     batch while the thread commits the previous one was measured and lost:
     both sides need the GIL for their Python work, and the thread then waits
     for the loop's switch interval after every SQLite call.
+
+    ``wal_path``: the WAL file, whose size is read on the writer thread after
+    every commit and handed to ``on_commit`` (the checkpointer's gauge).
+    ``search_backlog``: (rows, text bytes) in ``fts_backlog`` when the store opened.
     """
 
     def __init__(
@@ -58,23 +76,39 @@ class GroupCommitWriter:
         reconnect: Reconnect | None = None,
         max_batch: int = 2048,
         cache_size: int = 65536,
+        wal_path: str | None = None,
+        search_backlog: tuple[int, int] = (0, 0),
     ) -> None:
         self._conn = conn
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._cache = HeadCache(cache_size)
+        self._backlog = SearchBacklog(search_backlog)
+        self._wal_path = wal_path
+        self.on_commit: OnCommit | None = None  # WAL bytes after each commit, on the loop
         self._queue: CommitQueue[WriteOp] = CommitQueue(max_batch)
+        self._current: asyncio.Future[None] | None = None  # the batch in flight
+        self._holds = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # committed batches, for stats and tests
         self.largest_batch = 0
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="torpor-writer")
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="torpor-writer")
 
-    async def submit(self, op: WriteOp) -> Any:
-        """Queue ``op`` and wait for the commit that contains it; its result or its error."""
-        running = self._task is not None and not self._task.done()
-        return await self._queue.submit(op, running=running)
+    def submit(self, op: WriteOp) -> asyncio.Future[Any]:
+        """Queue ``op``; a future of the commit that contains it: its result or its error.
+
+        A plain function, not a coroutine: a write waiting for its batch holds
+        its caller's frame and this future, nothing more (with 10,000 turns in
+        flight, every object a waiting write keeps alive is one more for the
+        cyclic GC to walk). Cancelling the future before its batch is taken
+        withdraws the write.
+        """
+        task = self._task
+        return self._queue.put(op, running=task is not None and not task.done())
 
     async def aclose(self) -> None:
         """Commit what is queued, then stop. If this wait is cancelled, so is the writer."""
@@ -90,56 +124,157 @@ class GroupCommitWriter:
                 await task
             raise
 
+    # holding, for the checkpointer ---------------------------------------------------
+
+    def hold(self) -> None:
+        """Take no new batch until :meth:`release` (the one in flight still commits).
+
+        A closing writer ignores holds: what was queued before close is committed.
+        """
+        self._holds += 1
+
+    def release(self) -> None:
+        self._holds -= 1
+        if self._holds == 0:
+            self._queue.wake()
+
+    async def quiesce(self) -> None:
+        """Return once no batch is on the writer thread (call after :meth:`hold`)."""
+        current = self._current
+        while current is not None:
+            await asyncio.wait((current,))
+            current = self._current
+
+    # the writer task -----------------------------------------------------------------
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self._queue
         try:
-            while (batch := await self._queue.next_batch()) is not None:
-                # If this task is cancelled mid-commit, the batch still finishes on
-                # its thread and ``deliver`` still resolves its callers' futures.
-                await self._commit(batch)
+            while True:
+                if queue and (not self._holds or queue.closing):
+                    batch = queue.take()
+                    if batch:
+                        await self._commit(loop, batch)
+                    continue
+                if queue.closing and not queue:
+                    return
+                await queue.wait()
         finally:
-            self._queue.fail_pending()
+            queue.fail_pending()
 
     @property
     def connection(self) -> aiosqlite.Connection:
         return self._conn
 
-    async def _commit(self, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
+    @property
+    def search_backlog(self) -> int:
+        """Rows written but not yet full-text indexed, as of the last commit."""
+        return self._backlog.size[0]
+
+    async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
+        done: asyncio.Future[None] = loop.create_future()
+        self._current = done
         futures = [future for _, future in batch]
-
-        def deliver(results: list[object]) -> None:  # runs on the writer thread
-            loop.call_soon_threadsafe(self._delivered, futures, results)
-
         ops = [op for op, _ in batch]
         started = time.perf_counter()
         try:
-            if self._stale and self._reconnect is not None:
-                self._conn = await self._reconnect(self._conn)
-                self._stale = False
-                log.info("writer_reconnected")
-            failures = await hop(self._conn, run_batch, self._cache, ops, now_ms(), deliver)
-        except Exception as exc:
-            log.error("group_commit_failed", ops=len(ops), error=repr(exc))
-            if isinstance(exc, sqlite3.Error) and primary_code(exc) in RECONNECT:
+            try:
+                if self._stale and self._reconnect is not None:
+                    self._conn = await self._reconnect(self._conn)
+                    self._stale = False
+                    log.info("writer_reconnected")
+                job, lost = self._job(loop, ops, futures, done, started)
+                post(self._conn, job, lost)
+            except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
+                if isinstance(exc, Exception):
+                    log.error("group_commit_failed", ops=len(ops), error=repr(exc))
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(
+                            _unavailable(exc)
+                            if isinstance(exc, Exception)
+                            else StoreError("the store closed before this write was committed")
+                        )
+                if isinstance(exc, Exception):
+                    return
+                raise
+            # If this task is cancelled now, the batch still finishes on its thread and
+            # ``_finish`` still resolves its callers' futures.
+            await done
+        finally:
+            if self._current is done:
+                self._current = None
+
+    def _job(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        ops: list[WriteOp],
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[None],
+        started: float,
+    ) -> tuple[Callable[[sqlite3.Connection], None], Callable[[BaseException], None]]:
+        """The batch as it runs on the writer thread, and what it does if the connection is gone."""
+        cache, backlog = self._cache, self._backlog
+        wal = self._wal_path
+        finish = self._finish
+
+        def report(results: list[object], error: BaseException | None, size: int) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(finish, futures, done, results, error, size, started)
+
+        def job(conn: sqlite3.Connection) -> None:
+            try:
+                results, error = run_batch(conn, cache, backlog, ops, now_ms())
+            except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
+                results, error = [Failed(_unavailable(exc)) for _ in ops], exc
+            size = -1
+            if wal is not None and error is None:
+                try:
+                    size = os.stat(wal).st_size
+                except OSError:
+                    size = 0  # unknown: the checkpointer still learns that a commit was made
+            report(results, error, size)
+
+        def lost(exc: BaseException) -> None:
+            report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+
+        return job, lost
+
+    def _finish(
+        self,
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[None],
+        results: list[object],
+        error: BaseException | None,
+        wal_size: int,
+        started: float,
+    ) -> None:
+        """On the loop: every caller learns its outcome, then the writer task may go on."""
+        if error is None:
+            self.batches += 1
+            if len(futures) > self.largest_batch:
+                self.largest_batch = len(futures)
+            # One debug record per batch (free unless enabled): what serve's metrics read.
+            log.debug(
+                "group_commit",
+                ops=len(futures),
+                failed=sum(type(result) is Failed for result in results),
+                seconds=time.perf_counter() - started,
+            )
+        else:
+            log.error("group_commit_failed", ops=len(futures), error=repr(error))
+            if isinstance(error, sqlite3.Error) and primary_code(error) in RECONNECT:
                 self._stale = True
-            # Callers run_batch has told already are done; anyone else (the reconnect or
-            # the hop itself failed) learns it here, so no future is ever left waiting.
-            for future in futures:
-                if not future.done():
-                    future.set_exception(_unavailable(exc))
-            return
-        # One debug record per batch (free unless enabled): what serve's metrics read.
-        log.debug("group_commit", ops=len(ops), failed=failures,
-                  seconds=time.perf_counter() - started)
-
-
-    def _delivered(self, futures: list[asyncio.Future[Any]], results: list[object]) -> None:
-        self.batches += 1
-        self.largest_batch = max(self.largest_batch, len(futures))
         deliver(futures, results)
+        if not done.done():
+            done.set_result(None)
+        on_commit = self.on_commit
+        if on_commit is not None and wal_size >= 0:
+            on_commit(wal_size)
 
 
-def _unavailable(exc: Exception) -> StoreError:
+def _unavailable(exc: BaseException) -> StoreError:
     """A fresh error per caller (one exception object must not be raised in many tasks)."""
     if isinstance(exc, sqlite3.Error):
         return store_error(exc, "the writer connection failed")
