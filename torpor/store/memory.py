@@ -25,6 +25,7 @@ from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
 from torpor.text import check_id, check_text
 
 __all__ = [
+    "MAX_KEY_LENGTH",
     "MEMORY_KINDS",
     "EpisodicItem",
     "LedgerAction",

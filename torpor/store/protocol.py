@@ -59,6 +59,9 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     markers: tuple[Marker, ...] = ()
     summary: str = ""  # optional narrative handoff (Summarizer strategy)
     tokens: int = 0  # tokens the handoff costs when rendered
+    # The memory bundle rendered at this fold (torpor.memory.bundle): the most salient
+    # episodic and semantic items, shown before the markers instead of ``summary``.
+    memory: str = ""
 
 
 class Resume(msgspec.Struct, frozen=True, gc=False):

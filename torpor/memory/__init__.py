@@ -1,0 +1,1 @@
+"""Memory beyond the working set: episodic and semantic items, reconciliation, the digest."""
