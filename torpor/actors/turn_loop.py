@@ -34,6 +34,7 @@ from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreEr
 from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
+from torpor.memory.reconcile import reconcile_logged
 from torpor.store.protocol import ModelCall
 from torpor.text import repair_text
 
@@ -112,6 +113,9 @@ async def _at_head(
     if events[-1].position > agent.head:
         agent.head = events[-1].position
         host.publish(agent.id, events)
+        reconciler = agent.profile.config.reconciler
+        if reconciler is not None:  # the hot-path reconciler, once per finished turn
+            await reconcile_logged(host.store, reconciler, agent.id, number, agent.ws, events)
     return events
 
 
