@@ -45,3 +45,12 @@ async def test_calls_pair_with_results_errors_pending_and_aborted() -> None:
     assert (third.call_id, third.tool, third.status, third.result, third.turn) == (
         "c3", "approve", "pending", None, 2)
     assert [i.status for i in after] == ["success", "error", "aborted"]
+
+
+async def test_the_admin_shows_memory_without_waking_the_agent() -> None:
+    async with Runtime("sqlite://") as rt:
+        await (await rt.send("c", "hi")).result()
+        await rt.admin.evict("c")
+        view = await rt.admin.memory("c")
+        assert view.record.conversation_id == "c" and view.digest.lines == ()
+        assert [a.conversation_id for a in await rt.admin.agents()] == []
