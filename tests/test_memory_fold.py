@@ -115,3 +115,21 @@ def test_the_bundle_keeps_the_most_important_items_within_its_budget() -> None:
     assert "k39:" not in bundle and "k38:" in bundle and "k0:" not in bundle
     assert render_bundle(episodes, facts, ledger, budget=200) == bundle  # pure
     assert render_bundle([], [], budget=200) == ""
+
+
+async def test_a_revived_agent_is_shown_the_same_bundle() -> None:
+    summarizer = ScriptedModel.replies(FIRST, loop=True)
+    model = ScriptedModel.replies("ok", loop=True)
+    agent = AgentConfig(model=model, summarizer=ModelSummarizer(summarizer, memory_budget=300),
+                        **SMALL)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        for i in range(4):
+            await (await rt.send("c", note(i))).result()
+        before = [m.text for m in model.calls[-1] if isinstance(m, SystemMessage)]
+        assert await rt.admin.evict("c")
+        calls = len(model.calls)
+        await (await rt.send("c", "short")).result()
+        after = [m.text for m in model.calls[calls] if isinstance(m, SystemMessage)]
+    bundles = [t for t in before if t.startswith(BUNDLE_HEADER)]
+    assert bundles and count_text(bundles[0].split(HANDOFF_HEADER)[0]) <= 300
+    assert [t for t in after if t.startswith(BUNDLE_HEADER)] == bundles
