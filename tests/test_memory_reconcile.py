@@ -6,7 +6,9 @@ import logging
 from collections.abc import Sequence
 
 import anyio
+import msgspec
 import pytest
+from store_backends import Backend
 
 from torpor import (
     AgentConfig,
@@ -23,6 +25,7 @@ from torpor import (
 from torpor.events import Event, UserMessage
 from torpor.llm import Call, Text
 from torpor.memory.digest import write_digest
+from torpor.memory.ledger import item_order
 from torpor.store.memory import EpisodicItem
 
 SMALL = dict(working_budget=150, tail_turns=1, context_window=4_000, max_output_tokens=500,
@@ -220,3 +223,63 @@ def test_the_digest_is_bounded_and_demotes_the_least_important_instead_of_droppi
     assert write_digest(facts, episodes, 8, link="memory:c") == digest  # pure
     with pytest.raises(Exception, match="max_lines"):
         write_digest(facts, episodes, 0)
+
+
+async def test_a_suspended_turn_is_decided_once_when_it_finally_ends() -> None:
+    from torpor import ExternalTool
+
+    model = ScriptedModel([[Call("approve", {}, id="a1")], [Text("approved")]])
+    reconciler = SkipNoise()
+    agent = AgentConfig(model=model, tools=[ExternalTool("approve")], reconciler=reconciler)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "noise: deploy?")).result()  # ends suspended
+        assert reconciler.seen == []  # the turn is not over: nothing decided yet
+        await rt.admin.hibernate("c")
+        continuation = await rt.resolve("c", "a1", "yes")
+        assert continuation is not None
+        await continuation.result()
+        skipped = (await rt.store.memory("c")).skipped_turns
+    assert reconciler.seen == [
+        (1, ["user", "assistant", "suspended", "tool_result", "resolved", "assistant"])]
+    assert skipped == (1,)
+
+
+async def test_sweeps_run_concurrently_with_folds_on_every_backend(backend: Backend) -> None:
+    """Folds write items while sweeps write the ledger: every sweep sees a consistent
+    snapshot, and the end state is what one final sweep decides."""
+    url = backend.location if backend.postgres else f"sqlite:///{backend.location}"
+    assert url is not None
+    items = [{"kind": "fact", "key": "counter", "text": f"value {i}", "confidence": 0.9}
+             for i in range(3)]
+    replies = [f"EPISODE:\ne{i}\nITEMS:\n" + msgspec.json.encode(items[i:i + 1]).decode()
+               for i in range(3)]
+    summarizer = ScriptedModel.replies(*replies, loop=True)
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True),
+                        summarizer=ModelSummarizer(summarizer), **SMALL)
+    decisions: list[LedgerEntry] = []
+    async with Runtime(url, agent=agent) as rt:
+        done = anyio.Event()
+
+        async def talk() -> None:
+            for i in range(8):
+                await (await rt.send("c", words(f"m{i}"))).result()
+            done.set()
+
+        async def sweep() -> None:
+            while not done.is_set():
+                decisions.extend((await rt.consolidate("c")).decisions)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(talk)
+            tg.start_soon(sweep)
+        decisions.extend((await rt.consolidate("c")).decisions)
+        view = await rt.memory("c")
+        assert (await rt.consolidate("c")).decisions == ()
+    facts = view.record.facts
+    assert len(facts) >= 2 and all(f.key == "counter" for f in facts)
+    newest = max(facts, key=lambda f: f.order)
+    assert view.standing == (newest,)
+    assert view.record.ledger[-1].item == newest.id
+    # Every decision superseded only items older than the one it kept.
+    for d in decisions:
+        assert all(item_order(s) < item_order(d.item) for s in d.superseded)

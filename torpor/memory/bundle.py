@@ -25,6 +25,7 @@ __all__ = [
 
 BUNDLE_HEADER = "Memory of the folded turns (derived from the log; recall() finds the events):"
 DEFAULT_BUNDLE_TOKENS = 600
+_SHORTEST_LINE = 6  # tokens of the shortest line a fact or an episode can render to
 
 
 def importance(item: EpisodicItem | SemanticItem) -> float:
@@ -64,6 +65,8 @@ def render_bundle(
     left = budget - count_text(BUNDLE_HEADER + "\nFacts:\nEpisodes:", encoding)
     chosen: list[tuple[float, int, tuple[int, int], str]] = []
     for candidate in candidates:
+        if left < _SHORTEST_LINE:  # nothing else can fit: stop counting (O(chosen), not O(n))
+            break
         cost = count_text(candidate[3], encoding) + 1
         if cost <= left:
             chosen.append(candidate)
