@@ -283,3 +283,26 @@ async def test_sweeps_run_concurrently_with_folds_on_every_backend(backend: Back
     # Every decision superseded only items older than the one it kept.
     for d in decisions:
         assert all(item_order(s) < item_order(d.item) for s in d.superseded)
+
+
+async def test_a_decision_that_cannot_be_recorded_never_fails_the_logged_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torpor.events import AssistantMessage
+    from torpor.memory.reconcile import reconcile_logged
+    from torpor.store import SQLiteStore
+
+    async with SQLiteStore(None) as store:
+        logged = await store.append_events("c", [UserMessage("noise"), AssistantMessage("ok")],
+                                           turn=1)
+        # A turn decision for a conversation the store does not know is refused (InvalidInput):
+        # the events were logged, so the hook reports and goes on.
+        ghost = [msgspec.structs.replace(e, conversation_id="ghost") for e in logged]
+        with caplog.at_level(logging.WARNING, logger="torpor"):
+            decided = await reconcile_logged(store, SkipNoise(), "ghost", 1, None, ghost)
+        assert decided == "none"
+        assert any("turn_decision_unrecorded" in r.getMessage() for r in caplog.records)
+        # Not finished (no answer yet): not consulted at all.
+        assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged[:1]) is None
+        assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged) == "none"
+        assert (await store.memory("c")).skipped_turns == (1,)
