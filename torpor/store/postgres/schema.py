@@ -33,6 +33,15 @@ used for. ``events.hints`` (version 3) holds the store's hint extractor's bytes
 for the body (compaction's topic hints, opaque here), NULL for older rows; adding a
 nullable column without a default rewrites nothing.
 
+Version 4 is scale-out (:mod:`torpor.cluster`): ``cluster`` (one row: the shard
+count, fixed when the first node creates it), ``nodes`` (membership: each
+node's current ``incarnation``, advertised ``address`` and ``lease_until``,
+from the database's clock), ``shard_leases`` (one row per shard: ``owner``,
+``owner_incarnation``, ``epoch``, ``lease_until``), ``conversations.shard``
+(the conversation's shard, written once when a node creates the row; NULL on a
+single node) and ``events.epoch`` (the lease epoch that wrote the row; NULL on
+a single node). All nullable columns: adding them rewrites nothing.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -192,7 +201,36 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
+_V4: Sequence[Step] = (
+    "ALTER TABLE conversations ADD COLUMN shard integer",
+    "ALTER TABLE events ADD COLUMN epoch bigint",
+    """
+    CREATE TABLE cluster (
+        singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+        shards integer NOT NULL CHECK (shards > 0),
+        created_at timestamptz NOT NULL DEFAULT now()
+    )
+    """,
+    """
+    CREATE TABLE nodes (
+        node_id text COLLATE "C" PRIMARY KEY,
+        incarnation bigint NOT NULL,
+        address text NOT NULL,
+        lease_until timestamptz NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE shard_leases (
+        shard integer PRIMARY KEY,
+        owner text COLLATE "C",
+        owner_incarnation bigint,
+        epoch bigint NOT NULL DEFAULT 0,
+        lease_until timestamptz
+    )
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """
