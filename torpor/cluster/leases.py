@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+from torpor._logging import get_logger
 from torpor.cluster.config import NodeConfig
 from torpor.cluster.shards import desired_owner, shard_of
 from torpor.errors import FencedError
 
 __all__ = ["Leases", "Owner"]
+
+log = get_logger(__name__)
 
 Owner = tuple[str, str | None]
 """A shard's owner in the routing cache: node id, advertised address."""
@@ -59,6 +62,7 @@ class Leases:
 
     def fenced(self, shard: int, epoch: int) -> None:
         self.fenced_appends += 1
+        log.warning("append_fenced", node=self.config.node_id, shard=shard, epoch=epoch)
         if self.epochs.get(shard) == epoch:
             self.drop({shard})
 

@@ -201,18 +201,19 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
 
+# IF NOT EXISTS throughout: nothing here depends on what an earlier run of it left.
 _V4: Sequence[Step] = (
-    "ALTER TABLE conversations ADD COLUMN shard integer",
-    "ALTER TABLE events ADD COLUMN epoch bigint",
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS shard integer",
+    "ALTER TABLE events ADD COLUMN IF NOT EXISTS epoch bigint",
     """
-    CREATE TABLE cluster (
+    CREATE TABLE IF NOT EXISTS cluster (
         singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
         shards integer NOT NULL CHECK (shards > 0),
         created_at timestamptz NOT NULL DEFAULT now()
     )
     """,
     """
-    CREATE TABLE nodes (
+    CREATE TABLE IF NOT EXISTS nodes (
         node_id text COLLATE "C" PRIMARY KEY,
         incarnation bigint NOT NULL,
         address text NOT NULL,
@@ -220,7 +221,7 @@ _V4: Sequence[Step] = (
     )
     """,
     """
-    CREATE TABLE shard_leases (
+    CREATE TABLE IF NOT EXISTS shard_leases (
         shard integer PRIMARY KEY,
         owner text COLLATE "C",
         owner_incarnation bigint,
