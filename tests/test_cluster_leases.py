@@ -13,6 +13,7 @@ the turn is logged Aborted(interrupted) on revival.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ import time
 import uuid
 from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -375,3 +377,33 @@ def test_node_config_is_validated() -> None:
     with pytest.raises(torpor.ConfigError, match="node"):
         Runtime("sqlite://", node=NodeConfig(node_id="a", address="h:1"))
     assert time.monotonic() > 0
+
+
+async def torpor_cli(*args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TORPOR_DB"}
+    env["COLUMNS"] = "120"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "torpor", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_torpor_inspect_cluster_prints_the_members_and_the_lease_table(
+    pg_url: str, tmp_path: Any
+) -> None:
+    async with Runtime(pg_url, node=node("a", 7001)):
+        code, out, err = await torpor_cli("inspect", "--db", pg_url, "--cluster", "--json", "-")
+        assert code == 0, err
+        data = json.loads(out)
+        assert [(m["node_id"], m["live"]) for m in data["members"]] == [("a", True)]
+        assert [(r["shard"], r["owner"], r["epoch"], r["live"]) for r in data["leases"]] == [
+            (s, "a", 1, True) for s in range(SHARDS)
+        ]
+        code, out, err = await torpor_cli("inspect", "--db", pg_url, "--cluster")
+        assert code == 0, err
+        assert "shard leases" in out and "127.0.0.1:7001" in out
+    code, _, err = await torpor_cli("inspect", "--db", f"sqlite:///{tmp_path}/x.db", "--cluster")
+    assert code != 0 and "postgresql://" in err

@@ -31,7 +31,8 @@ from torpor.cluster import sql
 from torpor.cluster.config import NodeConfig
 from torpor.cluster.leases import Leases
 from torpor.cluster.shards import desired_owner
-from torpor.cluster.view import ClusterView, LeaseInfo, MemberInfo
+from torpor.cluster.table import read_table
+from torpor.cluster.view import ClusterView
 from torpor.errors import ConfigError, StoreUnavailable
 from torpor.store.postgres.store import node_session_settings
 
@@ -282,7 +283,7 @@ class ClusterMember:
     # -- admin --------------------------------------------------------------------------
     async def view(self) -> ClusterView:
         """This node's shards and the cluster as the database sees it now."""
-        rows, nodes = await self._run(_read_table)
+        members, table = await self._run(read_table)
         leases = self.leases
         return ClusterView(
             node_id=self.config.node_id,
@@ -294,16 +295,8 @@ class ClusterMember:
             serving=time.monotonic() < leases.valid_until,
             fenced_appends=leases.fenced_appends,
             takeovers=leases.takeovers,
-            members=tuple(
-                MemberInfo(node_id=n[0], incarnation=n[1], address=n[2], lease_until=n[3],
-                           live=n[4])
-                for n in nodes
-            ),
-            leases=tuple(
-                LeaseInfo(shard=r[0], owner=r[1], owner_incarnation=r[2], epoch=r[3],
-                          lease_until=r[4], live=r[5], address=r[6])
-                for r in rows
-            ),
+            members=members,
+            leases=table,
         )
 
 

@@ -272,7 +272,9 @@ class Runtime:
         logged at once and its turn runs after that one ends (``Turn.postponed``).
         Raises ``Busy`` when ``mailbox_bound`` messages already wait, ``AgentParked``
         for a parked agent, ``InvalidInput`` for text the log cannot hold and
-        ``StoreUnavailable`` when the store cannot write (nothing was written).
+        ``StoreUnavailable`` when the store cannot write (nothing was written). On a
+        cluster node: ``NotOwner`` (``.owner``: the address of the node that serves the
+        conversation) here and in resolve, cancel and subscribe.
         """
         self._check_open()
         check_id(conversation_id)
