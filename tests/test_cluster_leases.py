@@ -28,7 +28,7 @@ import pytest
 
 import torpor
 from torpor import Aborted, AssistantMessage, NodeConfig, Runtime, UserMessage
-from torpor.cluster import shard_of, sql
+from torpor.cluster import desired_owner, shard_of, sql
 from torpor.llm.protocol import ContextMessage, StreamEvent, TextDelta, ToolSpec
 
 asyncpg = pytest.importorskip("asyncpg")
@@ -274,9 +274,9 @@ def node(name: str, port: int) -> NodeConfig:
 
 
 async def next_refresh(rt: Runtime) -> None:
-    """Until ``rt``'s node has read the lease table again (its member signals each pass)."""
+    """Until ``rt``'s node reads the lease table again or changes what it holds."""
     assert rt._cluster is not None
-    await rt._cluster.member.leases.next_refresh()
+    await rt._cluster.member.leases.next_change()
 
 
 async def until_split(*runtimes: Runtime) -> list[dict[int, int]]:
@@ -407,3 +407,37 @@ async def test_torpor_inspect_cluster_prints_the_members_and_the_lease_table(
         assert "shard leases" in out and "127.0.0.1:7001" in out
     code, _, err = await torpor_cli("inspect", "--db", f"sqlite:///{tmp_path}/x.db", "--cluster")
     assert code != 0 and "postgresql://" in err
+
+
+async def test_rebalancing_on_join_lets_the_turn_in_flight_finish_before_the_shard_moves(
+    pg_url: str,
+) -> None:
+    model = GateModel()
+    cid = next(c for c in (f"r{i}" for i in range(999))
+               if desired_owner(shard_of(c, SHARDS), ["a", "b"]) == "b")
+    async with Runtime(pg_url, model=model, node=node("a", 7001)) as a:
+        turn = await a.send(cid, "hold this")
+        await model.streaming.wait()
+        async with Runtime(pg_url, node=node("b", 7002)) as b:
+            with anyio.fail_after(10):  # a hands off: new requests refused, the turn runs on
+                while shard_of(cid, SHARDS) not in (await a.admin.cluster() or _none()).leaving:
+                    await next_refresh(a)
+            with pytest.raises(torpor.NotOwner) as refused:
+                await a.send(cid, "not now")
+            assert refused.value.owner == "127.0.0.1:7002"
+            model.release.set()
+            assert (await turn.result()).text == "partial re: hold this"  # finished, not cut
+            with anyio.fail_after(10):
+                while True:
+                    try:
+                        answer = await (await b.send(cid, "then here")).result()
+                        break
+                    except torpor.NotOwner:
+                        await next_refresh(b)
+            assert answer.text == "echo: then here"
+            kinds = [type(e.body).__name__ for e in reversed(await b.history(cid, limit=10))]
+            assert kinds == ["UserMessage", "AssistantMessage", "UserMessage", "AssistantMessage"]
+
+
+def _none() -> Any:
+    raise AssertionError("not a cluster node")

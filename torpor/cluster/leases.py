@@ -97,14 +97,14 @@ class Leases:
         self.lost |= shards
         self.changed.set()
 
-    async def next_refresh(self) -> None:
-        """Until the member's next pass over the lease table ends (for tests and tools
-        that wait for the shards to settle without sleeping)."""
+    async def next_change(self) -> None:
+        """Until the member next reads the lease table or changes what this node holds
+        (for tests and tools that wait for the shards to settle without sleeping)."""
         if self._refreshed is None:
             self._refreshed = asyncio.get_running_loop().create_future()
         await asyncio.shield(self._refreshed)
 
-    def refreshed(self) -> None:
+    def notify(self) -> None:
         waiter, self._refreshed = self._refreshed, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)

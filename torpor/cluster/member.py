@@ -204,7 +204,7 @@ class ClusterMember:
             except _DB_ERRORS as exc:
                 self._log.warning("lease_refresh_failed", error=repr(exc))
             finally:
-                leases.refreshed()
+                leases.notify()
 
     async def _manage_once(self) -> None:
         leases = self.leases
@@ -214,6 +214,7 @@ class ClusterMember:
         live = {n[0]: n[2] for n in nodes if n[4]}
         leases.live = live
         leases.owners = {r[0]: (r[1], r[6]) for r in rows if r[1] is not None and r[5]}
+        leases.notify()
         if me not in live:
             return  # our own row expired: the renewer finds out and drops everything
         incarnation = leases.incarnation
@@ -264,6 +265,7 @@ class ClusterMember:
         leases = self.leases
         config = self.config
         leases.leaving |= shards
+        leases.notify()
         try:
             await self._host.shards_leaving(frozenset(shards), config.handoff_deadline)
         finally:
