@@ -307,6 +307,10 @@ async def test_two_nodes_split_the_shards_refuse_each_others_conversations_and_h
             assert refused.value.owner == "127.0.0.1:7002"
             with pytest.raises(torpor.NotOwner):
                 b.subscribe(ca)
+            with pytest.raises(torpor.NotOwner):
+                await b.cancel(ca)
+            with pytest.raises(torpor.NotOwner):
+                await b.resolve(ca, "call-1", "result")
             assert (await (await a.send(ca, "one")).result()).text == "echo: one"
             assert (await (await b.send(cb, "two")).result()).text == "echo: two"
             members = {m.node_id for m in (await b.admin.cluster() or view).members if m.live}
