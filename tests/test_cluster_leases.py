@@ -445,3 +445,12 @@ async def test_rebalancing_on_join_lets_the_turn_in_flight_finish_before_the_sha
 
 def _none() -> Any:
     raise AssertionError("not a cluster node")
+
+
+async def test_torpor_serve_node_flags_are_checked_before_anything_starts(tmp_path: Any) -> None:
+    code, _, err = await torpor_cli("serve", "--db", f"sqlite:///{tmp_path}/x.db", "--port", "0",
+                                    "--node-id", "a")
+    assert code != 0 and "--node-id" in err and "postgresql://" in err
+    code, _, err = await torpor_cli("serve", "--db", f"sqlite:///{tmp_path}/x.db", "--port", "0",
+                                    "--advertise", "127.0.0.1:1")
+    assert code != 0 and "--advertise needs --node-id" in err
