@@ -179,6 +179,9 @@ class ClusterMember:
         leases = self.leases
         if self._renew_conn is None:
             self._renew_conn = await self._connect("torpor-node-renew")
+        # Judged against what was held when the statement was sent: a shard the manager
+        # acquires meanwhile is not in its answer and must not count as taken over.
+        before = {s: leases.epochs[s] for s in leases.held}
         alive, shards, epochs = await self._renew_conn.fetchrow(
             sql.RENEW, config.node_id, leases.incarnation, config.lease_ttl
         )
@@ -186,8 +189,9 @@ class ClusterMember:
             self._log.error("node_superseded", incarnation=leases.incarnation)
             leases.drop(set(leases.held))
             return
-        kept = {s for s, e in zip(shards, epochs, strict=True) if leases.epochs.get(s) == e}
-        gone = leases.held - kept
+        renewed = dict(zip(shards, epochs, strict=True))
+        gone = {s for s, e in before.items() if renewed.get(s) != e and s in leases.held
+                and leases.epochs.get(s) == e}
         if gone:
             self._log.warning("leases_taken_over", shards=sorted(gone))
             leases.drop(gone)
@@ -233,7 +237,9 @@ class ClusterMember:
             if r[0] not in leases.held
             and r[0] not in leases.lost
             and desired_owner(r[0], live) == me
-            and (r[1] is None or not r[5] or (r[1] == me and r[2] < incarnation))
+            # free, expired, or ours without our knowing (an older incarnation, or dropped
+            # here when renewals failed): taking it again moves the epoch on
+            and (r[1] is None or not r[5] or (r[1] == me and r[2] <= incarnation))
         ]
         if want:
             await self._acquire(want)

@@ -62,14 +62,15 @@ r AS (
 SELECT EXISTS (SELECT 1 FROM n), array(SELECT shard FROM r), array(SELECT epoch FROM r)
 """
 
-# Take shards that are free, expired, or held by an older incarnation of this node; the
-# epoch moves on, so every append of the previous holder is refused from now on. Waits
-# (up to lock_timeout) for appends in flight, which hold the rows FOR SHARE.
+# Take shards that are free, expired, or held by this node itself (an older incarnation,
+# or this one after it stopped serving them); the epoch moves on, so every append of the
+# previous holder is refused from now on. Waits (up to lock_timeout) for appends in
+# flight, which hold the rows FOR SHARE.
 ACQUIRE = """
 WITH w AS (
     SELECT shard, owner FROM shard_leases
     WHERE shard = ANY($3::int[])
-      AND (owner IS NULL OR lease_until < now() OR (owner = $1 AND owner_incarnation < $2))
+      AND (owner IS NULL OR lease_until < now() OR (owner = $1 AND owner_incarnation <= $2))
       AND EXISTS (
           SELECT 1 FROM nodes WHERE node_id = $1 AND incarnation = $2 AND lease_until > now()
       )
