@@ -195,13 +195,18 @@ async def settled(conn: Any, live: set[str], *, each: bool = False) -> float:
             await asyncio.sleep(0.02)
 
 
-async def fenced_in_log(node: Node) -> int:
-    """Fence rejections the node logged ("append_fenced" records), once there are some."""
+async def fenced_appends(node: Node) -> int:
+    """The node's fence rejections (GET /admin/cluster), once there are some; its log has
+    an "append_fenced" record for each."""
     with anyio.fail_after(20):
         while True:
-            count = node.log.read_text(errors="replace").count("append_fenced")
-            if count:
-                return count
+            try:
+                view = await node.client.call("GET", "/admin/cluster", token=ADMIN)
+            except _NET_ERRORS:
+                view = {"fenced_appends": 0}  # still waking up
+            if view["fenced_appends"]:
+                assert node.log.read_text(errors="replace").count("append_fenced") > 0
+                return int(view["fenced_appends"])
             await asyncio.sleep(0.05)
 
 
@@ -283,7 +288,7 @@ async def test_chaos_kill_and_stop_owners_lose_no_acknowledged_send_and_fence_th
         await driver.send(target, f"{target} while stopped")  # served by the new owner
         os.kill(stopped.proc.pid, signal.SIGCONT)
         stopped.down = False
-        fenced = await fenced_in_log(stopped)
+        fenced = await fenced_appends(stopped)
 
         # 3. Every conversation answers again (the resumed node rejoins the cluster).
         answers = await bounded(40, [driver.answer(c, f"{c} final") for c in cids])
