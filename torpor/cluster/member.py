@@ -22,7 +22,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import asyncpg
 
@@ -214,18 +214,19 @@ class ClusterMember:
         leases = self.leases
         me = self.config.node_id
         await self._evict_lost()
-        rows, nodes = await self._run(_read_table)
-        live = {n[0]: n[2] for n in nodes if n[4]}
+        members, rows = await self._run(read_table)
+        live = {m.node_id: m.address for m in members if m.live}
         leases.live = live
-        leases.owners = {r[0]: (r[1], r[6]) for r in rows if r[1] is not None and r[5]}
+        leases.owners = {r.shard: (r.owner, r.address) for r in rows if r.owner and r.live}
         leases.notify()
         if me not in live:
             return  # our own row expired: the renewer finds out and drops everything
         incarnation = leases.incarnation
         gone = {
-            r[0] for r in rows
-            if r[0] in leases.held
-            and (r[1] != me or r[2] != incarnation or r[3] != leases.epochs.get(r[0]))
+            r.shard for r in rows
+            if r.shard in leases.held
+            and (r.owner != me or r.owner_incarnation != incarnation
+                 or r.epoch != leases.epochs.get(r.shard))
         }
         if gone:
             leases.drop(gone)
@@ -233,13 +234,14 @@ class ClusterMember:
         # may write under the new epoch.
         await self._evict_lost()
         want = [
-            r[0] for r in rows
-            if r[0] not in leases.held
-            and r[0] not in leases.lost
-            and desired_owner(r[0], live) == me
+            r.shard for r in rows
+            if r.shard not in leases.held
+            and r.shard not in leases.lost
+            and desired_owner(r.shard, live) == me
             # free, expired, or ours without our knowing (an older incarnation, or dropped
             # here when renewals failed): taking it again moves the epoch on
-            and (r[1] is None or not r[5] or (r[1] == me and r[2] <= incarnation))
+            and (r.owner is None or not r.live
+                 or (r.owner == me and (r.owner_incarnation or 0) <= incarnation))
         ]
         if want:
             await self._acquire(want)
@@ -306,10 +308,6 @@ class ClusterMember:
             members=members,
             leases=table,
         )
-
-
-async def _read_table(conn: asyncpg.Connection) -> tuple[list[Any], list[Any]]:
-    return await conn.fetch(sql.LEASES), await conn.fetch(sql.NODES)
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
