@@ -454,3 +454,39 @@ async def test_torpor_serve_node_flags_are_checked_before_anything_starts(tmp_pa
     code, _, err = await torpor_cli("serve", "--db", f"sqlite:///{tmp_path}/x.db", "--port", "0",
                                     "--advertise", "127.0.0.1:1")
     assert code != 0 and "--advertise needs --node-id" in err
+
+
+_NODE = """
+import asyncio, sys
+from torpor import NodeConfig, Runtime
+
+async def main(url):
+    node = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=30.0, shards=8)
+    async with Runtime(url, node=node) as rt:
+        await (await rt.send("before", "hello")).result()
+        print("serving", flush=True)
+        await asyncio.sleep(120)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_a_node_restarted_under_its_id_takes_its_leases_back_at_once_and_fences_the_old(
+    pg_url: str,
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _NODE, pg_url, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    with anyio.fail_after(60):
+        assert (await proc.stdout.readline()).strip() == b"serving"
+    proc.kill()  # its leases run for 30 s more: only its own next incarnation may take them
+    await proc.wait()
+    # 5 s of patience would not do if the restart had to wait for the leases to expire.
+    with anyio.fail_after(5):
+        async with Runtime(pg_url, node=NodeConfig(node_id="a", address="127.0.0.1:7001",
+                                                   lease_ttl=30.0, shards=SHARDS)) as rt:
+            view = await rt.admin.cluster()
+            assert view is not None and view.incarnation == 2
+            assert view.shards == {s: 2 for s in range(SHARDS)}  # every epoch moved on
+            assert (await (await rt.send("before", "again")).result()).text == "echo: again"
