@@ -14,8 +14,9 @@ compares its own clock with another's.
 * Leases. ``shard_leases(shard, owner, owner_incarnation, epoch, lease_until)``.
   Every node computes the same desired owner per shard by rendezvous hashing
   over the live nodes; the lease row is the truth. Acquiring increments the
-  epoch, only where the lease is free or expired (or held by this node's own
-  older incarnation), under ``lock_timeout``.
+  epoch, only where the lease is free or expired (or still held by this node
+  id: an older incarnation after a restart, or this one after it stopped
+  serving the shard), under ``lock_timeout``.
 * Fencing. The node's store presents ``(shard, epoch)`` with every append; the
   group-commit batch reads the shards' lease rows ``FOR SHARE`` in the same
   statement that locks the conversation rows, and an op whose epoch is not
