@@ -307,7 +307,7 @@ async def _cluster(url: str) -> dict[str, Any]:
 
 def _print_cluster(console: Console, data: dict[str, Any]) -> None:
     members = Table(title="nodes", title_justify="left")
-    for name in ("node", "incarnation", "address", "lease until", "live", "shards"):
+    for name in ("node", "incarnation", "address", "lease until (UTC)", "live", "shards"):
         members.add_column(name)
     held: dict[tuple[str | None, int | None], int] = {}
     for lease in data["leases"]:
@@ -320,7 +320,7 @@ def _print_cluster(console: Console, data: dict[str, Any]) -> None:
                         str(held.get((m.node_id, m.incarnation), 0)))
     console.print(members)
     table = Table(title="shard leases", title_justify="left")
-    for name in ("shard", "owner", "incarnation", "epoch", "lease until", "live"):
+    for name in ("shard", "owner", "incarnation", "epoch", "lease until (UTC)", "live"):
         table.add_column(name)
     for lease in data["leases"]:
         until = lease.lease_until.strftime("%H:%M:%S.%f")[:-3] if lease.lease_until else "-"
