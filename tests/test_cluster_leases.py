@@ -490,3 +490,39 @@ async def test_a_node_restarted_under_its_id_takes_its_leases_back_at_once_and_f
             assert view is not None and view.incarnation == 2
             assert view.shards == {s: 2 for s in range(SHARDS)}  # every epoch moved on
             assert (await (await rt.send("before", "again")).result()).text == "echo: again"
+
+
+async def statements_of_one_batch(store: PostgresStore, names: list[str]) -> list[str]:
+    """The statements the writer connection ran for one batch appending to ``names``."""
+    seen: list[str] = []
+
+    def logged(record: Any) -> None:
+        seen.append(record.query)
+
+    conn = store._writer_conns[0]
+    conn.add_query_logger(logged)
+    writer = store._writer
+    assert writer is not None
+    before = writer.batches
+    try:
+        await asyncio.gather(*(store.append(n, [UserMessage("x")], turn=2) for n in names))
+    finally:
+        conn.remove_query_logger(logged)
+    assert writer.batches == before + 1
+    return seen
+
+
+async def test_fencing_costs_no_extra_round_trip(pg_url: str) -> None:
+    await leases_table(pg_url)
+    names = ids_in_distinct_shards(3)
+    async with PostgresStore(pg_url) as store:
+        for name in names:  # existing conversations: the batch's normal path
+            await store.append(name, [UserMessage("first")], turn=1)
+        plain = await statements_of_one_batch(store, names)
+    fence = FixedFence({s: 1 for s in range(SHARDS)})
+    async with PostgresStore(pg_url, fence=fence) as store:
+        await statements_of_one_batch(store, names)  # statements prepared (types looked up)
+        fenced = await statements_of_one_batch(store, names)
+    assert len(fenced) == len(plain)
+    assert sum("shard_leases" in q for q in fenced) == 1  # inside the one locking statement
+    assert not any("shard_leases" in q for q in plain)
