@@ -66,6 +66,8 @@ async def test_rows_from_before_hints_fold_as_rows_with_them(backend: Backend) -
             await store.append("c", turn(i), turn=i + 1)
     # The database as version 2 left it: no hints column (nor, on SQLite, fts_backlog).
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
+    await backend.sql("DROP TABLE event_vectors")  # hybrid recall's tables
+    await backend.sql("DROP TABLE vector_progress")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 2")

@@ -146,6 +146,8 @@ async def _downgrade_to_version_1(backend: Backend) -> None:
     await backend.sql("DROP TABLE pending_calls")
     await backend.sql("ALTER TABLE idempotency_keys DROP COLUMN fingerprint")
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
+    await backend.sql("DROP TABLE event_vectors")  # hybrid recall's tables
+    await backend.sql("DROP TABLE vector_progress")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 1")

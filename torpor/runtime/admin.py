@@ -23,6 +23,7 @@ from torpor.text import check_id
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
+    from torpor.runtime.embedding import EmbeddingStats
     from torpor.runtime.host import Runtime
     from torpor.store.protocol import PendingApproval
 
@@ -234,6 +235,19 @@ class Admin:
         ``sweep_every`` seconds; this is for operators and tests.
         """
         return self._rt._lifecycle.sweep(time.monotonic() if now is None else now)
+
+    async def embed(self) -> EmbeddingStats | None:
+        """Run a pass of the embedding worker now (hybrid recall) and return its stats.
+
+        None when the runtime has no embedder. The worker runs on its own every
+        ``embed_interval`` seconds; this is for operators, tests and benchmarks
+        that need the vectors caught up with the log at a known moment.
+        """
+        worker = self._rt._embedding
+        if worker is None:
+            return None
+        await worker.catch_up()
+        return worker.stats()
 
     async def pending(
         self, limit: int = 100, after: str | None = None

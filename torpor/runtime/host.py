@@ -39,6 +39,7 @@ from torpor.llm.protocol import Model, TextDelta
 from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
+from torpor.runtime.embedding import EmbeddingWorker, start_embedding
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.registry import Registry
@@ -117,6 +118,7 @@ class Runtime:
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
+        self._embedding: EmbeddingWorker | None = None
         self._open = False
 
     # -- lifecycle of the runtime itself ---------------------------------------
@@ -137,6 +139,11 @@ class Runtime:
             # the block must reach the caller as itself, not wrapped in a group.
             sweeper = asyncio.get_running_loop().create_task(self._lifecycle.run())
             stack.push_async_callback(_cancel_and_wait, sweeper)
+            if self.config.embedder is not None:  # hybrid recall: vectors made off the hot path
+                self._embedding, self._host.hybrid = start_embedding(
+                    self._store, self.config.embedder, self.config.embed_interval,
+                    self._log, stack,
+                )
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
         except BaseException:
@@ -388,13 +395,16 @@ class Runtime:
         return await self.store.page_backward(conversation_id, before, limit)
 
     async def recall(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
-        """Full-text search over the whole log, folded parts included; scores exposed."""
+        """Full-text search over the whole log, folded parts included; scores exposed.
+
+        With ``RuntimeConfig(embedder=...)``, fused with the nearest vectors (hybrid
+        recall; scores on the same 0-1 scale)."""
         self._check_open()
         check_id(conversation_id)
         if not isinstance(query, str):  # never stored: the store reads NUL as a word break
             raise InvalidInput("query", f"must be a str, got {type(query).__name__}")
         _count(k, "k", 1_000)
-        return await recall_hits(self.store, conversation_id, query, k)
+        return await recall_hits(self.store, conversation_id, query, k, hybrid=self._host.hybrid)
 
     async def expand(self, conversation_id: str, start: int, end: int) -> list[Event]:
         """The exact events of a range, large tool results expanded from their artifacts."""

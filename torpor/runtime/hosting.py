@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
     from torpor.actors.agent import Agent
+    from torpor.compaction.fusion import HybridRecall
     from torpor.llm.protocol import Model
     from torpor.runtime.host import Runtime
     from torpor.store.protocol import EventStore
@@ -32,7 +33,9 @@ _BUSY_STATES = (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIV
 class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
 
-    __slots__ = ("_rt", "abandoned", "followers_by_id", "log", "model", "revivals", "ws_total")
+    __slots__ = (
+        "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "revivals", "ws_total",
+    )
 
     def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
         self._rt = runtime
@@ -42,6 +45,7 @@ class AgentHost:
         self.followers_by_id: dict[str, list[Follower]] = {}
         self.abandoned: set[asyncio.Task[Any]] = set()
         self.ws_total = 0  # estimated bytes of every working set held
+        self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
 
     @property
     def store(self) -> EventStore:

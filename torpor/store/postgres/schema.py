@@ -33,6 +33,12 @@ used for. ``events.hints`` (version 3) holds the store's hint extractor's bytes
 for the body (compaction's topic hints, opaque here), NULL for older rows; adding a
 nullable column without a default rewrites nothing.
 
+``event_vectors`` and ``vector_progress`` (version 4) hold the vectors of hybrid
+recall (:mod:`torpor.store.vectors`), derived from the log: ``real[]`` (pgvector,
+where installed, reads it through a cast, so the table does not depend on the
+extension) per (conversation, vector space, position), and per conversation and
+space the position every event up to which was embedded.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -192,7 +198,28 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
+_V4: Sequence[Step] = (
+    # Hybrid recall's vectors (torpor.store.vectors): derived, never read by the log.
+    """
+    CREATE TABLE event_vectors (
+        conversation_id bigint NOT NULL,
+        space text NOT NULL,
+        position bigint NOT NULL,
+        vector real[] NOT NULL,
+        PRIMARY KEY (conversation_id, space, position)
+    )
+    """,
+    """
+    CREATE TABLE vector_progress (
+        conversation_id bigint NOT NULL,
+        space text NOT NULL,
+        position bigint NOT NULL,
+        PRIMARY KEY (conversation_id, space)
+    )
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

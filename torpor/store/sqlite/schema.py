@@ -35,6 +35,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   batches until they are indexed in bulk: an FTS5 index writes a segment at
   every commit that touches it, which doubled the cost of a one-append commit.
   A search first has the backlog of its conversation indexed.
+* ``event_vectors`` and ``vector_progress`` (version 5) hold the vectors of
+  hybrid recall (:mod:`torpor.store.vectors`), derived from the log: one
+  float32 blob per (conversation, vector space, position), and per
+  conversation and space the position every event up to which was embedded.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -208,7 +212,28 @@ _V4: Sequence[Step] = (
     "CREATE TABLE fts_backlog (rowid INTEGER PRIMARY KEY, text TEXT NOT NULL)",
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4)
+_V5: Sequence[Step] = (
+    # Hybrid recall's vectors (torpor.store.vectors): derived, never read by the log.
+    """
+    CREATE TABLE event_vectors (
+        conversation_id INTEGER NOT NULL,
+        space TEXT NOT NULL,
+        position INTEGER NOT NULL,
+        vector BLOB NOT NULL,
+        PRIMARY KEY (conversation_id, space, position)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE vector_progress (
+        conversation_id INTEGER NOT NULL,
+        space TEXT NOT NULL,
+        position INTEGER NOT NULL,
+        PRIMARY KEY (conversation_id, space)
+    ) WITHOUT ROWID
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
