@@ -118,7 +118,7 @@ async def test_hybrid_recall_finds_a_paraphrase_full_text_cannot(
     noise = [f"note {i}: invoices for account {i} were sent" for i in range(15)]
     async with Runtime(url_of(backend), config=config) as rt:
         for text in [FACT, *noise]:
-            await rt.send("c", text)
+            await (await rt.send("c", text)).result()
         assert await recall(rt.store, "c", PARAPHRASE, 3) == []  # full text alone
         stats = await rt.admin.embed()
         assert stats is not None and stats.embedded == 32  # 16 user messages + 16 echoes
@@ -128,7 +128,7 @@ async def test_hybrid_recall_finds_a_paraphrase_full_text_cannot(
         assert all(0.0 <= s <= 1.0 for s in scores) and scores == sorted(scores, reverse=True)
 
         # The tail not embedded yet is covered by full text alone.
-        await rt.send("c", "the canary hostname is zebra-7")
+        await (await rt.send("c", "the canary hostname is zebra-7")).result()
         assert await vector_index(rt.store).progress("c", stats.space) < 33
         tail = await rt.recall("c", "zebra-7", 1)
         assert tail and tail[0].position >= 32
@@ -145,7 +145,7 @@ async def test_a_failing_embedder_costs_lag_not_recall(backend: Backend) -> None
     config = RuntimeConfig(embedder=embedder, embed_interval=3600)
     async with Runtime(url_of(backend), config=config) as rt:
         embedder.failing = True
-        await rt.send("c", FACT)
+        await (await rt.send("c", FACT)).result()
         stats = await rt.admin.embed()
         assert stats is not None
         assert stats.embedded == 0 and stats.failures >= 1
@@ -174,7 +174,7 @@ async def test_the_background_task_embeds_on_its_own_and_stops_with_the_runtime(
 
 async def test_without_an_embedder_recall_is_full_text_and_admin_embed_is_none() -> None:
     async with Runtime() as rt:
-        await rt.send("c", FACT)
+        await (await rt.send("c", FACT)).result()
         assert await rt.admin.embed() is None
         assert rt._embedding is None
         assert {h.position for h in await rt.recall("c", "billing", 5)} == {0, 1}

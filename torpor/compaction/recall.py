@@ -21,6 +21,7 @@ from torpor.events import (
     Event,
     Parked,
     Resolved,
+    Spawned,
     Suspended,
     ToolResult,
     Unparked,
@@ -177,6 +178,8 @@ def _body_text(body: object) -> str:
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):
         return f"unparked by {body.by}"
+    if isinstance(body, Spawned):
+        return f"sub-agent {body.child} answers {body.parent}'s call [{body.call_id}]"
     return repr(body)
 
 

@@ -17,6 +17,7 @@ from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import InvalidInput, UnknownConversation
 from torpor.events import Parked, Unparked
+from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
 from torpor.store.protocol import ModelCall
 from torpor.text import check_id
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from torpor.actors.agent import Agent
     from torpor.runtime.embedding import EmbeddingStats
     from torpor.runtime.host import Runtime
+    from torpor.runtime.spawn import Branch
     from torpor.store.protocol import PendingApproval
 
 __all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
@@ -235,6 +237,13 @@ class Admin:
         ``sweep_every`` seconds; this is for operators and tests.
         """
         return self._rt._lifecycle.sweep(time.monotonic() if now is None else now)
+
+    async def branches(self, conversation_id: str) -> Branch:
+        """The sub-agent tree around a conversation: the call it answers (if it is a
+        child) and its children, recursively, with each task's status. From the logs;
+        wakes no agent."""
+        check_id(conversation_id)
+        return await branch_tree(self._rt.store, conversation_id)
 
     async def embed(self) -> EmbeddingStats | None:
         """Run a pass of the embedding worker now (hybrid recall) and return its stats.

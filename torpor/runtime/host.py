@@ -43,6 +43,7 @@ from torpor.runtime.embedding import EmbeddingWorker, start_embedding
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.registry import Registry
+from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
 from torpor.store import open_store
@@ -115,6 +116,7 @@ class Runtime:
         self._supervisor = Supervisor(self)
         self._lifecycle = Lifecycle(self)
         self._admission = Admission(self)
+        self._branches = Branches(self)
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
@@ -146,6 +148,8 @@ class Runtime:
                 )
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
+            self._branches.start()  # sub-agent links a previous run left open
+            stack.push_async_callback(self._branches.stop)
         except BaseException:
             await stack.aclose()
             raise
@@ -185,8 +189,8 @@ class Runtime:
 
     # -- agents -----------------------------------------------------------------
     def _profile_for(self, conversation_id: str) -> Profile:
-        config = self.agent_config if self._agent_for is None else self._agent_for(
-            conversation_id
+        config = self._branches.config_for(conversation_id) or (
+            self.agent_config if self._agent_for is None else self._agent_for(conversation_id)
         )
         profile = self._profiles.get(id(config))
         if profile is None or profile.config is not config:
@@ -343,6 +347,38 @@ class Runtime:
             self._supervisor.ensure_running(agent)
             return await done
         return False
+
+    async def spawn(
+        self,
+        parent: str,
+        call_id: str,
+        *,
+        task: str,
+        agent: AgentConfig | None = None,
+        child: str | None = None,
+    ) -> str:
+        """Answer the parent's suspended tool call with a sub-agent; returns the child's id.
+
+        The child is a conversation of its own (``child``, default
+        ``"{parent}/{call_id}"``) run with ``agent`` (default: as any conversation),
+        given ``task`` as its first message; its final answer becomes the call's
+        result in the parent (an error result if its turn fails). The link is in
+        both logs, so it survives eviction and restarts; spawning again for the
+        same call returns the same child. Raises ``UnknownConversation`` (no such
+        parent), ``UnknownCall`` (the parent does not wait for ``call_id``) and
+        ``InvalidInput`` (``child`` names another conversation). See README
+        "Sub-agents".
+        """
+        self._check_open()
+        check_id(parent, "parent")
+        check_id(call_id, "call_id")
+        check_text(task, "task")
+        if agent is not None and not isinstance(agent, AgentConfig):
+            raise ConfigError("agent", f"must be an AgentConfig, got {type(agent).__name__}")
+        child = check_id(f"{parent}/{call_id}" if child is None else child, "child")
+        if child == parent:
+            raise InvalidInput("child", "a conversation cannot answer its own call")
+        return await self._branches.spawn(parent, call_id, task, agent, child)
 
     def subscribe(self, conversation_id: str, *, after: int | None = None) -> Follower:
         """Follow a conversation: what was logged after ``after``, then live, until closed.
