@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import anyio
@@ -219,3 +221,63 @@ async def test_the_http_admin_shows_the_tree(tmp_path: Path) -> None:
                 ("p/r1", "done")
             ]
             assert (await admin.call("GET", "/admin/branches/p/r1"))["parent"] == "p"
+
+
+KILLED = textwrap.dedent(
+    """
+    import sys, anyio, logging, structlog
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    from torpor import AgentConfig, ExternalTool, Runtime, ScriptedModel, Suspended
+    from torpor.llm import Call, Signal, Text, Wait
+
+    async def main() -> None:
+        reached, never = anyio.Event(), anyio.Event()
+        parent = AgentConfig(model=ScriptedModel([[Call("research", {}, id="r1")]]),
+                             tools=[ExternalTool("research")], recall_tools=False)
+        child = AgentConfig(model=ScriptedModel([[Text("half"), Signal(reached), Wait(never)]]),
+                            recall_tools=False)
+        async with Runtime(sys.argv[1], agent=parent) as rt:
+            outcome = await (await rt.send("p", "go")).result()
+            assert isinstance(outcome, Suspended)
+            await rt.spawn("p", "r1", task="dig", agent=child)
+            await reached.wait()
+            print("streaming", flush=True)
+            await never.wait()
+
+    anyio.run(main)
+    """
+)
+
+
+def run_until_the_child_streams_then_kill(url: str) -> None:
+    """Blocking on purpose: the process's line is the synchronisation point, then SIGKILL."""
+    process = subprocess.Popen([sys.executable, "-c", KILLED, url], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "streaming"
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+async def test_a_child_killed_mid_answer_is_continued_and_resolves_its_parent_once(
+    tmp_path: Path,
+) -> None:
+    url = db(tmp_path)
+    run_until_the_child_streams_then_kill(url)
+    configs = {
+        "p/r1": child_config("dug it up"),
+        "p": AgentConfig(model=ScriptedModel([[Text("parent done")]]), tools=[RESEARCH],
+                         recall_tools=False),
+    }
+    async with Runtime(url, agent_for=configs.__getitem__) as rt:
+        head = await rt.store.head("p")
+        assert head is not None
+        assert (await final_answer(rt, "p", head)).text == "parent done"
+        child_log = await bodies(rt, "p/r1")
+        interrupted = [b for b in child_log if isinstance(b, torpor.Aborted)]
+        assert [a.reason for a in interrupted] == ["interrupted"]
+        assert child_log.count(UserMessage(CONTINUE)) == 1
+        (result,) = [b for b in await bodies(rt, "p") if isinstance(b, ToolResult)]
+        assert result.content == "dug it up"
