@@ -3,7 +3,9 @@
 A turn never waits for an embedder. Like the search backlog, which leaves the
 full-text rows of small commits to be indexed later in bulk, the vectors are
 made afterwards, in batches, by one task the runtime owns (started on entry,
-cancelled and awaited on exit). Every ``embed_interval`` seconds it asks the
+cancelled and awaited on exit). Woken by this runtime's appends (at most every
+``PASS_GAP`` seconds, so a burst of appends lands in one pass) and at least
+every ``embed_interval`` seconds (appends by other processes), it asks the
 store which conversations' logs go beyond their progress mark
 (:meth:`~torpor.store.vectors.VectorIndex.lagging`), reads their new events,
 embeds the searchable ones and stores the vectors with the new mark in one
@@ -39,6 +41,8 @@ __all__ = ["EmbeddingStats", "EmbeddingWorker", "start_embedding"]
 READ_CHUNK = 256  # positions read (and marked done) per step of one conversation
 LAGGING_PAGE = 100  # conversations asked for per query
 MAX_CHARS = 8_000  # of an event's text sent to the embedder (endpoints cap their input)
+
+PASS_GAP = 0.05  # seconds between passes at least: appends arriving meanwhile share one
 
 _EMBEDDED = (UserMessage, AssistantMessage, ToolResult)
 
@@ -79,11 +83,19 @@ class EmbeddingWorker:
         self._last_error: str | None = None
         self._last_pass_ms: float | None = None
         self._pass = asyncio.Lock()
+        self._wake = asyncio.Event()
+
+    def poke(self) -> None:
+        """Events were logged: embed them soon (called on every append; costs a flag)."""
+        self._wake.set()
 
     async def run(self) -> None:
         while True:
             await self.catch_up()
-            await anyio.sleep(self.interval)
+            with anyio.move_on_after(self.interval):
+                await self._wake.wait()
+            await anyio.sleep(PASS_GAP)  # a debounce, not a wait for anything
+            self._wake.clear()
 
     async def catch_up(self) -> int:
         """One pass: embed every lagging conversation once; the events embedded.

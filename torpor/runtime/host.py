@@ -146,6 +146,7 @@ class Runtime:
                     self._store, self.config.embedder, self.config.embed_interval,
                     self._log, stack,
                 )
+                self._host.poke_embedding = self._embedding.poke
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
             self._branches.start()  # sub-agent links a previous run left open

@@ -17,6 +17,7 @@ from torpor.actors.stream import Follower
 from torpor.events import Event
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from contextlib import AbstractAsyncContextManager
 
     from torpor.actors.agent import Agent
@@ -34,7 +35,8 @@ class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
 
     __slots__ = (
-        "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "revivals", "ws_total",
+        "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "poke_embedding",
+        "revivals", "ws_total",
     )
 
     def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
@@ -46,6 +48,7 @@ class AgentHost:
         self.abandoned: set[asyncio.Task[Any]] = set()
         self.ws_total = 0  # estimated bytes of every working set held
         self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
+        self.poke_embedding: Callable[[], None] | None = None  # new events to embed
 
     @property
     def store(self) -> EventStore:
@@ -106,6 +109,8 @@ class AgentHost:
         return self.followers_by_id.get(conversation_id)
 
     def publish(self, conversation_id: str, events: list[Event]) -> None:
+        if self.poke_embedding is not None:
+            self.poke_embedding()
         followers = self.followers_by_id.get(conversation_id)
         if followers:
             for follower in list(followers):
