@@ -158,15 +158,17 @@ async def test_a_failing_embedder_costs_lag_not_recall(backend: Backend) -> None
         assert await rt.recall("c", PARAPHRASE, 1)
 
 
-async def test_the_background_task_embeds_on_its_own_and_stops_with_the_runtime() -> None:
+async def test_the_background_task_embeds_what_is_appended_and_stops_with_the_runtime() -> None:
     embedder = CountingEmbedder()
-    async with Runtime(config=RuntimeConfig(embedder=embedder, embed_interval=0.01)) as rt:
-        await rt.send("c", FACT)
+    # An hour between timed passes: what moves the mark is the worker being woken by appends.
+    async with Runtime(config=RuntimeConfig(embedder=embedder, embed_interval=3600)) as rt:
         index = vector_index(rt.store)
         space = f"{embedder.name}/{embedder.dimensions}"
-        with anyio.fail_after(10):  # the worker's own timer moves the mark, not this test
-            while await index.progress("c", space) < 1:
-                await rt.store.head("c")  # a trip to the store yields to the worker
+        for text, position in ((FACT, 1), ("and one more thing", 3)):
+            await (await rt.send("c", text)).result()
+            with anyio.fail_after(10):  # the worker moves the mark, not this test
+                while await index.progress("c", space) < position:
+                    await rt.store.head("c")  # a trip to the store yields to the worker
         worker = rt._embedding
         assert worker is not None
     assert worker.stats().passes >= 1
