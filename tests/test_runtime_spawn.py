@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from store_backends import Backend
 
 import torpor
 from torpor import (
@@ -168,19 +169,20 @@ async def test_a_child_running_at_shutdown_is_continued_after_a_restart(tmp_path
 
 
 async def test_a_child_that_finished_before_a_crash_resolves_its_parent_exactly_once(
-    tmp_path: Path,
+    backend: Backend,
 ) -> None:
-    async with Runtime(db(tmp_path), agent=parent_config()) as rt:
+    url = f"sqlite:///{backend.location}" if backend.name == "sqlite" else str(backend.location)
+    async with Runtime(url, agent=parent_config()) as rt:
         head = await suspended_parent(rt)
     # The crash: both logs hold the link and the child answered, the parent was never told.
-    async with torpor.open_store(db(tmp_path)) as store:
+    async with torpor.open_store(url) as store:
         await store.append("p", [Spawned("p", "r1", "kid")], turn=1)
         await store.append("kid", [Spawned("p", "r1", "kid", "t"), UserMessage("t")], turn=1)
         await store.append("kid", [AssistantMessage("answered before the crash")], turn=1)
     config = AgentConfig(model=ScriptedModel([[Text("parent done")]]), tools=[RESEARCH],
                          recall_tools=False)
     for _ in range(2):  # two restarts: resolved by the first only
-        async with Runtime(db(tmp_path), agent=config) as rt:
+        async with Runtime(url, agent=config) as rt:
             if _ == 0:
                 assert (await final_answer(rt, "p", head)).text == "parent done"
             results = [b for b in await bodies(rt, "p") if isinstance(b, ToolResult)]
