@@ -153,11 +153,13 @@ def build_checkpoint(
     summary: str = "",
     *,
     created_at: int | None = None,
+    memory: str = "",
 ) -> Checkpoint:
     """The checkpoint for a planned fold: previous markers merged with one for this span.
 
     ``summary``: a Summarizer's narrative (the previous one is carried over when
-    none is given). ``tokens`` is what the handoff costs in a rendered context.
+    none is given). ``memory``: the memory bundle rendered for this fold.
+    ``tokens`` is what the handoff costs in a rendered context.
     """
     policy = plan.policy
     marker = make_marker(plan.events, policy.max_topics, plan.hints)
@@ -178,6 +180,7 @@ def build_checkpoint(
         cycle=cycle,
         markers=markers,
         summary=summary,
+        memory=memory,
     )
     tokens = count_text(handoff_text(checkpoint), policy.encoding) + MESSAGE_OVERHEAD
     return msgspec.structs.replace(checkpoint, tokens=tokens)
