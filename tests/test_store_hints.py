@@ -68,6 +68,8 @@ async def test_rows_from_before_hints_fold_as_rows_with_them(backend: Backend) -
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
     for table in MEMORY_TABLES:
         await backend.sql(f"DROP TABLE {table}")
+    await backend.sql("DROP TABLE event_vectors")  # hybrid recall's tables
+    await backend.sql("DROP TABLE vector_progress")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 2")

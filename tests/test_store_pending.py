@@ -148,6 +148,8 @@ async def _downgrade_to_version_1(backend: Backend) -> None:
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
     for table in MEMORY_TABLES:
         await backend.sql(f"DROP TABLE {table}")
+    await backend.sql("DROP TABLE event_vectors")  # hybrid recall's tables
+    await backend.sql("DROP TABLE vector_progress")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 1")

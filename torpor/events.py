@@ -21,6 +21,7 @@ __all__ = [
     "Event",
     "Parked",
     "Resolved",
+    "Spawned",
     "Suspended",
     "ToolCall",
     "ToolResult",
@@ -133,8 +134,24 @@ class Unparked(msgspec.Struct, tag="unparked", frozen=True, gc=False):
     by: str = "operator"
 
 
+class Spawned(msgspec.Struct, tag="spawned", frozen=True, gc=False, omit_defaults=True):
+    """A sub-agent link (``Runtime.spawn``), logged in both conversations.
+
+    In ``parent``'s log: its pending tool call ``call_id`` is answered by the
+    conversation ``child``. In ``child``'s log (its first event): whose call it
+    answers, and the ``task`` it was given (so a restart can hand it over again).
+    The child's final answer becomes that call's result.
+    """
+
+    parent: str
+    call_id: str
+    child: str
+    task: str = ""
+
+
 Body: TypeAlias = (
     UserMessage | AssistantMessage | ToolResult | Suspended | Resolved | Aborted | Parked | Unparked
+    | Spawned
 )
 
 
@@ -162,7 +179,8 @@ class Event(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 _KINDS: dict[type, str] = {
     cls: cls.__struct_config__.tag  # type: ignore[misc]
     for cls in (
-        UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked
+        UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked,
+        Spawned,
     )
 }
 KINDS: frozenset[str] = frozenset(_KINDS.values())
@@ -208,4 +226,6 @@ def searchable_text(body: Body) -> str:
         return body.partial_text
     if isinstance(body, Parked):
         return body.cause
+    if isinstance(body, Spawned):
+        return body.task
     return ""

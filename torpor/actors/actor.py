@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from torpor.actors.agent import Waiting
-from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
+from torpor.actors.branch import handle_spawn
+from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest, SpawnRequest
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
@@ -74,6 +75,8 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
                 await _handle_send(agent, host, message)
             elif isinstance(message, ResolveRequest):
                 await _handle_resolve(agent, host, message)
+            elif isinstance(message, SpawnRequest):
+                await handle_spawn(agent, host, message)
             else:
                 await _handle_cancel(agent, host, message)
         agent.last_active = time.monotonic()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:
     from torpor.actors.turn import Turn
 
-__all__ = ["CancelRequest", "Mailbox", "Message", "ResolveRequest", "SendRequest"]
+__all__ = ["CancelRequest", "Mailbox", "Message", "ResolveRequest", "SendRequest", "SpawnRequest"]
 
 
 class SendRequest:
@@ -46,7 +46,23 @@ class CancelRequest:
         self.done = done
 
 
-Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest
+class SpawnRequest:
+    """Log that a sub-agent's conversation answers a suspended tool call (``Runtime.spawn``).
+
+    ``done`` resolves to the child's id: ``child``, or the child already linked to
+    the call (spawning twice for one call links once).
+    """
+
+    __slots__ = ("call_id", "child", "done", "task")
+
+    def __init__(self, call_id: str, child: str, task: str, done: asyncio.Future[str]) -> None:
+        self.call_id = call_id
+        self.child = child
+        self.task = task
+        self.done = done
+
+
+Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest | SpawnRequest
 
 
 class Mailbox:

@@ -436,7 +436,7 @@ async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
                 raise ValueError("recall needs a non-empty string 'query'")
             if not isinstance(k, int) or not 1 <= k <= 50:
                 raise ValueError("'k' must be an integer from 1 to 50")
-            hits = await recall_hits(host.store, agent.id, query, k)
+            hits = await recall_hits(host.store, agent.id, query, k, hybrid=host.hybrid)
             content = format_hits(hits)
         else:
             start, end = args.get("start"), args.get("end", args.get("start"))

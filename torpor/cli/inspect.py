@@ -6,7 +6,8 @@ checkpoints and their pointer markers, its last events, its model calls, the
 share of its prompt tokens the provider read from its prompt cache, and the
 anatomy of the most recent call: tokens per context section, events and markers
 in context, its topic label (and whether it changed) and its time-sortable turn id;
-and its derived memory (episodic and semantic items, the ledger, skipped turns).
+its derived memory (episodic and semantic items, the ledger, skipped turns); and its
+sub-agent tree (the call it answers, its children, recursively).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torpor.cli.common import (
 from torpor.cli.inspect_memory import memory_json, print_memory
 from torpor.cli.render import clip, event_json, event_line
 from torpor.errors import UnknownConversation
+from torpor.runtime.spawn import branch_tree
 from torpor.store import open_store
 from torpor.store.protocol import ConversationInfo, EventStore, ModelCall
 from torpor.store.url import parse_store_url
@@ -199,6 +201,7 @@ async def _detail(store: EventStore, conversation_id: str, events: int,
         "prompt_cache": _cache(every_call),
         "anatomy": _anatomy(model_calls[-1]) if model_calls else None,
         "memory": await memory_json(store, conversation_id),
+        "sub_agents": to_jsonable(await branch_tree(store, conversation_id)),
         "_lines": [event_line(e, 90) for e in reversed(last)],
     }
 
@@ -235,6 +238,11 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
             table.add_row(str(c["cycle"]), str(c["position"]), str(c["tokens"]),
                           clip(markers or c["summary"] or "-", 80))
         console.print(table)
+    tree = data["sub_agents"]
+    if tree["parent"] is not None or tree["children"]:
+        console.print("[bold]sub-agent tree[/]")
+        for line in _tree_lines(tree):
+            console.print(line, markup=False)
     console.print(f"[bold]last {len(data['_lines'])} events[/]")
     for line in data["_lines"]:
         console.print(line, markup=False)
@@ -263,6 +271,18 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         console.print(table)
         console.print(_anatomy_line(anatomy))
     print_memory(console, data["memory"])
+
+
+def _tree_lines(tree: dict[str, Any], indent: str = "  ") -> list[str]:
+    """The parent link (if any), then the children, indented one level per generation."""
+    lines = []
+    if tree["parent"] is not None:
+        lines.append(f"{indent}answers {tree['parent']} [{tree['call_id']}] ({tree['status']})")
+    for child in tree["children"]:
+        lines.append(f"{indent}-> {child['conversation_id']} [{child['call_id']}] "
+                     f"({child['status']})")
+        lines.extend(_tree_lines({**child, "parent": None}, indent + "   "))
+    return lines
 
 
 def _anatomy_line(anatomy: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ from torpor.events import (
     Event,
     Parked,
     Resolved,
+    Spawned,
     Suspended,
     ToolCall,
     ToolResult,
@@ -56,6 +57,8 @@ def body_text(body: Body) -> str:
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):
         return f"unparked by {body.by}"
+    if isinstance(body, Spawned):
+        return f"sub-agent {body.child} for {body.parent} [{body.call_id}]"
     return ""
 
 

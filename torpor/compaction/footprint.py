@@ -24,6 +24,7 @@ from torpor.events import (
     Event,
     Parked,
     Resolved,
+    Spawned,
     Suspended,
     ToolCall,
     ToolResult,
@@ -49,6 +50,7 @@ _BODY = {
         (Resolved, Resolved("")),
         (Parked, Parked("")),
         (Unparked, Unparked()),
+        (Spawned, Spawned("", "", "")),
     )
 }
 _SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from torpor.compaction.fusion import HybridRecall
 from torpor.errors import InvalidInput
 from torpor.events import (
     Aborted,
@@ -20,6 +21,7 @@ from torpor.events import (
     Event,
     Parked,
     Resolved,
+    Spawned,
     Suspended,
     ToolResult,
     Unparked,
@@ -86,12 +88,20 @@ _json = msgspec.json.Encoder(order="deterministic")
 
 
 async def recall(
-    store: EventStore, conversation_id: str, query: str, k: int = 10
+    store: EventStore,
+    conversation_id: str,
+    query: str,
+    k: int = 10,
+    *,
+    hybrid: HybridRecall | None = None,
 ) -> list[SearchHit]:
     """Full-text search over every event of the conversation, best first, scores exposed.
 
     Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
     so a confidence gate set once holds on SQLite and PostgreSQL alike.
+
+    ``hybrid``: fuse the full-text ranking with the nearest vectors
+    (:mod:`torpor.compaction.fusion`); scores stay on the same scale.
 
     Bad arguments (``k`` not a positive int, ``query`` not a str) raise InvalidInput.
     """
@@ -99,6 +109,8 @@ async def recall(
     query = search_query(query)
     if not query.strip():
         return []
+    if hybrid is not None:
+        return await hybrid.search(store, conversation_id, query, k)
     return await store.search(conversation_id, query, k)
 
 
@@ -166,6 +178,8 @@ def _body_text(body: object) -> str:
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):
         return f"unparked by {body.by}"
+    if isinstance(body, Spawned):
+        return f"sub-agent {body.child} answers {body.parent}'s call [{body.call_id}]"
     return repr(body)
 
 

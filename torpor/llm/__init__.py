@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from torpor.llm.echo import EchoModel
+from torpor.llm.embedding import Embedder, HashingEmbedder
 from torpor.llm.protocol import (
     CONVERSATION,
     ContextMessage,
@@ -38,6 +39,7 @@ from torpor.llm.scripted import (
 if TYPE_CHECKING:
     from torpor.llm.anthropic_messages import AnthropicModel
     from torpor.llm.openai_chat import OpenAIChatModel
+    from torpor.llm.openai_embeddings import OpenAIEmbedder
 
 __all__ = [
     "CONVERSATION",
@@ -46,9 +48,12 @@ __all__ = [
     "Call",
     "ContextMessage",
     "EchoModel",
+    "Embedder",
     "Fail",
+    "HashingEmbedder",
     "Model",
     "OpenAIChatModel",
+    "OpenAIEmbedder",
     "Pause",
     "Report",
     "ScriptedModel",
@@ -66,6 +71,7 @@ __all__ = [
 
 _ADAPTERS = {
     "OpenAIChatModel": ("torpor.llm.openai_chat", "openai", "openai"),
+    "OpenAIEmbedder": ("torpor.llm.openai_embeddings", "openai", "openai"),
     "AnthropicModel": ("torpor.llm.anthropic_messages", "anthropic", "anthropic"),
 }
 

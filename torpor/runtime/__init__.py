@@ -2,12 +2,16 @@
 
 from torpor.runtime.admin import Admin, AgentInfo, RenderedCall, RuntimeStats
 from torpor.runtime.config import RuntimeConfig
+from torpor.runtime.embedding import EmbeddingStats
 from torpor.runtime.host import Runtime
+from torpor.runtime.spawn import Branch
 from torpor.runtime.stats import Transition
 
 __all__ = [
     "Admin",
     "AgentInfo",
+    "Branch",
+    "EmbeddingStats",
     "RenderedCall",
     "Runtime",
     "RuntimeConfig",

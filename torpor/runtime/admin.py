@@ -18,14 +18,17 @@ from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import InvalidInput, UnknownConversation
 from torpor.events import Parked, Unparked
+from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
 from torpor.store.protocol import ModelCall
 from torpor.text import check_id
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
+    from torpor.runtime.embedding import EmbeddingStats
     from torpor.runtime.host import Runtime
     from torpor.runtime.memory_api import MemoryView
+    from torpor.runtime.spawn import Branch
     from torpor.store.protocol import PendingApproval
 
 __all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
@@ -242,6 +245,25 @@ class Admin:
         read from the database now. None when the runtime is not a node of a cluster."""
         gate = self._rt._cluster
         return None if gate is None else await gate.member.view()
+    async def branches(self, conversation_id: str) -> Branch:
+        """The sub-agent tree around a conversation: the call it answers (if it is a
+        child) and its children, recursively, with each task's status. From the logs;
+        wakes no agent."""
+        check_id(conversation_id)
+        return await branch_tree(self._rt.store, conversation_id)
+
+    async def embed(self) -> EmbeddingStats | None:
+        """Run a pass of the embedding worker now (hybrid recall) and return its stats.
+
+        None when the runtime has no embedder. The worker runs on its own every
+        ``embed_interval`` seconds; this is for operators, tests and benchmarks
+        that need the vectors caught up with the log at a known moment.
+        """
+        worker = self._rt._embedding
+        if worker is None:
+            return None
+        await worker.catch_up()
+        return worker.stats()
 
     async def pending(
         self, limit: int = 100, after: str | None = None

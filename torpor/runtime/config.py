@@ -7,17 +7,26 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from torpor.llm.embedding import check_embedder
 from torpor.validation import (
     Relation,
     Rule,
     check_fields,
     choice,
+    custom,
     integer,
     optional,
     seconds,
 )
 
 __all__ = ["RuntimeConfig"]
+
+
+def _embedder(value: object) -> str | None:
+    if value is None:
+        return None
+    problem = check_embedder(value)
+    return None if problem is None else f" ({type(value).__name__}: {problem})"
 
 
 def _evict_before_hibernate(c: Any) -> str | None:
@@ -40,6 +49,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``restart_window`` seconds is parked (durably, with the cause); before that it
     restarts from the log after an exponential backoff from ``backoff_initial`` up
     to ``backoff_max`` seconds.
+
+    Hybrid recall: ``embedder`` (None: off) and ``embed_interval``, see README
+    "Hybrid recall".
     """
 
     hibernate_after: float = 30.0
@@ -60,6 +72,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds between consolidation sweeps of idle conversations that folded since their
     # last one (torpor.memory: the ledger's UPDATE/DELETE); None (default): only on demand.
     consolidate_interval: float | None = None
+    # Hybrid recall (off by default): an Embedder (torpor.llm.embedding) whose vectors of
+    # the logged events are fused with full-text search in recall. A background task embeds
+    # what is new every embed_interval seconds; turns never wait for it.
+    embedder: Any = None
+    embed_interval: float = 1.0
 
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
@@ -77,6 +94,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "durability": choice("normal", "full"),
         "shutdown_deadline": seconds(),
         "consolidate_interval": optional(seconds()),
+        "embedder": custom("None or an Embedder (name, dimensions, async embed)", _embedder),
+        "embed_interval": seconds(),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = (
         Relation(("evict_after", "hibernate_after"), _evict_before_hibernate),

@@ -40,10 +40,12 @@ from torpor.llm.protocol import Model, TextDelta
 from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
+from torpor.runtime.embedding import EmbeddingWorker, start_embedding
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.memory_api import MemoryAPI
 from torpor.runtime.registry import Registry
+from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
 from torpor.store import open_store
@@ -129,11 +131,13 @@ class Runtime(MemoryAPI):
         self._supervisor = Supervisor(self)
         self._lifecycle = Lifecycle(self)
         self._admission = Admission(self)
+        self._branches = Branches(self)
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
         self._node = node
         self._cluster: ShardGate | None = None
+        self._embedding: EmbeddingWorker | None = None
         self._open = False
 
     # -- lifecycle of the runtime itself ---------------------------------------
@@ -160,6 +164,12 @@ class Runtime(MemoryAPI):
             # the block must reach the caller as itself, not wrapped in a group.
             sweeper = asyncio.get_running_loop().create_task(self._lifecycle.run())
             stack.push_async_callback(_cancel_and_wait, sweeper)
+            if self.config.embedder is not None:  # hybrid recall: vectors made off the hot path
+                self._embedding, self._host.hybrid = start_embedding(
+                    self._store, self.config.embedder, self.config.embed_interval,
+                    self._log, stack,
+                )
+                self._host.poke_embedding = self._embedding.poke
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
             if self.config.consolidate_interval is not None:  # stopped before the agents
@@ -168,6 +178,8 @@ class Runtime(MemoryAPI):
                 stack.push_async_callback(_cancel_and_wait, consolidator)
             if gate is not None:  # joins now; on exit hands its shards off before agents stop
                 self._cluster = await stack.enter_async_context(gate)
+            self._branches.start()  # sub-agent links a previous run left open
+            stack.push_async_callback(self._branches.stop)
         except BaseException:
             await stack.aclose()
             raise
@@ -215,8 +227,8 @@ class Runtime(MemoryAPI):
 
     # -- agents -----------------------------------------------------------------
     def _profile_for(self, conversation_id: str) -> Profile:
-        config = self.agent_config if self._agent_for is None else self._agent_for(
-            conversation_id
+        config = self._branches.config_for(conversation_id) or (
+            self.agent_config if self._agent_for is None else self._agent_for(conversation_id)
         )
         profile = self._profiles.get(id(config))
         if profile is None or profile.config is not config:
@@ -379,6 +391,38 @@ class Runtime(MemoryAPI):
             return await done
         return False
 
+    async def spawn(
+        self,
+        parent: str,
+        call_id: str,
+        *,
+        task: str,
+        agent: AgentConfig | None = None,
+        child: str | None = None,
+    ) -> str:
+        """Answer the parent's suspended tool call with a sub-agent; returns the child's id.
+
+        The child is a conversation of its own (``child``, default
+        ``"{parent}/{call_id}"``) run with ``agent`` (default: as any conversation),
+        given ``task`` as its first message; its final answer becomes the call's
+        result in the parent (an error result if its turn fails). The link is in
+        both logs, so it survives eviction and restarts; spawning again for the
+        same call returns the same child. Raises ``UnknownConversation`` (no such
+        parent), ``UnknownCall`` (the parent does not wait for ``call_id``) and
+        ``InvalidInput`` (``child`` names another conversation). See README
+        "Sub-agents".
+        """
+        self._check_open()
+        check_id(parent, "parent")
+        check_id(call_id, "call_id")
+        check_text(task, "task")
+        if agent is not None and not isinstance(agent, AgentConfig):
+            raise ConfigError("agent", f"must be an AgentConfig, got {type(agent).__name__}")
+        child = check_id(f"{parent}/{call_id}" if child is None else child, "child")
+        if child == parent:
+            raise InvalidInput("child", "a conversation cannot answer its own call")
+        return await self._branches.spawn(parent, call_id, task, agent, child)
+
     def subscribe(self, conversation_id: str, *, after: int | None = None) -> Follower:
         """Follow a conversation: what was logged after ``after``, then live, until closed.
 
@@ -431,13 +475,16 @@ class Runtime(MemoryAPI):
         return await self.store.page_backward(conversation_id, before, limit)
 
     async def recall(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
-        """Full-text search over the whole log, folded parts included; scores exposed."""
+        """Full-text search over the whole log, folded parts included; scores exposed.
+
+        With ``RuntimeConfig(embedder=...)``, fused with the nearest vectors (hybrid
+        recall; scores on the same 0-1 scale)."""
         self._check_open()
         check_id(conversation_id)
         if not isinstance(query, str):  # never stored: the store reads NUL as a word break
             raise InvalidInput("query", f"must be a str, got {type(query).__name__}")
         _count(k, "k", 1_000)
-        return await recall_hits(self.store, conversation_id, query, k)
+        return await recall_hits(self.store, conversation_id, query, k, hybrid=self._host.hybrid)
 
     async def expand(self, conversation_id: str, start: int, end: int) -> list[Event]:
         """The exact events of a range, large tool results expanded from their artifacts."""

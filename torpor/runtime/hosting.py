@@ -17,9 +17,11 @@ from torpor.actors.stream import Follower
 from torpor.events import Event
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from contextlib import AbstractAsyncContextManager
 
     from torpor.actors.agent import Agent
+    from torpor.compaction.fusion import HybridRecall
     from torpor.llm.protocol import Model
     from torpor.runtime.host import Runtime
     from torpor.store.protocol import EventStore
@@ -32,7 +34,10 @@ _BUSY_STATES = (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIV
 class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
 
-    __slots__ = ("_rt", "abandoned", "followers_by_id", "log", "model", "revivals", "ws_total")
+    __slots__ = (
+        "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "poke_embedding",
+        "revivals", "ws_total",
+    )
 
     def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
         self._rt = runtime
@@ -42,6 +47,8 @@ class AgentHost:
         self.followers_by_id: dict[str, list[Follower]] = {}
         self.abandoned: set[asyncio.Task[Any]] = set()
         self.ws_total = 0  # estimated bytes of every working set held
+        self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
+        self.poke_embedding: Callable[[], None] | None = None  # new events to embed
 
     @property
     def store(self) -> EventStore:
@@ -102,6 +109,8 @@ class AgentHost:
         return self.followers_by_id.get(conversation_id)
 
     def publish(self, conversation_id: str, events: list[Event]) -> None:
+        if self.poke_embedding is not None:
+            self.poke_embedding()
         followers = self.followers_by_id.get(conversation_id)
         if followers:
             for follower in list(followers):

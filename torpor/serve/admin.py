@@ -93,6 +93,9 @@ class AdminAPI:
         after = request.query_params.get("after") or None
         return json_response(msgspec.to_builtins(await self.rt.admin.pending(limit, after)))
 
+    async def branches(self, request: Request) -> Response:
+        return json_response(msgspec.to_builtins(await self.rt.admin.branches(self._id(request))))
+
     async def rendered(self, request: Request) -> Response:
         raw = request.path_params["n"]
         try:
@@ -135,6 +138,7 @@ def admin_routes(service: Service, token: str | None, remote: bool) -> list[Rout
         Route("/admin/watch", g(api.watch), methods=["GET"]),
         Route("/admin/pending", g(api.pending), methods=["GET"]),
         Route("/admin/cluster", g(api.cluster), methods=["GET"]),
+        Route("/admin/branches/{conversation_id:path}", g(api.branches), methods=["GET"]),
         Route("/admin/calls/{conversation_id:path}/{n}", g(api.rendered), methods=["GET"]),
         Route("/metrics", g(api.metrics), methods=["GET"]),
     ]

@@ -27,6 +27,7 @@ from torpor.events import (
     Body,
     Parked,
     Resolved,
+    Spawned,
     Suspended,
     ToolCall,
     ToolResult,
@@ -63,6 +64,11 @@ def check_body(body: Body, where: str) -> None:
         _int(body.restarts, f"{where}.restarts")
     elif isinstance(body, Unparked):
         check_text(body.by, f"{where}.by")
+    elif isinstance(body, Spawned):
+        check_id(body.parent, f"{where}.parent")
+        check_id(body.call_id, f"{where}.call_id")
+        check_id(body.child, f"{where}.child")
+        check_text(body.task, f"{where}.task")
     else:
         raise InvalidInput(where, f"not an event body: {type(body).__name__}")
 

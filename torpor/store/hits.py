@@ -2,7 +2,8 @@
 
 The backends find the matching rows their own way (FTS5 and bm25 on SQLite,
 tsvector and ts_rank on PostgreSQL); what a hit then says, and when a clipped
-tool result is searched beyond its preview, is decided here once.
+tool result is searched beyond its preview, is decided here once. Hybrid recall
+(:mod:`torpor.compaction.fusion`) keeps the same 0-1 scale for its fused hits.
 """
 
 from __future__ import annotations

@@ -45,6 +45,12 @@ from the database's clock), ``shard_leases`` (one row per shard: ``owner``,
 single node) and ``events.epoch`` (the lease epoch that wrote the row; NULL on
 a single node). All nullable columns: adding them rewrites nothing.
 
+``event_vectors`` and ``vector_progress`` (version 6) hold the
+vectors of hybrid recall (:mod:`torpor.store.vectors`), derived from the log:
+``real[]`` (pgvector, where installed, reads it through a cast, so the table does
+not depend on the extension) per (conversation, vector space, position), and per
+conversation and space the position every event up to which was embedded.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -279,7 +285,28 @@ _MEMORY: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _MEMORY)
+_VECTORS: Sequence[Step] = (
+    # Hybrid recall's vectors (torpor.store.vectors): derived, never read by the log.
+    """
+    CREATE TABLE IF NOT EXISTS event_vectors (
+        conversation_id bigint NOT NULL,
+        space text NOT NULL,
+        position bigint NOT NULL,
+        vector real[] NOT NULL,
+        PRIMARY KEY (conversation_id, space, position)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS vector_progress (
+        conversation_id bigint NOT NULL,
+        space text NOT NULL,
+        position bigint NOT NULL,
+        PRIMARY KEY (conversation_id, space)
+    )
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _MEMORY, _VECTORS)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

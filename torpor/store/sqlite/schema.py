@@ -38,6 +38,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
 * ``memory_episodes``, ``memory_facts``, ``memory_ledger``, ``memory_turns``
   (version 5) hold derived memory (:mod:`torpor.store.memory`): written at folds
   and by the consolidation sweep, never by an append, never read by revival.
+* ``event_vectors`` and ``vector_progress`` (version 6) hold the vectors of
+  hybrid recall (:mod:`torpor.store.vectors`), derived from the log: one
+  float32 blob per (conversation, vector space, position), and per
+  conversation and space the position every event up to which was embedded.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -255,7 +259,28 @@ _V5: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5)
+_V6: Sequence[Step] = (
+    # Hybrid recall's vectors (torpor.store.vectors): derived, never read by the log.
+    """
+    CREATE TABLE event_vectors (
+        conversation_id INTEGER NOT NULL,
+        space TEXT NOT NULL,
+        position INTEGER NOT NULL,
+        vector BLOB NOT NULL,
+        PRIMARY KEY (conversation_id, space, position)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE vector_progress (
+        conversation_id INTEGER NOT NULL,
+        space TEXT NOT NULL,
+        position INTEGER NOT NULL,
+        PRIMARY KEY (conversation_id, space)
+    ) WITHOUT ROWID
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

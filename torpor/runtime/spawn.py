@@ -1,0 +1,308 @@
+"""Sub-agents: a child conversation that answers a parent's suspended tool call.
+
+``Runtime.spawn(parent, call_id, task=..., agent=...)`` links the call to a
+child conversation and gives it the task; the child's final answer becomes the
+call's result in the parent (``Runtime.resolve``). The link is durable, a
+:class:`~torpor.events.Spawned` event in both logs, written in this order:
+
+1. the child's log: ``Spawned`` with the task, as its first event (idempotent);
+2. the parent's log: ``Spawned`` in its open turn, written by the parent's own
+   actor, which checks that it waits for ``call_id`` (a call links once);
+3. the task, as the child's first user message (idempotent by key).
+
+Each link has a watcher task (owned here, cancelled and awaited when the
+runtime stops) that follows the child's log and resolves the parent when the
+child answers (``is_error`` when the child's turn failed). On start, the
+runtime finds the links whose parent call is still pending (from the store's
+pending-calls index, never a log scan) and watches them again: a child that
+finished while nobody watched resolves its parent, one whose turn died with
+the process is told to continue, and one never given its task gets it. The
+parent's pending check makes the resolution happen exactly once.
+
+A child is a conversation like any other: revivable, searchable, inspectable,
+with its own lifecycle, so it outlives the parent's eviction (resolving revives
+the parent). ``agent=`` is the child's configuration for the life of this
+runtime; after a restart it comes from ``agent_for`` (the child id is
+``"{parent}/{call_id}"`` unless given), or the default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from torpor.actors.branch import link_key
+from torpor.actors.config import AgentConfig
+from torpor.actors.mailbox import SpawnRequest
+from torpor.errors import (
+    AgentParked,
+    InvalidInput,
+    StoreUnavailable,
+    UnknownCall,
+    UnknownConversation,
+)
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Body,
+    Event,
+    Resolved,
+    Spawned,
+    Suspended,
+    ToolResult,
+    UserMessage,
+)
+
+if TYPE_CHECKING:
+    from torpor.runtime.host import Runtime
+    from torpor.store.protocol import EventStore
+
+__all__ = ["CONTINUE", "Branch", "Branches", "branch_tree"]
+
+CONTINUE = (
+    "[The runtime restarted while you were working on your task. Continue it from where "
+    "the log shows you stopped, and finish with your answer.]"
+)
+_FAILED = frozenset({"cancelled", "model_error", "step_limit", "crashed"})
+_RETRY_SECONDS = 1.0  # a store that cannot write: try the resolution again after this
+
+Status = Literal["untasked", "running", "waiting", "stopped", "done", "failed"]
+
+
+class Branch(msgspec.Struct, frozen=True, kw_only=True):
+    """A conversation in a tree of sub-agents (``Runtime.admin.branches``)."""
+
+    conversation_id: str
+    parent: str | None  # the conversation whose call this one answers (None: a root)
+    call_id: str | None
+    status: str  # untasked, running, waiting, stopped, done, failed ("" for a root)
+    children: tuple[Branch, ...] = ()
+
+
+class _Progress:
+    """What a child's log says so far about its task, one event at a time."""
+
+    __slots__ = ("answer", "position", "status", "waiting")
+
+    def __init__(self) -> None:
+        self.status: Status = "untasked"
+        self.waiting: set[str] = set()
+        self.answer = ""
+        self.position = -1  # of the answer (or the abort)
+
+    def see(self, event: Event) -> bool:
+        """Take one event; True once the task has an outcome (done or failed)."""
+        body = event.body
+        if self.status in ("done", "failed"):
+            return True
+        if isinstance(body, UserMessage | ToolResult):
+            self.status = "waiting" if self.waiting else "running"
+        elif isinstance(body, AssistantMessage):
+            if not body.tool_calls and self.status != "untasked":
+                self.status, self.answer, self.position = "done", body.text, event.position
+                return True
+            self.status = "running"
+        elif isinstance(body, Suspended):
+            self.waiting.update(body.call_ids)
+            self.status = "waiting"
+        elif isinstance(body, Resolved):
+            self.waiting.discard(body.call_id)
+            self.status = "waiting" if self.waiting else "running"
+        elif isinstance(body, Aborted):
+            self.waiting.clear()
+            if body.reason in _FAILED:
+                self.status, self.position = "failed", event.position
+                self.answer = f"sub-agent failed ({body.reason})" + (
+                    f": {body.detail}" if body.detail else ""
+                )
+                return True
+            self.status = "stopped"  # interrupted, shutdown: the process, not the task
+        return False
+
+
+def _link_of(body: Body) -> Spawned | None:
+    return body if isinstance(body, Spawned) else None
+
+
+class Branches:
+    """The runtime's sub-agent links: spawning, watching, recovering, the tree."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._configs: dict[str, AgentConfig] = {}
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._recovery: asyncio.Task[None] | None = None
+
+    # -- lifecycle (owned by the Runtime) -------------------------------------------
+    def start(self) -> None:
+        """Watch again the links a previous run left open (in the background)."""
+        self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._recovery, *self._watchers.values()) if t is not None]
+        self._recovery = None
+        self._watchers.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def config_for(self, conversation_id: str) -> AgentConfig | None:
+        return self._configs.get(conversation_id)
+
+    # -- spawn -------------------------------------------------------------------------
+    async def spawn(
+        self, parent: str, call_id: str, task: str, agent: AgentConfig | None, child: str
+    ) -> str:
+        rt = self._rt
+        store = rt.store
+        first = await store.read_range(child, 0, 0)
+        if first:
+            link = _link_of(first[0].body)
+            if link is None or (link.parent, link.call_id) != (parent, call_id):
+                raise InvalidInput("child", f"{child!r} is already a conversation of its own")
+        holder = await rt._known(parent)
+        if holder is None:
+            raise UnknownConversation(parent)
+        if holder.scope is not None:  # a turn runs: it waits for no call until it suspends
+            raise UnknownCall(f"{parent}: not waiting for tool call {call_id!r}")
+        if agent is not None:
+            self._configs[child] = agent
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        holder.post(SpawnRequest(call_id, child, task, done))  # 1 and 2, by the parent's actor
+        rt._registry.unqueue(holder)
+        rt._supervisor.ensure_running(holder)
+        try:
+            linked = await done
+        except BaseException:
+            self._configs.pop(child, None)
+            raise
+        if linked != child:  # the call was linked before (to another id): that one answers
+            self._configs.pop(child, None)
+            child = linked
+        await rt.send(child, task, key=link_key("task", parent, call_id))  # 3. the task
+        self._watch(parent, call_id, child, task, kick=False)
+        return child
+
+    def _watch(self, parent: str, call_id: str, child: str, task: str, *, kick: bool) -> None:
+        if child in self._watchers or not self._rt._open:
+            return
+        watcher = asyncio.get_running_loop().create_task(
+            self._follow(parent, call_id, child, task, kick)
+        )
+        self._watchers[child] = watcher
+        watcher.add_done_callback(lambda t: self._finished(child, t))
+
+    def _finished(self, child: str, task: asyncio.Task[None]) -> None:
+        if self._watchers.get(child) is task:
+            del self._watchers[child]
+        if not task.cancelled() and task.exception() is not None:
+            self._rt._log.warning("sub_agent_watch_failed", child=child,
+                                  error=repr(task.exception()))
+
+    async def _follow(self, parent: str, call_id: str, child: str, task: str, kick: bool) -> None:
+        """Follow the child's log until its task has an outcome; then resolve the parent."""
+        rt = self._rt
+        progress = _Progress()
+        events = await rt.store.read_since(child, 0)
+        done = any(progress.see(event) for event in events)
+        if not done:
+            head = events[-1].position if events else -1
+            async with rt.subscribe(child, after=head) as follower:
+                if kick:
+                    await self._kick(parent, call_id, child, task, progress, head)
+                async for item in follower:
+                    if isinstance(item, Event) and progress.see(item):
+                        done = True
+                        break
+        if done:
+            await self._resolve(parent, call_id, child, progress)
+
+    async def _kick(
+        self, parent: str, call_id: str, child: str, task: str, progress: _Progress, head: int
+    ) -> None:
+        """After a restart: give the child its task, or tell it to continue a dead turn."""
+        rt = self._rt
+        live = rt._registry.get(child)
+        if progress.status == "untasked":
+            await rt.send(child, task, key=link_key("task", parent, call_id))
+        elif progress.status == "stopped" or (
+            progress.status == "running" and (live is None or live.ws is None)
+        ):
+            await rt.send(child, CONTINUE, key=f"torpor-continue-{head}")
+
+    async def _resolve(self, parent: str, call_id: str, child: str, progress: _Progress) -> None:
+        rt = self._rt
+        answer = progress.answer
+        if progress.status == "done":
+            events = await rt.expand(child, progress.position, progress.position)
+            body = events[0].body
+            if isinstance(body, AssistantMessage):
+                answer = body.text  # in full, even if it was clipped into an artifact
+        while True:
+            try:
+                await rt.resolve(parent, call_id, answer, is_error=progress.status == "failed")
+            except UnknownCall:  # answered already (before a restart, or by hand): once only
+                pass
+            except StoreUnavailable:
+                await asyncio.sleep(_RETRY_SECONDS)
+                continue
+            except AgentParked as exc:
+                rt._log.warning("sub_agent_parent_parked", parent=parent, child=child,
+                                error=str(exc))
+            return
+
+    async def _recover(self) -> None:
+        store = self._rt.store
+        after: str | None = None
+        while True:
+            page = await store.pending(after=after, limit=100)
+            for waiting in page:
+                parent = waiting.conversation_id
+                calls = {call.call_id for call in waiting.calls}
+                since = min(call.position for call in waiting.calls)
+                for event in await store.read_since(parent, since):
+                    link = _link_of(event.body)
+                    if link is not None and link.parent == parent and link.call_id in calls:
+                        first = await store.read_range(link.child, 0, 0)
+                        child_link = _link_of(first[0].body) if first else None
+                        task = child_link.task if child_link is not None else ""
+                        self._watch(parent, link.call_id, link.child, task, kick=True)
+            if len(page) < 100:
+                return
+            after = page[-1].conversation_id
+
+
+async def branch_tree(store: EventStore, conversation_id: str, depth: int = 8) -> Branch:
+    """The conversation, its parent link and its sub-agents (recursively), from the logs
+    alone (``Runtime.admin.branches``, ``torpor inspect``): wakes no agent."""
+    events = await store.read_since(conversation_id, 0)
+    if not events:
+        raise UnknownConversation(conversation_id)
+    own = _link_of(events[0].body)
+    if own is not None and own.child != conversation_id:
+        own = None
+    progress = _Progress()
+    for event in events:
+        progress.see(event)
+    children: list[Branch] = []
+    for event in events:
+        link = _link_of(event.body)
+        if link is None or link.parent != conversation_id or link.child == conversation_id:
+            continue
+        if depth > 0:
+            children.append(await branch_tree(store, link.child, depth - 1))
+        else:
+            children.append(Branch(conversation_id=link.child, parent=conversation_id,
+                                   call_id=link.call_id, status="?"))
+    return Branch(
+        conversation_id=conversation_id,
+        parent=own.parent if own is not None else None,
+        call_id=own.call_id if own is not None else None,
+        status=progress.status if own is not None else "",
+        children=tuple(children),
+    )
