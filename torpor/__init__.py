@@ -28,6 +28,7 @@ from torpor.errors import (
     RuntimeClosed,
     StoreError,
     StoreUnavailable,
+    TaskCardTooLarge,
     ToolArgumentError,
     TorporError,
     TurnAborted,
@@ -44,13 +45,14 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
     UserMessage,
 )
 from torpor.llm import EchoModel, Model, ScriptedModel, TextDelta, ToolSpec
-from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, Transition
+from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, TaskHandle, Transition
 from torpor.store import open_store
 from torpor.store.protocol import Checkpoint, EventStore, Marker, ModelCall, SearchHit
 
@@ -104,6 +106,9 @@ __all__ = [
     "StoreUnavailable",
     "Subscriber",
     "Suspended",
+    "TaskCard",
+    "TaskCardTooLarge",
+    "TaskHandle",
     "TextDelta",
     "ToolArgumentError",
     "ToolCall",

@@ -22,6 +22,7 @@ __all__ = [
     "Parked",
     "Resolved",
     "Suspended",
+    "TaskCard",
     "ToolCall",
     "ToolResult",
     "Unparked",
@@ -133,8 +134,33 @@ class Unparked(msgspec.Struct, tag="unparked", frozen=True, gc=False):
     by: str = "operator"
 
 
+class TaskCard(msgspec.Struct, tag="task_card", frozen=True, gc=False, omit_defaults=True):
+    """The conversation's task card as it stands after a change (the whole card, not a patch).
+
+    Logged by ``rt.task(conversation).update(...)`` (``by="code"``) or the model's
+    ``task_card`` tool (``by="model"``). The latest one in the log is the card in
+    effect: it is rendered right after the system prompt and never folded or stubbed
+    (see :mod:`torpor.compaction.task_card`). ``key_positions``: log positions the
+    task turns on, which the model can ``expand``.
+    """
+
+    goal: str = ""
+    constraints: tuple[str, ...] = ()
+    open_loops: tuple[str, ...] = ()
+    key_positions: tuple[int, ...] = ()
+    by: Literal["code", "model"] = "code"
+
+
 Body: TypeAlias = (
-    UserMessage | AssistantMessage | ToolResult | Suspended | Resolved | Aborted | Parked | Unparked
+    UserMessage
+    | AssistantMessage
+    | ToolResult
+    | Suspended
+    | Resolved
+    | Aborted
+    | Parked
+    | Unparked
+    | TaskCard
 )
 
 
@@ -162,7 +188,8 @@ class Event(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 _KINDS: dict[type, str] = {
     cls: cls.__struct_config__.tag  # type: ignore[misc]
     for cls in (
-        UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked
+        UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked,
+        TaskCard,
     )
 }
 KINDS: frozenset[str] = frozenset(_KINDS.values())
@@ -208,4 +235,6 @@ def searchable_text(body: Body) -> str:
         return body.partial_text
     if isinstance(body, Parked):
         return body.cause
+    if isinstance(body, TaskCard):
+        return " ".join((body.goal, *body.constraints, *body.open_loops)).strip()
     return ""

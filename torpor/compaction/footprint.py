@@ -25,6 +25,7 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -49,6 +50,7 @@ _BODY = {
         (Resolved, Resolved("")),
         (Parked, Parked("")),
         (Unparked, Unparked()),
+        (TaskCard, TaskCard()),
     )
 }
 _SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing
@@ -123,6 +125,11 @@ def event_bytes(event: Event) -> int:
     if kind is Aborted:
         assert isinstance(body, Aborted)
         size += _text(body.partial_text) + _text(body.detail)
+    elif kind is TaskCard:
+        assert isinstance(body, TaskCard)
+        size += _text(body.goal) + _TUPLE * 3 + _SLOT * len(body.key_positions)
+        for item in (*body.constraints, *body.open_loops):
+            size += _SLOT + _text(item)
     return size
 
 
@@ -138,6 +145,8 @@ def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
     for marker in checkpoint.markers:
         size += sys.getsizeof(marker) + sys.getsizeof(marker.topics)
         size += sum(str_bytes(t) for t in marker.topics)
+    if checkpoint.task_card is not None:
+        size += event_bytes(checkpoint.task_card)
     return size
 
 

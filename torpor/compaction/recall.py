@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from torpor.compaction.task_card import card_lines
 from torpor.errors import InvalidInput
 from torpor.events import (
     Aborted,
@@ -21,6 +22,7 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolResult,
     Unparked,
     UserMessage,
@@ -166,6 +168,8 @@ def _body_text(body: object) -> str:
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):
         return f"unparked by {body.by}"
+    if isinstance(body, TaskCard):
+        return f"task card set by {body.by}:\n{card_lines(body)}"
     return repr(body)
 
 

@@ -4,6 +4,7 @@ from torpor.runtime.admin import Admin, AgentInfo, RenderedCall, RuntimeStats
 from torpor.runtime.config import RuntimeConfig
 from torpor.runtime.host import Runtime
 from torpor.runtime.stats import Transition
+from torpor.runtime.task import TaskHandle
 
 __all__ = [
     "Admin",
@@ -12,5 +13,6 @@ __all__ = [
     "Runtime",
     "RuntimeConfig",
     "RuntimeStats",
+    "TaskHandle",
     "Transition",
 ]

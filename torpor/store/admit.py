@@ -28,6 +28,7 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -63,6 +64,8 @@ def check_body(body: Body, where: str) -> None:
         _int(body.restarts, f"{where}.restarts")
     elif isinstance(body, Unparked):
         check_text(body.by, f"{where}.by")
+    elif isinstance(body, TaskCard):
+        _task_card(body, where)
     else:
         raise InvalidInput(where, f"not an event body: {type(body).__name__}")
 
@@ -108,6 +111,22 @@ def _suspended(body: Suspended, where: str) -> None:
         )
     for index, tool in enumerate(body.tools):
         check_text(tool, f"{where}.tools[{index}]")
+
+
+def _task_card(body: TaskCard, where: str) -> None:
+    check_text(body.goal, f"{where}.goal")
+    for name in ("constraints", "open_loops"):
+        items = getattr(body, name)
+        if not isinstance(items, tuple | list):
+            raise InvalidInput(f"{where}.{name}", "must be a tuple of str")
+        for index, item in enumerate(items):
+            check_text(item, f"{where}.{name}[{index}]")
+    if not isinstance(body.key_positions, tuple | list):
+        raise InvalidInput(f"{where}.key_positions", "must be a tuple of positions")
+    for index, position in enumerate(body.key_positions):
+        check_int(position, f"{where}.key_positions[{index}]", 0, POSITION_LIMIT)
+    if body.by not in ("code", "model"):
+        raise InvalidInput(f"{where}.by", "must be 'code' or 'model'")
 
 
 def _aborted(body: Aborted, where: str) -> None:
