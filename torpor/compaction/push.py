@@ -72,11 +72,10 @@ _SHORT_TEXT = """
     a an and are as at be but by can do for from how i if in is it its me my no not of
     on or our so than that the their them then there these they this to up us was we
     what when where which who why will with you your give tell find show please value
+    did does get got put let use any all one has had
 """
 _SHORT = frozenset(_SHORT_TEXT.split())
-_KEY = re.compile(
-    r"(?<![\w\-./])([A-Za-z_][\w\-./]*[\w])\s*(?:=|:(?!//))\s*\S"
-)
+_KEY = re.compile(r"(?<![\w\-./])([A-Za-z_][\w\-./]*\w)\s*(?:=|:(?!//))(?=\s*\S)")
 
 
 class Candidate(msgspec.Struct, frozen=True, gc=False):
