@@ -37,6 +37,7 @@ import hashlib
 import random
 import re
 import statistics
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -422,6 +423,7 @@ async def run(*, traces: int = TRACES, needles: int = NEEDLES,
                 ))
                 sims = [simulate(t, sent, count)
                         for t, (_, sent, _) in zip(made, pulled, strict=True)]
+                print(f"level {cycles}: done", file=sys.stderr, flush=True)
                 results[str(cycles)] = {
                     "truncation": _summary([s["truncation"] for s in sims]),
                     "narrative": _summary([s["narrative"] for s in sims]),

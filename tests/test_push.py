@@ -103,6 +103,25 @@ async def test_a_superseded_fact_scores_zero_and_the_later_value_is_pushed() -> 
         assert 4 in last.pushed and 0 not in last.pushed
 
 
+async def test_push_follows_an_identifier_for_the_second_hop() -> None:
+    model = ScriptedModel.replies("ok", loop=True)
+    config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
+    async with Runtime("sqlite://", model=model, agent=config) as rt:
+        await (await rt.send("c", "amber-vault.deploy_key: see ticket OPS-4821")).result()
+        await (await rt.send("c", "lunch was fine")).result()
+        await (await rt.send("c", "Ticket OPS-4821 resolved: value 9f8e7d6c")).result()
+        for i in range(12):
+            await (await rt.send("c", f"flood {i} {FLOOD}")).result()
+        await (await rt.send("c", "What is the deploy_key of amber-vault?")).result()
+        text = recalled(model.calls[-1])
+        assert text is not None
+        assert "#0 user: amber-vault.deploy_key: see ticket OPS-4821" in text
+        assert "#4 user: Ticket OPS-4821 resolved: value 9f8e7d6c" in text
+        last = (await rt.store.model_calls("c", limit=1_000))[-1]
+        hop = last.pushed_scores[last.pushed.index(4)]
+        assert 0 < hop <= last.pushed_scores[last.pushed.index(0)]
+
+
 @pytest.mark.parametrize("budget", [64, 150])
 async def test_the_recalled_section_never_exceeds_its_budget(budget: int) -> None:
     model = ScriptedModel.replies("ok", loop=True)

@@ -9,7 +9,10 @@ Marginal Relevance. Here, when a conversation has folded history:
   and for those of the task card; only events the fold took out of context
   (positions before the checkpoint) and only what can say something (no task
   card events, which are in context anyway);
-* **base**: the better of the event's two store scores;
+* **second hop**: identifiers the three best candidates name that no query
+  holds (a separator and a digit: ``OPS-4821``) are searched once more; what
+  that finds has the hit's score times the best first-hop score as its base;
+* **base**: the better of the event's store scores;
 * **task relevance**: ``0.5 + 0.5 * coverage`` of the card's words in the event
   (1 without a card), so an event about the task outranks an equally good match
   that is not, and a match off the task still counts half;
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -42,7 +45,7 @@ from torpor.compaction.task_card import card_lines
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
 from torpor.events import Event, TaskCard, kind_of, searchable_text
 from torpor.store.fulltext import coverage
-from torpor.store.protocol import EventStore
+from torpor.store.protocol import EventStore, SearchHit
 
 __all__ = [
     "DEFAULT_LAMBDA",
@@ -60,6 +63,8 @@ __all__ = [
 DEFAULT_PUSH_TOKENS = 2_000
 DEFAULT_LAMBDA = 0.7  # design source 001: stable for 0.5-0.8
 CANDIDATES = 16  # hits asked of the store per query
+HOP_FROM = 3  # the best first-hop candidates whose identifiers are followed
+HOP_TERMS = 4  # identifiers in the second-hop query, at most
 MAX_QUERY_WORDS = 24
 RECALLED_HEADER = (
     "Recalled from earlier in this conversation for the current task "
@@ -75,6 +80,7 @@ _SHORT_TEXT = """
     did does get got put let use any all one has had
 """
 _SHORT = frozenset(_SHORT_TEXT.split())
+_IDENT = re.compile(r"(?<![\w\-])[A-Za-z][A-Za-z0-9]*(?:[\-_][A-Za-z0-9]+)+(?![\w\-])")
 _KEY = re.compile(r"(?<![\w\-./])([A-Za-z_][\w\-./]*\w)\s*(?:=|:(?!//))(?=\s*\S)")
 
 
@@ -199,18 +205,22 @@ async def push(
     if not queries or before <= 0:
         return NOTHING
     found = await asyncio.gather(*(store.search(conversation_id, q, k) for q in queries))
-    base: dict[int, float] = {}
-    for hits in found:
-        for hit in hits:
-            if hit.position < before and hit.kind != "task_card":
-                base[hit.position] = max(base.get(hit.position, 0.0), hit.score)
+    base = _candidates(found, before)
     if not base:
         return NOTHING
-    positions = sorted(base)
-    reads = await asyncio.gather(
-        *(store.read_range(conversation_id, p, p) for p in positions)
-    )
-    events = [r[0] for r in reads if r]
+    events = await _read(store, conversation_id, base)
+    # The second hop: an identifier the best candidates name that no query asked for
+    # ("see ticket OPS-4821") is searched once; what it finds scores its hit's score
+    # times the best first-hop score.
+    hop = _hop_query(events, base, queries)
+    if hop:
+        parent = max(base.values())
+        extra = _candidates([await store.search(conversation_id, hop, k)], before)
+        new = {p: round(score * parent, 6) for p, score in extra.items() if p not in base}
+        if new:
+            base.update(new)
+            events = sorted([*events, *await _read(store, conversation_id, new)],
+                            key=_position)
     texts = [_text(e) for e in events]
     # Supersession among the candidates: the latest event setting a key owns it.
     owner: dict[str, int] = {}
@@ -252,6 +262,41 @@ async def push(
         tuple(candidates[i].score for i in chosen),
         tuple(sorted(candidates, key=_best)),
     )
+
+
+def _candidates(found: Sequence[Sequence[SearchHit]], before: int) -> dict[int, float]:
+    """Position -> best store score of the hits a push may use (folded, not a card)."""
+    base: dict[int, float] = {}
+    for hits in found:
+        for hit in hits:
+            if hit.position < before and hit.kind != "task_card":
+                base[hit.position] = max(base.get(hit.position, 0.0), hit.score)
+    return base
+
+
+async def _read(store: EventStore, conversation_id: str, positions: Iterable[int]) -> list[Event]:
+    reads = await asyncio.gather(
+        *(store.read_range(conversation_id, p, p) for p in sorted(positions))
+    )
+    return [r[0] for r in reads if r]
+
+
+def _hop_query(events: Sequence[Event], base: dict[int, float], queries: Sequence[str]) -> str:
+    """Identifiers (a separator and a digit: ``OPS-4821``, ``build_42``) that the three best
+    candidates name and no query holds, as one query ("" when there are none)."""
+    asked = " ".join(queries).lower()
+    best = sorted(events, key=lambda e: (-base[e.position], e.position))[:HOP_FROM]
+    found: list[str] = []
+    for event in best:
+        for match in _IDENT.finditer(_text(event)):
+            word = match.group()
+            if any(c.isdigit() for c in word) and word.lower() not in asked and word not in found:
+                found.append(word)
+    return " ".join(found[:HOP_TERMS])
+
+
+def _position(event: Event) -> int:
+    return event.position
 
 
 def _best(candidate: Candidate) -> tuple[float, int]:
