@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from store_backends import Backend
+from support import writes_fail, writes_succeed
 
 import torpor
 from torpor import AgentConfig, Runtime, ScriptedModel, TaskCard, TaskCardTooLarge
@@ -153,3 +154,44 @@ async def test_an_evicted_agent_revives_to_log_a_card_and_a_hibernated_one_keeps
         assert [c.matches for c in [await rt.admin.rendered("c", i) for i in range(3)]] == [
             True, True, True,
         ]
+
+
+@torpor.tool
+async def loop_note(topic: str) -> str:
+    """Adds an open loop from code while the model's own card change runs beside it."""
+    await RUNTIME[0].task("c").update(open_loops=[topic])
+    return "noted"
+
+
+async def test_a_change_from_code_and_one_from_the_model_at_once_are_both_kept() -> None:
+    # One step with two calls: the built-in card tool and a tool changing the card from
+    # code run concurrently; each merges under the append lock, so neither is lost.
+    model = ScriptedModel([
+        [Call("task_card", {"goal": "goal from the model"}), Call("loop_note", {"topic": "T"})],
+        [Text("done")],
+    ])
+    config = AgentConfig(tools=[loop_note], task_card_tool=True, system_prompt="be brief")
+    async with Runtime("sqlite://", model=model, agent=config) as rt:
+        RUNTIME[:] = [rt]
+        await (await rt.send("c", "start")).result()
+        card = await rt.task("c").get()
+        assert card is not None
+        assert (card.goal, card.open_loops) == ("goal from the model", ("T",))
+        cards = [e.body for e in reversed(await rt.history("c")) if e.kind == "task_card"]
+        assert len(cards) == 2 and cards[-1] == card
+
+
+async def test_a_store_that_cannot_write_refuses_the_change_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'full.db'}"
+    async with Runtime(url, model=ScriptedModel.replies("ok"), agent=SMALL) as rt:
+        await rt.task("c").update(goal="kept")
+        await writes_fail(rt.store)
+        with pytest.raises(torpor.StoreUnavailable):
+            await rt.task("c").update(goal="lost " * 100)  # larger than any room left
+        await writes_succeed(rt.store)
+        assert await rt.task("c").get() == TaskCard(goal="kept")
+        await rt.task("c").update(open_loops=["after recovery"])
+        assert await rt.task("c").get() == TaskCard("kept", (), ("after recovery",))
+        assert [e.kind for e in await rt.history("c")] == ["task_card", "task_card"]
