@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from torpor.compaction.task_card import card_lines
 from torpor.events import (
     Aborted,
     AssistantMessage,
@@ -14,6 +15,7 @@ from torpor.events import (
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -56,6 +58,8 @@ def body_text(body: Body) -> str:
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):
         return f"unparked by {body.by}"
+    if isinstance(body, TaskCard):
+        return f"task card ({body.by}): " + " | ".join(card_lines(body).splitlines())
     return ""
 
 
