@@ -132,6 +132,7 @@ def flood(rng: random.Random) -> str:
 # --- the deterministic agent ------------------------------------------------------------
 
 _EVENT_LINE = re.compile(r"^(?:- event (\d+) \(|--- event (\d+) \(|#(\d+) )")
+_NAMED = re.compile(r"(?:- event (\d+) \(|--- event (\d+) \(|#(\d+) )")
 _TICKET = re.compile(r"\bOPS-\d+\b")
 _LATE = 10**9  # tail messages: newer than anything folded
 
@@ -146,10 +147,16 @@ def _evidence(messages: Sequence[ContextMessage], start: int) -> list[tuple[int,
             text = message.text if isinstance(message, SystemMessage) else message.content
             position = 0
             for line in text.splitlines():
-                match = _EVENT_LINE.match(line)
-                if match:
+                # A line may quote an older tool result that quotes other events in turn
+                # (a recall hit on an earlier recall's output): each piece of text belongs
+                # to the event named last before it.
+                cut = 0
+                for match in _NAMED.finditer(line):
+                    if match.start() > cut:
+                        found.append((position, line[cut:match.start()]))
                     position = int(next(g for g in match.groups() if g))
-                found.append((position, line))
+                    cut = match.start()
+                found.append((position, line[cut:]))
         elif isinstance(message, UserMessage) and index < start:
             found.append((_LATE + index, message.text))
     return found

@@ -8,7 +8,8 @@ Marginal Relevance. Here, when a conversation has folded history:
   :mod:`torpor.store.hits`) for the salient words of the current user message,
   and for those of the task card; only events the fold took out of context
   (positions before the checkpoint) and only what can say something (no task
-  card events, which are in context anyway);
+  card events, which are in context anyway, and no output of an earlier
+  ``recall`` or ``expand``, which only quotes other events);
 * **second hop**: identifiers the three best candidates name that no query
   holds (a separator and a digit: ``OPS-4821``) are searched once more; what
   that finds has the hit's score times the best first-hop score as its base;
@@ -43,7 +44,7 @@ from torpor.compaction.sections import Block
 from torpor.compaction.slots import clip_text
 from torpor.compaction.task_card import card_lines
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
-from torpor.events import Event, TaskCard, kind_of, searchable_text
+from torpor.events import Event, TaskCard, ToolResult, kind_of, searchable_text
 from torpor.store.fulltext import coverage
 from torpor.store.protocol import EventStore, SearchHit
 
@@ -63,6 +64,7 @@ __all__ = [
 DEFAULT_PUSH_TOKENS = 2_000
 DEFAULT_LAMBDA = 0.7  # design source 001: stable for 0.5-0.8
 CANDIDATES = 16  # hits asked of the store per query
+ECHO_TOOLS = frozenset(("recall", "expand"))  # the built-in tools whose output quotes the log
 HOP_FROM = 3  # the best first-hop candidates whose identifiers are followed
 HOP_TERMS = 4  # identifiers in the second-hop query, at most
 MAX_QUERY_WORDS = 24
@@ -278,7 +280,14 @@ async def _read(store: EventStore, conversation_id: str, positions: Iterable[int
     reads = await asyncio.gather(
         *(store.read_range(conversation_id, p, p) for p in sorted(positions))
     )
-    return [r[0] for r in reads if r]
+    return [r[0] for r in reads if r and not _echo(r[0])]
+
+
+def _echo(event: Event) -> bool:
+    """An earlier recall's or expand's output: copies of other events (which are candidates
+    themselves), so not evidence; a stale value quoted there must not supersede a newer one."""
+    body = event.body
+    return isinstance(body, ToolResult) and body.tool in ECHO_TOOLS
 
 
 def _hop_query(events: Sequence[Event], base: dict[int, float], queries: Sequence[str]) -> str:
