@@ -122,6 +122,30 @@ async def test_push_follows_an_identifier_for_the_second_hop() -> None:
         assert 0 < hop <= last.pushed_scores[last.pushed.index(0)]
 
 
+async def test_an_earlier_recall_quoting_a_stale_value_is_not_pushed_and_supersedes_nothing(
+) -> None:
+    from torpor.llm import Call, Text
+
+    steps: list[object] = [[Text("ok")]] * 3
+    steps += [[Call("recall", {"query": "gateway-7.pool_size"})], [Text("found it")]]
+    model = ScriptedModel([*steps, [Text("ok")]], loop=True)  # type: ignore[list-item]
+    config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
+    async with Runtime("sqlite://", model=model, agent=config) as rt:
+        await (await rt.send("c", "gateway-7.pool_size = 16 as agreed")).result()
+        await (await rt.send("c", "change of plan: gateway-7.pool_size = 48")).result()
+        await (await rt.send("c", "noted")).result()
+        await (await rt.send("c", "which pool size again?")).result()  # recalls: quotes both
+        kinds = [e.kind for e in reversed(await rt.history("c"))]
+        echo = kinds.index("tool_result")
+        for i in range(12):
+            await (await rt.send("c", f"flood {i} {FLOOD}")).result()
+        await (await rt.send("c", "What pool_size did we settle on for gateway-7?")).result()
+        text = recalled(model.calls[-1])
+        assert text is not None and "pool_size = 48" in text
+        last = (await rt.store.model_calls("c", limit=1_000))[-1]
+        assert 2 in last.pushed and echo not in last.pushed and 0 not in last.pushed
+
+
 @pytest.mark.parametrize("budget", [64, 150])
 async def test_the_recalled_section_never_exceeds_its_budget(budget: int) -> None:
     model = ScriptedModel.replies("ok", loop=True)
