@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 else:
     AnyStore = Any
 
-__all__ = ["AnyStore", "Backend"]
+__all__ = ["MEMORY_TABLES", "AnyStore", "Backend"]
+
+# The derived-memory tables (SQLite version 5): a test that downgrades a schema drops them.
+MEMORY_TABLES = ("memory_episodes", "memory_facts", "memory_ledger", "memory_turns")
 
 
 @dataclass

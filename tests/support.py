@@ -35,7 +35,7 @@ async def writes_fail(store: Any) -> None:
     """
     pages = await store._on_writer(lambda c: c.execute("PRAGMA page_count").fetchone()[0])
     await store._on_writer(lambda c: c.execute(f"PRAGMA max_page_count = {pages}").fetchone())
-    for size in (4000, 400, 40):
+    for size in (4000, 400, 40, 4, 0):
         for _ in range(200):
             try:
                 await store.append("~filler", [UserMessage("f" * size)])

@@ -470,3 +470,63 @@ def test_the_task_card_and_recalled_section_render_the_same_on_the_cached_and_fu
         renders.append(rendered)
     assert "second goal" in renders[-1].messages[1].text  # type: ignore[union-attr]
     assert len({r.hash for r in renders}) == 4
+
+
+def test_ceiling_stubs_the_heaviest_span_not_every_old_result() -> None:
+    """The span that frees what is missing with the most eviction weight per token: one
+    large old result is enough, so the smaller, older result stays whole (a policy that
+    stubs every tool result oldest first would take both)."""
+    log = Log()
+    log.user("question " * 300)
+    log.call("c1")
+    log.result("c1", "small " * 200)  # position 2
+    log.say("answer " * 300)
+    log.user("again " * 50)
+    log.call("c2")
+    log.result("c2", "data " * 600)  # position 6
+    log.say("answer " * 50)
+    log.user("current " * 50)
+    policy = CompactionPolicy(
+        context_window=1_700,
+        max_output_tokens=300,
+        safety_margin=50,
+        working_budget=600,
+        clip_tokens=3_000,
+        keep_tool_results=5,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert rendered.recipe.stubbed == (6,)
+    assert rendered.recipe.dropped == ()
+    assert_paired(rendered.messages)
+
+
+def test_ceiling_stubs_one_contiguous_span_when_no_single_event_is_enough() -> None:
+    """When no one event frees enough, the stubs are one run of adjacent events where the
+    freed tokens weigh most (the two newer results), not every result oldest first."""
+    log = Log()
+    log.user("fetch " * 20)  # 0
+    log.call("a")  # 1
+    log.result("a", "old " * 400)  # 2
+    log.say("talk " * 300)  # 3
+    log.user("more " * 20)  # 4
+    log.call("b", "c")  # 5
+    log.result("b", "data " * 400)  # 6
+    log.result("c", "info " * 400)  # 7
+    log.say("done " * 20)  # 8
+    log.user("current " * 50)  # 9
+    policy = CompactionPolicy(
+        context_window=1_350,
+        max_output_tokens=300,
+        safety_margin=50,
+        working_budget=600,
+        clip_tokens=3_000,
+        keep_tool_results=5,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert rendered.recipe.stubbed == (6, 7)
+    assert rendered.recipe.dropped == ()
+    assert_paired(rendered.messages)

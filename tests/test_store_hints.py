@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from store_backends import Backend
+from store_backends import MEMORY_TABLES, Backend
 
 from torpor.compaction import CompactionPolicy, WorkingSet, build_checkpoint, plan_fold
 from torpor.compaction.markers import decode_hints, encode_hints, event_hints
@@ -66,6 +66,8 @@ async def test_rows_from_before_hints_fold_as_rows_with_them(backend: Backend) -
             await store.append("c", turn(i), turn=i + 1)
     # The database as version 2 left it: no hints column (nor, on SQLite, fts_backlog).
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
+    for table in MEMORY_TABLES:
+        await backend.sql(f"DROP TABLE {table}")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 2")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from store_backends import Backend
+from store_backends import MEMORY_TABLES, Backend
 
 from torpor.events import (
     Aborted,
@@ -146,6 +146,8 @@ async def _downgrade_to_version_1(backend: Backend) -> None:
     await backend.sql("DROP TABLE pending_calls")
     await backend.sql("ALTER TABLE idempotency_keys DROP COLUMN fingerprint")
     await backend.sql("ALTER TABLE events DROP COLUMN hints")
+    for table in MEMORY_TABLES:
+        await backend.sql(f"DROP TABLE {table}")
     if backend.name == "sqlite":
         await backend.sql("DROP TABLE fts_backlog")  # version 4
         await backend.sql("PRAGMA user_version = 1")

@@ -26,6 +26,7 @@ from torpor.compaction.markers import HANDOFF_HEADER
 from torpor.events import Event, UserMessage
 from torpor.llm import Fail, Report, Signal, Text, Wait
 from torpor.llm.protocol import ContextMessage, SystemMessage
+from torpor.memory.bundle import BUNDLE_HEADER
 
 SMALL = dict(working_budget=150, tail_turns=1, context_window=4_000, max_output_tokens=500,
              safety_margin=100, recall_tools=False)
@@ -59,9 +60,12 @@ async def test_a_fold_stores_the_models_summary_beside_the_markers() -> None:
         calls = await rt.store.model_calls("c", limit=100)
     assert len(checkpoints) >= 2 and all(cp.summary == SUMMARY for cp in checkpoints)
     assert all(cp.markers for cp in checkpoints)  # the summary never replaces the recall path
-    # What the conversation's model saw after the first fold: markers, then the summary.
-    seen = [h for h in handoffs(conversation_model) if h.startswith(HANDOFF_HEADER)]
-    assert seen and "[events 0\u2013" in seen[0] and seen[0].endswith(SUMMARY)
+    # What the conversation's model saw after the first fold: the memory bundle (the span's
+    # episode; this answer has no ITEMS list, so no facts), then the markers.
+    seen = [h for h in handoffs(conversation_model) if h.startswith(BUNDLE_HEADER)]
+    assert seen and "[events 0\u2013" in seen[0]
+    assert "The user listed build ids." in seen[0] and SUMMARY not in seen[0]
+    assert seen[0].index("The user listed") < seen[0].index(HANDOFF_HEADER)
     assert seen[0] == handoff_text(checkpoints[0])
     summaries = [c for c in calls if c.purpose == "summary"]
     assert len(summaries) == len(checkpoints)

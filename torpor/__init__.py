@@ -52,13 +52,39 @@ from torpor.events import (
     UserMessage,
 )
 from torpor.llm import EchoModel, Model, ScriptedModel, TextDelta, ToolSpec
+from torpor.memory import (
+    AddEverything,
+    Consolidation,
+    Consolidator,
+    Digest,
+    EpisodicItem,
+    KeyedConsolidator,
+    LedgerEntry,
+    MemoryRecord,
+    Reconciler,
+    SemanticItem,
+    ToolInteraction,
+)
 from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, TaskHandle, Transition
+from torpor.runtime.memory_api import MemoryView
 from torpor.store import open_store
 from torpor.store.protocol import Checkpoint, EventStore, Marker, ModelCall, SearchHit
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ToolInteraction",
+    "SemanticItem",
+    "Reconciler",
+    "MemoryView",
+    "MemoryRecord",
+    "LedgerEntry",
+    "KeyedConsolidator",
+    "EpisodicItem",
+    "Digest",
+    "Consolidator",
+    "Consolidation",
+    "AddEverything",
     "Aborted",
     "AgentConfig",
     "AgentInfo",

@@ -39,14 +39,28 @@ def _tools_problem(value: object) -> str | None:
     return None
 
 
-def _summarizer_problem(value: object) -> str | None:
+def _method_problem(value: object, method: str, *, coroutine: bool) -> str | None:
+    """None when ``value`` is None or has ``method`` (a coroutine function or not, as asked)."""
     try:
-        summarize = getattr(value, "summarize", None)
-    except Exception:  # a hostile __getattr__ is a bad summarizer, not a crash
-        summarize = None
-    if value is None or inspect.iscoroutinefunction(summarize):
+        found = getattr(value, method, None)
+    except Exception:  # a hostile __getattr__ is a bad value, not a crash
+        found = None
+    if value is None or (callable(found) and inspect.iscoroutinefunction(found) == coroutine):
         return None
-    return f" ({type(value).__name__}, without an async summarize method)"
+    kind = "an async" if coroutine else "a synchronous"
+    return f" ({type(value).__name__}, without {kind} {method} method)"
+
+
+def _summarizer_problem(value: object) -> str | None:
+    return _method_problem(value, "summarize", coroutine=True)
+
+
+def _reconciler_problem(value: object) -> str | None:
+    return _method_problem(value, "decide", coroutine=False)
+
+
+def _consolidator_problem(value: object) -> str | None:
+    return _method_problem(value, "sweep", coroutine=True)
 
 
 def _model_problem(value: object) -> str | None:
@@ -89,6 +103,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     keep_tool_results: int = 3
     clear_at_least: int = 4_000  # tokens a batch of tool-result stubs must free (0: no batching)
     summarizer: Any = None  # optional torpor.compaction Summarizer
+    # Optional torpor.memory Reconciler (ADD/NONE per finished turn; None: every turn ADD)
+    # and Consolidator (the sweep's UPDATE/DELETE; None: torpor.memory.KeyedConsolidator).
+    reconciler: Any = None
+    consolidator: Any = None
     # No chunk from the model for this many seconds ends the call (ModelTimeout); None: never.
     model_idle_timeout: float | None = 300.0
     # A cancelled or timed-out tool gets this long to stop; then it is abandoned (reported).
@@ -119,6 +137,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         )},
         "summarizer": custom("None or an object with an async summarize method",
                              _summarizer_problem),
+        "reconciler": custom("None or an object with a decide method", _reconciler_problem),
+        "consolidator": custom("None or an object with an async sweep method",
+                               _consolidator_problem),
         "model_idle_timeout": optional(seconds()),
         "cancel_deadline": seconds(),
         "task_card_tokens": integer(16, 100_000),

@@ -32,11 +32,12 @@ from torpor.compaction.recall import (
     format_hits,
 )
 from torpor.compaction.recall import recall as recall_hits
-from torpor.compaction.summarizer import summarize_fold
 from torpor.compaction.task_card import TASK_CARD_TOOL
 from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
+from torpor.memory.fold import fold_memory
+from torpor.memory.reconcile import reconcile_logged
 from torpor.store.protocol import ModelCall
 from torpor.text import repair_text
 
@@ -124,6 +125,9 @@ async def _at_head(
             for event in events:
                 if type(event.body) is TaskCard:
                     ws.note_card(event)
+        reconciler = agent.profile.config.reconciler
+        if reconciler is not None:  # the hot-path reconciler, once per finished turn
+            await reconcile_logged(host.store, reconciler, agent.id, number, agent.ws, events)
     return events
 
 
@@ -167,7 +171,7 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
     if plan is None:
         return
     started = time.perf_counter()
-    summary = ""
+    summary = bundle = ""
     summarizer = profile.config.summarizer
     if summarizer is not None:
         previous = ws.checkpoint.summary if ws.checkpoint is not None else ""
@@ -175,15 +179,17 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
         try:
             if agent.cancels:
                 _cancel_turn(agent)
-            summary, audit = await summarize_fold(summarizer, previous, plan.events)
+            remembered = await fold_memory(host.store, summarizer, agent.id, previous, plan)
         finally:
             agent.cancellable = False
+        summary, audit, bundle = remembered.summary, remembered.audit, remembered.bundle
         if audit is not None:
             await _record(host, audit.model_call(
                 agent.id, agent.turn, agent.calls, agent.cycle + 1, ws.checkpoint, profile.policy
             ))
     checkpoint = build_checkpoint(
-        plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary, task_card=ws.card
+        plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary, memory=bundle,
+        task_card=ws.card,
     )
     with anyio.CancelScope(shield=True):  # written and applied, or neither
         await host.store.put_checkpoint(checkpoint)

@@ -5,7 +5,8 @@ position, event count and stored size. With one: its derived state, its
 checkpoints and their pointer markers, its last events, its model calls, the
 share of its prompt tokens the provider read from its prompt cache, and the
 anatomy of the most recent call: tokens per context section, events and markers
-in context, its topic label (and whether it changed) and its time-sortable turn id.
+in context, its topic label (and whether it changed) and its time-sortable turn id;
+and its derived memory (episodic and semantic items, the ledger, skipped turns).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torpor.cli.common import (
     to_jsonable,
     write_json,
 )
+from torpor.cli.inspect_memory import memory_json, print_memory
 from torpor.cli.render import clip, event_json, event_line
 from torpor.errors import UnknownConversation
 from torpor.store import open_store
@@ -197,6 +199,7 @@ async def _detail(store: EventStore, conversation_id: str, events: int,
         "model_calls": [_call_json(c) for c in model_calls],
         "prompt_cache": _cache(every_call),
         "anatomy": _anatomy(model_calls[-1]) if model_calls else None,
+        "memory": await memory_json(store, conversation_id),
         "_lines": [event_line(e, 90) for e in reversed(last)],
     }
 
@@ -260,6 +263,7 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
             table.add_row(section, f"{tokens:,}")
         console.print(table)
         console.print(_anatomy_line(anatomy))
+    print_memory(console, data["memory"])
 
 
 def _anatomy_line(anatomy: dict[str, Any]) -> str:

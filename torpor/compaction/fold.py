@@ -154,11 +154,13 @@ def build_checkpoint(
     *,
     created_at: int | None = None,
     task_card: Event | None = None,
+    memory: str = "",
 ) -> Checkpoint:
     """The checkpoint for a planned fold: previous markers merged with one for this span.
 
     ``summary``: a Summarizer's narrative (the previous one is carried over when
-    none is given). ``tokens`` is what the handoff costs in a rendered context.
+    none is given). ``memory``: the memory bundle rendered for this fold.
+    ``tokens`` is what the handoff costs in a rendered context.
     ``task_card``: the card in effect (its TaskCard event), kept with the fold so a
     revival that reads only the events after it still has it; the previous
     checkpoint's when none is given.
@@ -185,6 +187,7 @@ def build_checkpoint(
         task_card=task_card if task_card is not None else (
             previous.task_card if previous is not None else None
         ),
+        memory=memory,
     )
     tokens = count_text(handoff_text(checkpoint), policy.encoding) + MESSAGE_OVERHEAD
     return msgspec.structs.replace(checkpoint, tokens=tokens)

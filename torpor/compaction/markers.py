@@ -463,11 +463,13 @@ def format_marker(marker: Marker) -> str:
 
 def handoff_text(checkpoint: Checkpoint) -> str:
     """The system message a checkpoint renders to ("" when it carries nothing)."""
-    if not checkpoint.markers and not checkpoint.summary:
+    if not checkpoint.markers and not checkpoint.summary and not checkpoint.memory:
         return ""
-    lines = [HANDOFF_HEADER]
+    # The memory bundle (design source 002's snapshot) comes before the markers and stands
+    # in for the narrative summary, whose episodes and facts it already holds.
+    lines = [checkpoint.memory, HANDOFF_HEADER] if checkpoint.memory else [HANDOFF_HEADER]
     lines.extend(format_marker(m) for m in checkpoint.markers)
-    if checkpoint.summary:
+    if checkpoint.summary and not checkpoint.memory:
         lines.append("Summary of the folded turns:")
         lines.append(checkpoint.summary)
     return "\n".join(lines)

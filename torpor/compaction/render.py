@@ -4,8 +4,9 @@ Two steps, so the audit can replay the second one from the log:
 
 * ``plan`` decides, by log position, what to stub, clip or drop (the recipe):
   old tool results become stubs, oversized messages are clipped, and if the
-  whole still exceeds the hard ceiling, older events are stubbed by kind (tool
-  results first, then tool calls, then dialogue), then older turns are dropped,
+  whole still exceeds the hard ceiling, spans of older events are stubbed by
+  eviction weight (tool results first, then tool calls, then dialogue), then
+  older turns are dropped,
   then the current user message is cut;
 * ``materialize`` turns events plus those decisions into messages, section
   sizes and the payload hash.
@@ -114,28 +115,22 @@ def plan(
 
     d.ceiling_enforced = True
     groups = _groups(slots, last_user)
-    # 1. Stub by kind, as design source 001 weighs eviction (section 5.1): tool results
-    # first (the largest, and recall finds them), then tool calls, then dialogue, then
-    # results already clipped into artifacts (a pointer already); oldest first within a
-    # kind. The system prompt, the markers and the current ask are never stubbed.
-    for tier in range(len(EVICTION_WEIGHTS)):
-        if total <= ceiling:
+    # 1. Stub spans, as design source 001 weighs eviction (section 5.1): the contiguous run
+    # of evictable events that frees what is missing and whose freed tokens carry the
+    # greatest eviction weight (tool results 1.0, tool calls 0.8, dialogue 0.5, artifact
+    # references 0.3), the oldest of equals. The system prompt, the markers and the
+    # current ask are never stubbed.
+    while total > ceiling:
+        span = _heaviest_span(slots, events, d, costs, last_user, total - ceiling, encoding)
+        if not span:
             break
-        for members in groups:
-            if total <= ceiling:
-                break
-            for k in members:
-                index, _, call = slots[k]
-                if call is not None or _tier(events[index]) != tier:
-                    continue
-                pos = events[index].position
-                if pos in d.stubbed:
-                    continue
-                d.stubbed.add(pos)
-                d.clipped.pop(pos, None)
-                new = slot_cost(slots[k], events, d, encoding)
-                total += new - costs[k]
-                costs[k] = new
+        for k in span:
+            pos = events[slots[k][0]].position
+            d.stubbed.add(pos)
+            d.clipped.pop(pos, None)
+            new = slot_cost(slots[k], events, d, encoding)
+            total += new - costs[k]
+            costs[k] = new
     # 2. Drop whole groups, oldest first.
     for members in groups:
         if total <= ceiling:
@@ -182,6 +177,58 @@ def _tier(event: Event) -> int:
     if type(body) is AssistantMessage and body.tool_calls:
         return 1
     return 2
+
+
+def _heaviest_span(
+    slots: Sequence[Slot],
+    events: Sequence[Event],
+    d: Decisions,
+    costs: Sequence[int],
+    last_user: int,
+    need: int,
+    encoding: str,
+) -> list[int]:
+    """The slots of the span to stub next (empty: nothing left worth stubbing).
+
+    The candidates are the evictable slots in log order whose stub is cheaper than what
+    they hold. For each start, the shortest run that frees ``need`` tokens (or the rest);
+    the winner has the highest eviction weight per freed token (so a run is not preferred
+    for sweeping dialogue in with a tool result), the oldest of equals. Linear: two pointers.
+    """
+    units: list[tuple[int, int, float]] = []  # (slot, tokens freed, weight)
+    for k, (index, _, call) in enumerate(slots):
+        if call is not None or index == last_user:
+            continue
+        event = events[index]
+        pos = event.position
+        if pos in d.stubbed:
+            continue
+        clipped = d.clipped.pop(pos, None)
+        d.stubbed.add(pos)
+        freed = costs[k] - slot_cost(slots[k], events, d, encoding)
+        d.stubbed.discard(pos)
+        if clipped is not None:
+            d.clipped[pos] = clipped
+        if freed > 0:
+            units.append((k, freed, EVICTION_WEIGHTS[_tier(event)][1] * freed))
+    if not units:
+        return []
+    best: tuple[float, int, int] | None = None  # (weight per token, -start, end)
+    end, freed, weight = 0, 0, 0.0
+    for start in range(len(units)):
+        while end < len(units) and freed < need:
+            freed += units[end][1]
+            weight += units[end][2]
+            end += 1
+        score = (weight / freed, -start, end)
+        if best is None or score[:2] > best[:2]:
+            best = score
+        if end == len(units) and freed < need:
+            break  # later starts free even less
+        freed -= units[start][1]
+        weight -= units[start][2]
+    assert best is not None
+    return [units[i][0] for i in range(-best[1], best[2])]
 
 
 def ceiling_of(policy: CompactionPolicy, calibration: float) -> int:

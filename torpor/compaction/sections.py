@@ -4,7 +4,9 @@ A context is, in this order:
 
 1. the system prompt;
 2. the head blocks, in :data:`HEAD_ORDER`: the task card (never folded or
-   stubbed), then the fold's handoff (pointer markers, optional summary);
+   stubbed), then the fold's handoff (the memory bundle a fold kept, then the
+   pointer markers and any summary: one block, see
+   :func:`~torpor.compaction.markers.handoff_text`);
 3. the tail: the verbatim turns since the fold, stubbed and clipped by the
    reducers;
 4. the recalled section (task-conditioned push, :mod:`torpor.compaction.push`).
@@ -15,8 +17,9 @@ user message, so it goes *after* the tail: placed before it, every new recalled
 set would change the prefix from there on and void the cached tail on every turn;
 at the end it costs the cache only itself.
 
-A new head block (a memory bundle, say) is one more name in :data:`HEAD_ORDER`
-and one more entry in the mapping given to :func:`head_of`.
+A new head block is one more name in :data:`HEAD_ORDER` and one more entry in
+the mapping given to :func:`head_of` (by the working set and by the audit's
+rebuild).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from torpor._logging import get_logger
+from torpor.compaction.extraction import ItemDraft, parse_answer
 from torpor.compaction.recipe import Recipe, encode_recipe, payload_hash
 from torpor.compaction.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD, count_text, get_encoding
 from torpor.errors import ConfigError, ModelError
@@ -55,8 +57,15 @@ FACTS:
 - One durable fact, preference, constraint or decision per line, phrased to stand on its \
 own. Keep exact names, numbers, identifiers, paths and URLs.
 
+ITEMS:
+A JSON list with one object per line of FACTS: {"kind": "fact" | "preference" | \
+"constraint" | "decision", "key": a short stable name for what it is about (reuse the \
+same key when a fact replaces an earlier one), "text": the line, "confidence": 0 to 1}.
+
 If a previous summary is given, merge it in: keep what still holds, drop what the new \
 turns superseded. Do not invent anything that is not in the turns."""
+
+log = get_logger(__name__)
 
 _RESULT_CHARS = 1_500  # a tool result is shown up to this many characters
 _MESSAGE_CHARS = 6_000  # a message is shown up to this many characters
@@ -77,6 +86,11 @@ class SummaryOutcome(msgspec.Struct, frozen=True, gc=False):
     ttft_ms: float | None
     error: str | None
     created_at: int
+    # What the answer holds besides the handoff (torpor.compaction.extraction): the span's
+    # episode and the structured items; ``items_problem`` says why items are missing.
+    episode: str = ""
+    items: tuple[ItemDraft, ...] = ()
+    items_problem: str | None = None
 
     def model_call(
         self,
@@ -159,7 +173,9 @@ class ModelSummarizer:
     bound, and reading stops past it); ``max_input_tokens``: the transcript of
     the folded span shown to the model is kept under this (oldest events left
     out first, tool results and long messages clipped); ``timeout``: seconds
-    for the whole call (None: no limit of its own). Give it a cheaper model
+    for the whole call (None: no limit of its own). ``memory_budget``: tokens
+    of the memory bundle a fold renders from the episodic and semantic items
+    it writes (0: write the items, show none of them). Give it a cheaper model
     than the conversation's if you like: it is any torpor Model.
     """
 
@@ -172,6 +188,7 @@ class ModelSummarizer:
         max_input_tokens: int = 12_000,
         timeout: float | None = 120.0,
         encoding: str = DEFAULT_ENCODING,
+        memory_budget: int = 600,
     ) -> None:
         if not callable(getattr(model, "stream", None)):
             raise ConfigError("model", f"must be a torpor Model, got {type(model).__name__}")
@@ -181,6 +198,8 @@ class ModelSummarizer:
         if type(max_input_tokens) is not int or max_input_tokens < 100:
             raise ConfigError("max_input_tokens", f"must be an integer >= 100, got "
                                                   f"{max_input_tokens!r}")
+        if type(memory_budget) is not int or memory_budget < 0:
+            raise ConfigError("memory_budget", f"must be an integer >= 0, got {memory_budget!r}")
         if timeout is not None and not timeout > 0:
             raise ConfigError("timeout", f"must be None or > 0, got {timeout!r}")
         if not isinstance(instructions, str) or not instructions.strip():
@@ -191,6 +210,7 @@ class ModelSummarizer:
         self.max_input_tokens = max_input_tokens
         self.timeout = timeout
         self.encoding = encoding
+        self.memory_budget = memory_budget
         get_encoding(encoding)  # an unknown encoding fails here, not at the first fold
 
     @property
@@ -251,7 +271,8 @@ class ModelSummarizer:
         parts: list[str] = []
         usage: Usage | None = None
         error: str | None = None
-        limit_chars = self.max_output_tokens * 8  # past this, surely past the token bound
+        # Past this, surely past the token bound (twice it: the ITEMS list comes on top).
+        limit_chars = self.max_output_tokens * 16
         length = 0
         stream = self.model.stream(messages, ())
         try:
@@ -275,10 +296,15 @@ class ModelSummarizer:
         finally:
             await close_quietly(stream, "aclose")
         text = ""
+        extraction = None
         if error is None:
-            text = self._bounded(repair_text("".join(parts)).strip())
+            extraction = parse_answer(repair_text("".join(parts)))
+            text = self._bounded(extraction.summary)
             if not text:
                 error = "ModelError: the summarizer's model answered with no text"
+            elif extraction.problem is not None:
+                log.warning("summary_items_unreadable", problem=extraction.problem,
+                            model=self.name)
         now = time.perf_counter()
         return SummaryOutcome(
             text=text,
@@ -293,6 +319,9 @@ class ModelSummarizer:
             ttft_ms=(first - started) * 1000.0 if first is not None else None,
             error=error,
             created_at=int(time.time() * 1000),
+            episode=self._bounded(extraction.episode) if extraction and text else "",
+            items=extraction.items if extraction and text else (),
+            items_problem=extraction.problem if extraction else None,
         )
 
     def _bounded(self, text: str) -> str:

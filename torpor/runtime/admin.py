@@ -24,6 +24,7 @@ from torpor.text import check_id
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
     from torpor.runtime.host import Runtime
+    from torpor.runtime.memory_api import MemoryView
     from torpor.store.protocol import PendingApproval
 
 __all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
@@ -297,3 +298,8 @@ class Admin:
             profile.specs,
         )
         return RenderedCall(record, rendered, rendered.hash == record.rendered_hash)
+
+    async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
+        """A conversation's derived memory (items, ledger, digest), from the store alone:
+        never wakes the agent."""
+        return await self._rt.memory(conversation_id, max_lines=max_lines)

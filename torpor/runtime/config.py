@@ -57,6 +57,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Leaving the Runtime waits this long for agents to log how their turns ended; a task
     # still running then (a tool ignoring cancellation) is abandoned and reported.
     shutdown_deadline: float = 10.0
+    # Seconds between consolidation sweeps of idle conversations that folded since their
+    # last one (torpor.memory: the ledger's UPDATE/DELETE); None (default): only on demand.
+    consolidate_interval: float | None = None
 
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
@@ -73,6 +76,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "mailbox_bound": integer(1),
         "durability": choice("normal", "full"),
         "shutdown_deadline": seconds(),
+        "consolidate_interval": optional(seconds()),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = (
         Relation(("evict_after", "hibernate_after"), _evict_before_hibernate),

@@ -42,6 +42,7 @@ from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
+from torpor.runtime.memory_api import MemoryAPI
 from torpor.runtime.registry import Registry
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
@@ -76,7 +77,7 @@ async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
         await task
 
 
-class Runtime:
+class Runtime(MemoryAPI):
     """Hosts one actor per live conversation over one event store.
 
     ``async with Runtime("sqlite:///chat.db", model=..., agent=AgentConfig(...)) as rt``:
@@ -141,6 +142,10 @@ class Runtime:
             stack.push_async_callback(_cancel_and_wait, sweeper)
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
+            if self.config.consolidate_interval is not None:  # stopped before the agents
+                sweep = self._consolidate_idle(self.config.consolidate_interval)
+                consolidator = asyncio.get_running_loop().create_task(sweep)
+                stack.push_async_callback(_cancel_and_wait, consolidator)
         except BaseException:
             await stack.aclose()
             raise

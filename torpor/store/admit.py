@@ -186,6 +186,7 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
     check_int(checkpoint.cycle, "checkpoint.cycle", 0, INT32_LIMIT)
     check_int(checkpoint.tokens, "checkpoint.tokens", 0, INT32_LIMIT)
     check_text(checkpoint.summary, "checkpoint.summary")
+    check_text(checkpoint.memory, "checkpoint.memory")
     if not isinstance(checkpoint.markers, tuple | list):
         raise InvalidInput("checkpoint.markers", "must be a tuple of Marker")
     for index, marker in enumerate(checkpoint.markers):

@@ -29,6 +29,16 @@ from torpor.store.arguments import (
     check_turn,
     search_query,
 )
+from torpor.store.memory import (
+    EpisodicItem,
+    LedgerEntry,
+    MemoryRecord,
+    SemanticItem,
+    check_episode,
+    check_fact,
+    check_ledger_entry,
+)
+from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
 from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, now_ms
 from torpor.store.protocol import (
     Checkpoint,
@@ -110,6 +120,12 @@ class StoreCore:
         """Search with arguments already checked (``query`` through :func:`search_query`)."""
         raise NotImplementedError
 
+    async def _write_memory(self, write: MemoryWrite) -> None:
+        raise NotImplementedError
+
+    async def _read_memory(self, conversation_id: str) -> MemoryRecord:
+        raise NotImplementedError
+
     # lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
@@ -171,6 +187,65 @@ class StoreCore:
         if not call.created_at:
             call = msgspec.structs.replace(call, created_at=now_ms())
         await self._submit(self._model_call_op(call))
+
+    # derived memory (torpor.store.memory): never the log ------------------------------
+
+    async def put_memory(
+        self,
+        conversation_id: str,
+        *,
+        episodes: Sequence[EpisodicItem] = (),
+        facts: Sequence[SemanticItem] = (),
+    ) -> None:
+        """Store a fold's episodic and semantic items (an item stored before is kept as is)."""
+        check_conversation_id(conversation_id)
+        now = now_ms()
+        eps = [_stamped(check_episode(e, f"episodes[{i}]"), now) for i, e in enumerate(episodes)]
+        fas = [_stamped(check_fact(f, f"facts[{i}]"), now) for i, f in enumerate(facts)]
+        await self._write_memory(
+            MemoryWrite(
+                conversation_id,
+                episodes=tuple((e.position, e.created_at, encode_row(e)) for e in eps),
+                facts=tuple(
+                    (f.position, f.ordinal, f.key, f.created_at, encode_row(f)) for f in fas
+                ),
+            )
+        )
+
+    async def put_ledger(
+        self, conversation_id: str, entries: Sequence[LedgerEntry], *, tail: int = LEDGER_TAIL
+    ) -> None:
+        """Record sweep decisions; the ledger keeps the latest decision of every key and,
+        beyond those, the newest ``tail`` rows (older ones are pruned: the ledger is
+        derived, and must not grow without bound)."""
+        check_conversation_id(conversation_id)
+        check_limit(tail, "tail")
+        now = now_ms()
+        rows = [
+            _stamped(check_ledger_entry(e, f"entries[{i}]"), now) for i, e in enumerate(entries)
+        ]
+        await self._write_memory(
+            MemoryWrite(
+                conversation_id,
+                ledger=tuple((e.key, e.created_at, encode_row(e)) for e in rows),
+                prune_tail=tail,
+            )
+        )
+
+    async def put_turn_decision(self, conversation_id: str, turn: int, decision: str) -> None:
+        """A hot-path reconciler's verdict on a whole turn ("add" or "none"); the latest
+        one stands. Only the derived memory reads it: the log is complete either way."""
+        check_conversation_id(conversation_id)
+        check_turn(turn)
+        if decision not in ("add", "none"):
+            raise InvalidInput("decision", f"must be 'add' or 'none', got {decision!r}")
+        write = MemoryWrite(conversation_id, turns=((turn, decision, now_ms()),))
+        await self._write_memory(write)
+
+    async def memory(self, conversation_id: str) -> MemoryRecord:
+        """The conversation's derived memory: items, ledger and the turns skipped by NONE."""
+        check_conversation_id(conversation_id)
+        return await self._read_memory(conversation_id)
 
     # reads -----------------------------------------------------------------------------
 
@@ -261,3 +336,8 @@ class StoreCore:
         check_after(after)
         check_limit(limit)
         return cast(list[PendingApproval], await self._reading(self.reads.pending, after, limit))
+
+
+def _stamped(item: Any, now: int) -> Any:
+    """``item`` with ``created_at`` set to ``now`` when the caller left it 0."""
+    return item if item.created_at else msgspec.structs.replace(item, created_at=now)

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from torpor.events import Body, Event
+from torpor.store.memory import EpisodicItem, LedgerEntry, MemoryRecord, SemanticItem
 
 __all__ = [
     "Checkpoint",
@@ -62,6 +63,9 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     # that reads only the events after the fold still renders it. None: no card, or a
     # checkpoint written before cards existed.
     task_card: Event | None = None
+    # The memory bundle rendered at this fold (torpor.memory.bundle): the most salient
+    # episodic and semantic items, shown before the markers instead of ``summary``.
+    memory: str = ""
 
 
 class Resume(msgspec.Struct, frozen=True, gc=False):
@@ -251,4 +255,32 @@ class EventStore(Protocol):
     ) -> list[PendingApproval]:
         """Conversations with tool calls waiting for an outside answer, ordered by id,
         those after ``after`` (keyset pagination), from an index: never a log scan."""
+        ...
+
+    # Derived memory (torpor.store.memory): written beside the log, never into it.
+
+    async def put_memory(
+        self,
+        conversation_id: str,
+        *,
+        episodes: Sequence[EpisodicItem] = (),
+        facts: Sequence[SemanticItem] = (),
+    ) -> None:
+        """Store a fold's episodic and semantic items; an item whose id is stored already
+        is kept as it was (a retried fold writes nothing twice). The conversation must
+        exist (InvalidInput otherwise)."""
+        ...
+
+    async def put_ledger(
+        self, conversation_id: str, entries: Sequence[LedgerEntry], *, tail: int = 256
+    ) -> None:
+        """Record consolidation decisions; keeps the latest per key plus ``tail`` more."""
+        ...
+
+    async def put_turn_decision(self, conversation_id: str, turn: int, decision: str) -> None:
+        """A hot-path reconciler's verdict ("add" or "none") on one whole turn."""
+        ...
+
+    async def memory(self, conversation_id: str) -> MemoryRecord:
+        """Items, ledger and skipped turns of one conversation (empty when it has none)."""
         ...

@@ -31,7 +31,10 @@ conversations in id order is one range scan of its primary key; and
 ``idempotency_keys.fingerprint`` (version 2) identifies what a key was first
 used for. ``events.hints`` (version 3) holds the store's hint extractor's bytes
 for the body (compaction's topic hints, opaque here), NULL for older rows; adding a
-nullable column without a default rewrites nothing.
+nullable column without a default rewrites nothing. ``memory_episodes``,
+``memory_facts``, ``memory_ledger`` and ``memory_turns`` (the ``_MEMORY`` step)
+hold derived memory (:mod:`torpor.store.memory`), written beside the group
+commit (never by an append) and never read by revival.
 
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
@@ -192,7 +195,52 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3)
+# Derived memory (torpor.store.memory), never the log: episodic and semantic items written
+# at folds, the consolidation ledger, and the turns a hot-path reconciler said NONE for.
+# Self-contained (it depends on no other step after version 3), so it can be renumbered.
+_MEMORY: Sequence[Step] = (
+    """
+    CREATE TABLE memory_episodes (
+        conversation_id bigint NOT NULL,
+        position bigint NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    )
+    """,
+    """
+    CREATE TABLE memory_facts (
+        conversation_id bigint NOT NULL,
+        position bigint NOT NULL,
+        ordinal integer NOT NULL,
+        key text NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL,
+        PRIMARY KEY (conversation_id, position, ordinal)
+    )
+    """,
+    """
+    CREATE TABLE memory_ledger (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        conversation_id bigint NOT NULL,
+        key text NOT NULL,
+        created_at bigint NOT NULL,
+        body bytea NOT NULL
+    )
+    """,
+    "CREATE INDEX memory_ledger_by_key ON memory_ledger (conversation_id, key, id)",
+    """
+    CREATE TABLE memory_turns (
+        conversation_id bigint NOT NULL,
+        turn integer NOT NULL,
+        decision text NOT NULL,
+        created_at bigint NOT NULL,
+        PRIMARY KEY (conversation_id, turn)
+    )
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _MEMORY)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

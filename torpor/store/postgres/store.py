@@ -31,8 +31,11 @@ import asyncpg
 from torpor._logging import get_logger
 from torpor.errors import ConfigError, StoreError
 from torpor.store.core import StoreCore
+from torpor.store.memory import MemoryRecord
+from torpor.store.memory_rows import MemoryWrite
 from torpor.store.postgres import reads
 from torpor.store.postgres.errors import is_unavailable, store_error
+from torpor.store.postgres.memory_ops import read_memory, write_memory
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
@@ -217,6 +220,19 @@ class PostgresStore(StoreCore):
 
     def _model_call_op(self, call: ModelCall) -> ModelCallOp:
         return ModelCallOp(call)
+
+    async def _write_memory(self, write: MemoryWrite) -> None:
+        # Not retried like a read: a ledger insert twice would be two rows.
+        pool = self._pool
+        if pool is None:
+            raise StoreError("the store is not open")
+        try:
+            await write_memory(pool, write)
+        except _DRIVER_ERRORS as exc:
+            raise store_error(exc, "memory write failed") from exc
+
+    async def _read_memory(self, conversation_id: str) -> MemoryRecord:
+        return await self._read(read_memory, conversation_id)
 
     async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
         """ts_rank-scored; see :mod:`.lexemes` for the matching."""

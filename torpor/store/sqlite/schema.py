@@ -35,6 +35,9 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   batches until they are indexed in bulk: an FTS5 index writes a segment at
   every commit that touches it, which doubled the cost of a one-append commit.
   A search first has the backlog of its conversation indexed.
+* ``memory_episodes``, ``memory_facts``, ``memory_ledger``, ``memory_turns``
+  (version 5) hold derived memory (:mod:`torpor.store.memory`): written at folds
+  and by the consolidation sweep, never by an append, never read by revival.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -208,7 +211,51 @@ _V4: Sequence[Step] = (
     "CREATE TABLE fts_backlog (rowid INTEGER PRIMARY KEY, text TEXT NOT NULL)",
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4)
+# Derived memory (torpor.store.memory): episodic and semantic items written at folds, the
+# consolidation ledger, and the turns a hot-path reconciler said NONE for. Never the log.
+_V5: Sequence[Step] = (
+    """
+    CREATE TABLE memory_episodes (
+        conversation_id INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (conversation_id, position)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE memory_facts (
+        conversation_id INTEGER NOT NULL,
+        position INTEGER NOT NULL,
+        ordinal INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (conversation_id, position, ordinal)
+    ) WITHOUT ROWID
+    """,
+    """
+    CREATE TABLE memory_ledger (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        body BLOB NOT NULL
+    )
+    """,
+    "CREATE INDEX memory_ledger_by_key ON memory_ledger (conversation_id, key, id)",
+    """
+    CREATE TABLE memory_turns (
+        conversation_id INTEGER NOT NULL,
+        turn INTEGER NOT NULL,
+        decision TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        PRIMARY KEY (conversation_id, turn)
+    ) WITHOUT ROWID
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

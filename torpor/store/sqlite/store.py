@@ -39,6 +39,8 @@ from torpor._logging import get_logger
 from torpor.errors import ConfigError, StoreError, StoreUnavailable
 from torpor.store.core import StoreCore
 from torpor.store.fulltext import match_expression
+from torpor.store.memory import MemoryRecord
+from torpor.store.memory_rows import MemoryWrite
 from torpor.store.prepare import PreparedAppend
 from torpor.store.protocol import (
     Checkpoint,
@@ -52,6 +54,7 @@ from torpor.store.sqlite.batch import FlushSearchIndex
 from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
+from torpor.store.sqlite.memory_ops import MemoryOp, read_memory
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
 from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.sqlite.writer import GroupCommitWriter
@@ -306,6 +309,12 @@ class SQLiteStore(StoreCore):
 
     def _model_call_op(self, call: ModelCall) -> ModelCallOp:
         return ModelCallOp(call)
+
+    async def _write_memory(self, write: MemoryWrite) -> None:
+        await self._write().submit(MemoryOp(write))
+
+    async def _read_memory(self, conversation_id: str) -> MemoryRecord:
+        return await self._read().run(read_memory, conversation_id)
 
     async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
         """bm25-ranked: ``query`` becomes an FTS5 expression of literal terms."""

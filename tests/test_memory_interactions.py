@@ -1,0 +1,56 @@
+"""rt.tool_interactions: every tool call paired with its result or its fate, from the log."""
+
+from __future__ import annotations
+
+import pytest
+
+from torpor import AgentConfig, ExternalTool, InvalidInput, Runtime, ScriptedModel, tool
+from torpor.llm import Call, Text
+
+
+@tool
+async def add(a: int, b: int) -> str:
+    """Add two numbers."""
+    return str(a + b)
+
+
+@tool
+async def explode() -> str:
+    """Fail."""
+    raise RuntimeError("kaboom")
+
+
+async def test_calls_pair_with_results_errors_pending_and_aborted() -> None:
+    model = ScriptedModel([
+        [Call("add", {"a": 2, "b": 3}, id="c1"), Call("explode", {}, id="c2")],
+        [Text("done")],
+        [Call("approve", {"what": "deploy"}, id="c3")],
+    ])
+    agent = AgentConfig(model=model, tools=[add, explode, ExternalTool("approve")])
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "compute")).result()
+        await (await rt.send("c", "deploy?")).result()  # ends suspended on approve
+        pending = await rt.tool_interactions("c")
+        assert await rt.cancel("c") is True
+        after = await rt.tool_interactions("c")
+        assert await rt.tool_interactions("nobody") == []
+        with pytest.raises(InvalidInput):
+            await rt.tool_interactions("bad\x00id")
+    first, second, third = pending
+    assert (first.call_id, first.tool, first.arguments, first.status, first.result,
+            first.turn) == ("c1", "add", {"a": 2, "b": 3}, "success", "5", 1)
+    assert first.result_position is not None and first.result_position > first.call_position
+    assert (second.call_id, second.status, second.turn) == ("c2", "error", 1)
+    assert second.result is not None and "kaboom" in second.result
+    assert (third.call_id, third.tool, third.status, third.result, third.turn) == (
+        "c3", "approve", "pending", None, 2)
+    assert [i.status for i in after] == ["success", "error", "aborted"]
+
+
+async def test_the_admin_shows_memory_without_waking_the_agent() -> None:
+    async with Runtime("sqlite://") as rt:
+        await (await rt.send("c", "hi")).result()
+        await rt.admin.evict("c")
+        view = await rt.admin.memory("c")
+        assert view.record.conversation_id == "c" and view.digest.lines == ()
+        assert [a.conversation_id for a in await rt.admin.agents()] == []

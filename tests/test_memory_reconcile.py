@@ -1,0 +1,308 @@
+"""Write reconciliation: the hot-path ADD/NONE per whole turn, the sweep's ledger, the digest."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+import msgspec
+import pytest
+from store_backends import Backend
+
+from torpor import (
+    AgentConfig,
+    KeyedConsolidator,
+    LedgerEntry,
+    MemoryRecord,
+    ModelSummarizer,
+    Runtime,
+    RuntimeConfig,
+    ScriptedModel,
+    SemanticItem,
+    tool,
+)
+from torpor.events import Event, UserMessage
+from torpor.llm import Call, Text
+from torpor.memory.digest import write_digest
+from torpor.memory.ledger import item_order
+from torpor.store.memory import EpisodicItem
+
+SMALL = dict(working_budget=150, tail_turns=1, context_window=4_000, max_output_tokens=500,
+             safety_margin=100, recall_tools=False)
+
+
+@tool
+async def lookup(q: str) -> str:
+    """Look something up."""
+    return f"found {q} " + "x " * 20
+
+
+class SkipNoise:
+    """NONE for a turn whose user message says "noise"; remembers what it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[str]]] = []
+
+    def decide(self, conversation_id: str, turn: int, events: Sequence[Event]) -> str:
+        self.seen.append((turn, [e.kind for e in events]))
+        first = events[0].body
+        return "none" if isinstance(first, UserMessage) and "noise" in first.text else "add"
+
+
+def words(tag: str) -> str:
+    return f"{tag} " + " ".join(f"w{j}" for j in range(30))
+
+
+async def test_none_skips_a_whole_turn_from_memory_and_never_from_the_log() -> None:
+    # Turn 1 calls a tool (noise), the others answer directly.
+    model = ScriptedModel([[Call("lookup", {"q": "zebra"})], [Text("looked")]]
+                          + [[Text("ok")]] * 20)
+    summarizer = ScriptedModel.replies("EPISODE:\nsummary\nITEMS:\n[]", loop=True)
+    reconciler = SkipNoise()
+    agent = AgentConfig(model=model, tools=[lookup], reconciler=reconciler,
+                        summarizer=ModelSummarizer(summarizer), **SMALL)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", words("noise zebra"))).result()
+        for i in range(4):
+            await (await rt.send("c", words(f"signal{i}"))).result()
+        memory = await rt.store.memory("c")
+        log = list(reversed(await rt.history("c", limit=1000)))
+        hits = await rt.recall("c", "zebra")
+    # Consulted once per finished turn, with the whole turn: the message, the call, its
+    # result and the answer together (turn atomicity).
+    assert reconciler.seen[0] == (1, ["user", "assistant", "tool_result", "assistant"])
+    assert [turn for turn, _ in reconciler.seen] == [1, 2, 3, 4, 5]
+    assert memory.skipped_turns == (1,)
+    # The log is complete: the skipped turn is there, and recall still finds it.
+    assert [e.kind for e in log if e.turn == 1] == ["user", "assistant", "tool_result",
+                                                    "assistant"]
+    assert hits and hits[0].turn == 1
+    # The summarizer never saw the skipped turn; its episode lists the turns it covered.
+    shown = "\n".join(call[1].text for call in summarizer.calls)
+    assert summarizer.calls and "zebra" not in shown and "signal0" in shown
+    assert all(1 not in episode.turns for episode in memory.episodes)
+
+
+class Broken:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    def decide(self, conversation_id: str, turn: int, events: Sequence[Event]) -> object:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", ["delete", "update", RuntimeError("boom")])
+async def test_a_reconciler_that_answers_out_of_turn_counts_as_add(
+    answer: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), reconciler=Broken(answer))
+    with caplog.at_level(logging.WARNING, logger="torpor"):
+        async with Runtime("sqlite://", agent=agent) as rt:
+            assert (await (await rt.send("c", "hi")).result()).text == "ok"
+            assert (await rt.store.memory("c")).skipped_turns == ()
+    assert any("reconciler_" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reconciler_must_decide_synchronously() -> None:
+    class Async:
+        async def decide(self, *args: object) -> str:
+            return "add"
+
+    with pytest.raises(Exception, match="reconciler"):
+        AgentConfig(reconciler=Async())
+
+
+# -- the sweep and the ledger ------------------------------------------------------------
+
+
+def fact(
+    position: int, key: str, text: str, confidence: float = 0.8, ordinal: int = 0
+) -> SemanticItem:
+    return SemanticItem(position, ordinal, key, "fact", text, confidence=confidence)
+
+
+async def test_consolidate_supersedes_by_key_in_the_ledger_and_never_touches_the_log() -> None:
+    async with Runtime("sqlite://") as rt:
+        await (await rt.send("c", "hello")).result()
+        head = await rt.store.head("c")
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"),
+                                              fact(2, "owner", "ana", ordinal=1)])
+        await rt.store.put_memory("c", facts=[fact(6, "db", "postgres 16")])
+        done = await rt.consolidate("c")
+        again = await rt.consolidate("c")
+        view = await rt.memory("c")
+        assert await rt.store.head("c") == head
+    assert [(d.key, d.action, d.item, d.superseded) for d in done.decisions] == [
+        ("db", "update", "6.0", ("2.0",))]
+    assert again.decisions == ()  # already decided up to the newest item
+    assert [f.text for f in view.standing] == ["ana", "postgres 16"]
+    assert len(view.record.facts) == 3  # the superseded item is still stored
+    assert "postgres 16" in done.digest.text and "postgres 14" not in done.digest.text
+
+
+class Forget:
+    """Tombstones every key it is told to."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys = keys
+        self.called = anyio.Event()
+
+    async def sweep(self, conversation_id: str, memory: MemoryRecord) -> list[LedgerEntry]:
+        self.called.set()
+        newest = {f.key: f for f in memory.facts}
+        return [LedgerEntry(k, "delete", newest[k].id, reason="stale") for k in self.keys
+                if k in newest]
+
+
+async def test_a_tombstone_hides_a_key_until_a_newer_fact_comes() -> None:
+    agent = AgentConfig(consolidator=Forget({"db"}))
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"), ])
+        done = await rt.consolidate("c")
+        assert [d.action for d in done.decisions] == ["delete"]
+        assert (await rt.memory("c")).standing == ()
+        await rt.store.put_memory("c", facts=[fact(9, "db", "sqlite now")])
+        assert [f.text for f in (await rt.memory("c")).standing] == ["sqlite now"]
+        assert [e.action for e in (await rt.store.memory("c")).ledger] == ["delete"]
+
+
+async def test_low_confidence_facts_are_tombstoned_by_the_keyed_sweep() -> None:
+    agent = AgentConfig(consolidator=KeyedConsolidator(min_confidence=0.5))
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "guess", "maybe", 0.2),
+                                              fact(2, "sure", "yes", 0.9, ordinal=1)])
+        done = await rt.consolidate("c")
+    assert [(d.key, d.action) for d in done.decisions] == [("guess", "delete")]
+
+
+async def test_idle_conversations_are_swept_on_schedule() -> None:
+    forget = Forget({"none"})
+    summarizer = ScriptedModel.replies("EPISODE:\ns\nITEMS:\n[]", loop=True)
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), consolidator=forget,
+                        summarizer=ModelSummarizer(summarizer), **SMALL)
+    config = RuntimeConfig(consolidate_interval=0.01)
+    async with Runtime("sqlite://", agent=agent, config=config) as rt:
+        for i in range(4):  # enough to fold: only a conversation that folded is swept
+            await (await rt.send("c", words(f"m{i}"))).result()
+        with anyio.fail_after(10):
+            await forget.called.wait()
+
+
+async def test_no_sweep_runs_unless_scheduled() -> None:
+    forget = Forget(set())
+    async with Runtime("sqlite://", agent=AgentConfig(consolidator=forget)) as rt:
+        await (await rt.send("c", "hi")).result()
+        assert rt.config.consolidate_interval is None
+        await rt.consolidate("c")
+    assert forget.called.is_set()  # on demand only
+
+
+# -- the digest ---------------------------------------------------------------------------
+
+
+def test_the_digest_is_bounded_and_demotes_the_least_important_instead_of_dropping() -> None:
+    facts = [SemanticItem(1, i, f"k{i}", "fact", f"text {i}", confidence=i / 20)
+             for i in range(20)]
+    episodes = [EpisodicItem(10, 0, 9, (1,), "first episode\nwith two lines", salience=0.9)]
+    digest = write_digest(facts, episodes, 8, link="memory:c")
+    assert len(digest.lines) == 8
+    assert digest.lines[-1] == "\u2026and 14 more: expand memory:c"
+    assert len(digest.demoted) == 14
+    shown = {line for line in digest.lines[:-1]}
+    assert "- [events 0\u20139] first episode with two lines" in shown
+    assert {f"- (fact) k{i}: text {i}" for i in range(14, 20)} <= shown  # the most confident
+    assert {item for item, _ in digest.demoted} == {f"1.{i}" for i in range(14)}
+    assert digest.demoted[-1] == ("1.0", "- (fact) k0: text 0")  # the least important last
+    every = write_digest(facts, episodes, 100)
+    assert len(every.lines) == 21 and every.demoted == ()
+    assert write_digest(facts, episodes, 8, link="memory:c") == digest  # pure
+    with pytest.raises(Exception, match="max_lines"):
+        write_digest(facts, episodes, 0)
+
+
+async def test_a_suspended_turn_is_decided_once_when_it_finally_ends() -> None:
+    from torpor import ExternalTool
+
+    model = ScriptedModel([[Call("approve", {}, id="a1")], [Text("approved")]])
+    reconciler = SkipNoise()
+    agent = AgentConfig(model=model, tools=[ExternalTool("approve")], reconciler=reconciler)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "noise: deploy?")).result()  # ends suspended
+        assert reconciler.seen == []  # the turn is not over: nothing decided yet
+        await rt.admin.hibernate("c")
+        continuation = await rt.resolve("c", "a1", "yes")
+        assert continuation is not None
+        await continuation.result()
+        skipped = (await rt.store.memory("c")).skipped_turns
+    assert reconciler.seen == [
+        (1, ["user", "assistant", "suspended", "tool_result", "resolved", "assistant"])]
+    assert skipped == (1,)
+
+
+async def test_sweeps_run_concurrently_with_folds_on_every_backend(backend: Backend) -> None:
+    """Folds write items while sweeps write the ledger: every sweep sees a consistent
+    snapshot, and the end state is what one final sweep decides."""
+    url = backend.location if backend.postgres else f"sqlite:///{backend.location}"
+    assert url is not None
+    items = [{"kind": "fact", "key": "counter", "text": f"value {i}", "confidence": 0.9}
+             for i in range(3)]
+    replies = [f"EPISODE:\ne{i}\nITEMS:\n" + msgspec.json.encode(items[i:i + 1]).decode()
+               for i in range(3)]
+    summarizer = ScriptedModel.replies(*replies, loop=True)
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True),
+                        summarizer=ModelSummarizer(summarizer), **SMALL)
+    decisions: list[LedgerEntry] = []
+    async with Runtime(url, agent=agent) as rt:
+        done = anyio.Event()
+
+        async def talk() -> None:
+            for i in range(8):
+                await (await rt.send("c", words(f"m{i}"))).result()
+            done.set()
+
+        async def sweep() -> None:
+            while not done.is_set():
+                decisions.extend((await rt.consolidate("c")).decisions)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(talk)
+            tg.start_soon(sweep)
+        decisions.extend((await rt.consolidate("c")).decisions)
+        view = await rt.memory("c")
+        assert (await rt.consolidate("c")).decisions == ()
+    facts = view.record.facts
+    assert len(facts) >= 2 and all(f.key == "counter" for f in facts)
+    newest = max(facts, key=lambda f: f.order)
+    assert view.standing == (newest,)
+    assert view.record.ledger[-1].item == newest.id
+    # Every decision superseded only items older than the one it kept.
+    for d in decisions:
+        assert all(item_order(s) < item_order(d.item) for s in d.superseded)
+
+
+async def test_a_decision_that_cannot_be_recorded_never_fails_the_logged_turn(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torpor.events import AssistantMessage
+    from torpor.memory.reconcile import reconcile_logged
+    from torpor.store import SQLiteStore
+
+    async with SQLiteStore(None) as store:
+        logged = await store.append_events("c", [UserMessage("noise"), AssistantMessage("ok")],
+                                           turn=1)
+        # A turn decision for a conversation the store does not know is refused (InvalidInput):
+        # the events were logged, so the hook reports and goes on.
+        ghost = [msgspec.structs.replace(e, conversation_id="ghost") for e in logged]
+        with caplog.at_level(logging.WARNING, logger="torpor"):
+            decided = await reconcile_logged(store, SkipNoise(), "ghost", 1, None, ghost)
+        assert decided == "none"
+        assert any("turn_decision_unrecorded" in r.getMessage() for r in caplog.records)
+        # Not finished (no answer yet): not consulted at all.
+        assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged[:1]) is None
+        assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged) == "none"
+        assert (await store.memory("c")).skipped_turns == (1,)

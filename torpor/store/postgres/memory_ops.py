@@ -1,0 +1,100 @@
+"""Derived memory on PostgreSQL: one transaction per write on a pooled connection, one read.
+
+Memory writes are rare (a fold, a sweep, a turn a reconciler skipped) and never
+move a head, so they go beside the group commit instead of widening its one
+statement; items are keyed by deterministic ids (``ON CONFLICT DO NOTHING``),
+so a retried fold writes nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+
+from torpor.errors import InvalidInput
+from torpor.store.memory import MemoryRecord
+from torpor.store.memory_rows import MemoryWrite, record
+
+__all__ = ["read_memory", "write_memory"]
+
+_KEY = "SELECT key FROM conversations WHERE external_id = $1"
+
+_EPISODES = """
+INSERT INTO memory_episodes (conversation_id, position, created_at, body)
+SELECT $1, * FROM unnest($2::bigint[], $3::bigint[], $4::bytea[])
+ON CONFLICT DO NOTHING
+"""
+_FACTS = """
+INSERT INTO memory_facts (conversation_id, position, ordinal, key, created_at, body)
+SELECT $1, * FROM unnest($2::bigint[], $3::int[], $4::text[], $5::bigint[], $6::bytea[])
+ON CONFLICT DO NOTHING
+"""
+_LEDGER = """
+INSERT INTO memory_ledger (conversation_id, key, created_at, body)
+SELECT $1, k, c, b FROM unnest($2::text[], $3::bigint[], $4::bytea[])
+    WITH ORDINALITY AS u(k, c, b, n) ORDER BY n
+"""
+_TURNS = """
+INSERT INTO memory_turns (conversation_id, turn, decision, created_at)
+SELECT $1, * FROM unnest($2::int[], $3::text[], $4::bigint[])
+ON CONFLICT (conversation_id, turn) DO UPDATE
+SET decision = excluded.decision, created_at = excluded.created_at
+"""
+# The latest decision of every key stays; of the rest, the newest ``$2`` rows.
+_PRUNE = """
+DELETE FROM memory_ledger WHERE conversation_id = $1
+AND id NOT IN (SELECT max(id) FROM memory_ledger WHERE conversation_id = $1 GROUP BY key)
+AND id NOT IN (SELECT id FROM memory_ledger WHERE conversation_id = $1
+               ORDER BY id DESC LIMIT $2)
+"""
+
+
+def _columns(rows: tuple[tuple[object, ...], ...], width: int) -> list[list[object]]:
+    if not rows:
+        return [[] for _ in range(width)]
+    return [list(column) for column in zip(*rows, strict=True)]
+
+
+async def write_memory(pool: asyncpg.Pool, write: MemoryWrite) -> None:
+    async with pool.acquire() as conn, conn.transaction():
+        key = await conn.fetchval(_KEY, write.conversation_id)
+        if key is None:
+            raise InvalidInput(
+                "conversation_id", f"no conversation {write.conversation_id!r} to remember"
+            )
+        if write.episodes:
+            await conn.execute(_EPISODES, key, *_columns(write.episodes, 3))
+        if write.facts:
+            await conn.execute(_FACTS, key, *_columns(write.facts, 5))
+        if write.ledger:
+            await conn.execute(_LEDGER, key, *_columns(write.ledger, 3))
+        if write.turns:
+            await conn.execute(_TURNS, key, *_columns(write.turns, 3))
+        if write.prune_tail is not None:
+            await conn.execute(_PRUNE, key, write.prune_tail)
+
+
+async def read_memory(pool: asyncpg.Pool, name: str) -> MemoryRecord:
+    """Every item, ledger row and skipped turn of one conversation, from one snapshot."""
+    async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
+                                                        readonly=True):
+        key = await conn.fetchval(_KEY, name)
+        if key is None:
+            return MemoryRecord(name)
+        episodes = await conn.fetch(
+            "SELECT position, body FROM memory_episodes WHERE conversation_id = $1 "
+            "ORDER BY position", key)
+        facts = await conn.fetch(
+            "SELECT position, body FROM memory_facts WHERE conversation_id = $1 "
+            "ORDER BY position, ordinal", key)
+        ledger = await conn.fetch(
+            "SELECT id, body FROM memory_ledger WHERE conversation_id = $1 ORDER BY id", key)
+        turns = await conn.fetch(
+            "SELECT turn FROM memory_turns WHERE conversation_id = $1 AND decision = 'none' "
+            "ORDER BY turn", key)
+    return record(
+        name,
+        ((int(r[0]), bytes(r[1])) for r in episodes),
+        ((int(r[0]), bytes(r[1])) for r in facts),
+        ((int(r[0]), bytes(r[1])) for r in ledger),
+        (int(r[0]) for r in turns),
+    )
