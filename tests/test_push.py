@@ -7,6 +7,8 @@ recorded in the audit row (positions and scores) and rebuilt exactly by the audi
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from store_backends import Backend
 
@@ -161,3 +163,28 @@ async def test_the_recalled_section_never_exceeds_its_budget(budget: int) -> Non
         assert last.pushed, "something was pushed"
         assert 0 < last.sections["recalled"] <= budget
         assert (await rt.admin.rendered("c", -1)).matches
+
+
+async def test_with_push_on_each_call_repeats_the_previous_calls_prefix_up_to_its_tail() -> None:
+    # The recalled section goes last (compaction/sections.py): between folds, a call's
+    # messages start with everything the previous call was sent except that section, so a
+    # provider's prefix cache keeps the tail (placed before the tail, it would not).
+    model = ScriptedModel.replies("ok", loop=True)
+    config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
+    async with Runtime("sqlite://", model=model, agent=config) as rt:
+        for i in range(6):
+            await (await rt.send("c", f"svc-{i}.timeout_ms = {100 + i}")).result()
+        for i in range(12):
+            await (await rt.send("c", f"flood {i} {FLOOD}")).result()
+        for i in range(4):
+            await (await rt.send("c", f"timeout_ms of svc-{i}?")).result()
+        calls = await rt.store.model_calls("c", limit=1_000)
+        checked = 0
+        for (a, ra), (b, rb) in itertools.pairwise(zip(model.calls, calls, strict=True)):
+            if ra.compaction_cycle != rb.compaction_cycle or not ra.pushed:
+                continue  # a fold rewrites the handoff; without push nothing trails
+            assert recalled(a) is not None and recalled(b) is not None
+            stable = a[:-1]
+            assert b[: len(stable)] == stable
+            checked += 1
+        assert checked >= 2
