@@ -25,6 +25,7 @@ from torpor.events import (
     AbortReason,
     AssistantMessage,
     Body,
+    Event,
     Parked,
     Resolved,
     Suspended,
@@ -187,6 +188,12 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
     check_int(checkpoint.tokens, "checkpoint.tokens", 0, INT32_LIMIT)
     check_text(checkpoint.summary, "checkpoint.summary")
     check_text(checkpoint.memory, "checkpoint.memory")
+    card = checkpoint.task_card
+    if card is not None:
+        if not isinstance(card, Event) or not isinstance(card.body, TaskCard):
+            raise InvalidInput("checkpoint.task_card", "must be None or a TaskCard event")
+        check_int(card.position, "checkpoint.task_card.position", 0, POSITION_LIMIT)
+        check_body(card.body, "checkpoint.task_card.body")
     if not isinstance(checkpoint.markers, tuple | list):
         raise InvalidInput("checkpoint.markers", "must be a tuple of Marker")
     for index, marker in enumerate(checkpoint.markers):
