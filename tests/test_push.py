@@ -8,6 +8,7 @@ recorded in the audit row (positions and scores) and rebuilt exactly by the audi
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from store_backends import Backend
@@ -188,3 +189,26 @@ async def test_with_push_on_each_call_repeats_the_previous_calls_prefix_up_to_it
             assert b[: len(stable)] == stable
             checked += 1
         assert checked >= 2
+
+
+async def test_a_push_that_fails_leaves_the_call_without_a_section_not_a_failed_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
+    async with Runtime(url, model=ScriptedModel.replies("ok", loop=True), agent=config) as rt:
+        await (await rt.send("c", "cobalt-ledger.deploy_key = 7f3a9c21")).result()
+        for i in range(12):
+            await (await rt.send("c", f"flood {i} {FLOOD}")).result()
+        assert (await rt.admin.inspect("c")).checkpoint_position is not None
+    # The folded needle's row is damaged behind the store's back: searching it now raises.
+    await Backend("sqlite", str(tmp_path / "log.db")).sql(
+        "UPDATE events SET body = ? WHERE position = 0", b"\xc1\xff garbage"
+    )
+    model = ScriptedModel.replies("still here")
+    async with Runtime(url, model=model, agent=config) as rt:
+        final = await (await rt.send("c", "What is the deploy_key of cobalt-ledger?")).result()
+        assert final.text == "still here"  # type: ignore[union-attr]
+        last = (await rt.store.model_calls("c", limit=1_000))[-1]
+        assert last.pushed == () and recalled(model.calls[0]) is None
+    assert "push_failed" in caplog.text

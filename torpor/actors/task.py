@@ -74,7 +74,8 @@ def _question(agent: Agent) -> str:
 async def pushed_for(agent: Agent, host: Host) -> Pushed:
     """The recalled section for the next model call: nothing unless push is on and the
     conversation has folded history; the same within a turn while the question, the
-    card and the fold stay the same (kept on the working set, not searched again)."""
+    card and the fold stay the same (kept on the working set, not searched again).
+    A push that fails is logged and leaves nothing pushed."""
     config = agent.profile.config
     ws = agent.ws
     if not config.push_recall or ws is None or ws.checkpoint is None:
@@ -84,15 +85,22 @@ async def pushed_for(agent: Agent, host: Host) -> Pushed:
     memo = ws.push_memo
     if memo is not None and memo[0] == key:
         return memo[1]
-    result = await push(
-        host.store,
-        agent.id,
-        question=_question(agent),
-        card=card_of(agent),
-        before=ws.checkpoint.position,
-        budget=config.push_tokens,
-        lam=config.push_lambda,
-        encoding=agent.profile.policy.encoding,
-    )
+    try:
+        result = await push(
+            host.store,
+            agent.id,
+            question=_question(agent),
+            card=card_of(agent),
+            before=ws.checkpoint.position,
+            budget=config.push_tokens,
+            lam=config.push_lambda,
+            encoding=agent.profile.policy.encoding,
+        )
+    except Exception as exc:
+        # Push is a head start, not the answer: a failed search leaves the call without a
+        # recalled section (pull still works), never a failed turn. Not memoised: the next
+        # call tries again.
+        host.log.warning("push_failed", conversation_id=agent.id, error=repr(exc))
+        return NOTHING
     ws.push_memo = (key, result)
     return result
