@@ -211,12 +211,14 @@ async def push(
     if not base:
         return NOTHING
     events = await _read(store, conversation_id, base)
+    if not events:  # every hit was an echo of an earlier recall
+        return NOTHING
     # The second hop: an identifier the best candidates name that no query asked for
     # ("see ticket OPS-4821") is searched once; what it finds scores its hit's score
     # times the best first-hop score.
     hop = _hop_query(events, base, queries)
     if hop:
-        parent = max(base.values())
+        parent = max(base[e.position] for e in events)
         extra = _candidates([await store.search(conversation_id, hop, k)], before)
         new = {p: round(score * parent, 6) for p, score in extra.items() if p not in base}
         if new:
