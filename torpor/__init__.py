@@ -4,6 +4,7 @@ Public API re-exports only; see README.md for a tour.
 """
 
 from torpor.actors import AgentConfig, AgentState, ExternalTool, LocalTool, Subscriber, Turn, tool
+from torpor.cluster import ClusterView, NodeConfig
 from torpor.compaction import ModelSummarizer
 from torpor.errors import (
     AgentParked,
@@ -13,6 +14,7 @@ from torpor.errors import (
     CorruptEvent,
     CorruptStore,
     EventTooLarge,
+    FencedError,
     IdempotencyConflict,
     InvalidInput,
     InvalidTransition,
@@ -25,7 +27,9 @@ from torpor.errors import (
     ModelRateLimited,
     ModelResponseError,
     ModelTimeout,
+    NotOwner,
     RuntimeClosed,
+    ShardMoved,
     StoreError,
     StoreUnavailable,
     TaskCardTooLarge,
@@ -94,6 +98,7 @@ __all__ = [
     "Body",
     "Busy",
     "Checkpoint",
+    "ClusterView",
     "ConfigError",
     "ConflictError",
     "CorruptEvent",
@@ -103,6 +108,7 @@ __all__ = [
     "EventStore",
     "EventTooLarge",
     "ExternalTool",
+    "FencedError",
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
@@ -120,6 +126,8 @@ __all__ = [
     "ModelResponseError",
     "ModelSummarizer",
     "ModelTimeout",
+    "NodeConfig",
+    "NotOwner",
     "Parked",
     "Resolved",
     "Runtime",
@@ -128,6 +136,7 @@ __all__ = [
     "RuntimeStats",
     "ScriptedModel",
     "SearchHit",
+    "ShardMoved",
     "StoreError",
     "StoreUnavailable",
     "Subscriber",

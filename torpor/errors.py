@@ -10,6 +10,7 @@ __all__ = [
     "CorruptEvent",
     "CorruptStore",
     "EventTooLarge",
+    "FencedError",
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
@@ -22,7 +23,9 @@ __all__ = [
     "ModelRateLimited",
     "ModelResponseError",
     "ModelTimeout",
+    "NotOwner",
     "RuntimeClosed",
+    "ShardMoved",
     "StoreError",
     "StoreUnavailable",
     "TaskCardTooLarge",
@@ -86,6 +89,22 @@ class StoreUnavailable(StoreError):
     The infrastructure's fault, not the conversation's: nothing of the refused
     write was stored, and the same call may succeed once the store recovers.
     """
+
+
+class FencedError(StoreUnavailable):
+    """This node no longer holds the lease of the conversation's shard (scale-out).
+
+    Another node took the shard over (its epoch moved past ``epoch``), or this
+    node holds no lease on it at all. Nothing of the refused write was stored;
+    the same request succeeds on the shard's current owner.
+    """
+
+    def __init__(self, conversation_id: str, shard: int, epoch: int | None) -> None:
+        held = f"epoch {epoch}" if epoch is not None else "no lease"
+        super().__init__(f"{conversation_id}: shard {shard} fenced ({held} is not current)")
+        self.conversation_id = conversation_id
+        self.shard = shard
+        self.epoch = epoch
 
 
 class CorruptStore(StoreError):
@@ -171,6 +190,28 @@ class AgentParked(TorporError):
         super().__init__(f"agent {conversation_id!r} is parked: {cause}")
         self.conversation_id = conversation_id
         self.cause = cause
+
+
+class NotOwner(TorporError):
+    """Another node owns the conversation's shard (scale-out): send the request there.
+
+    ``owner`` is that node's advertised address (``"host:port"``), or None when
+    no live node holds the shard right now (retry shortly).
+    """
+
+    def __init__(self, conversation_id: str, shard: int, owner: str | None) -> None:
+        where = f"node at {owner}" if owner is not None else "no live node yet"
+        super().__init__(f"{conversation_id}: shard {shard} is owned by {where}")
+        self.conversation_id = conversation_id
+        self.shard = shard
+        self.owner = owner
+
+
+class ShardMoved(NotOwner):
+    """The shard moved to another node while this request waited; retry at ``owner``.
+
+    Pending turns of a conversation whose shard this node lost fail with it.
+    """
 
 
 class RuntimeClosed(TorporError):

@@ -22,6 +22,7 @@ from rich.table import Table
 from torpor.actors.revive import restore
 from torpor.cli.common import (
     DEFAULT_DB,
+    CliError,
     consoles,
     conversation_id,
     display_url,
@@ -64,6 +65,9 @@ def add_parser(subparsers: Any) -> None:
                    help="last events shown for a conversation (default 10)")
     p.add_argument("--calls", type=positive_int, default=10, metavar="N",
                    help="last model calls shown for a conversation (default 10)")
+    p.add_argument("--cluster", action="store_true",
+                   help="PostgreSQL: the cluster's nodes and its shard lease table (owner, "
+                        "epoch, lease end) instead of conversations")
     p.set_defaults(run=run)
 
 
@@ -300,9 +304,53 @@ def _cache_line(cache: dict[str, Any]) -> str:
             f"{cache['calls']:,} calls)")
 
 
+async def _cluster(url: str) -> dict[str, Any]:
+    import asyncpg  # present: a postgres URL was accepted
+
+    from torpor.cluster.table import read_table
+
+    conn = await asyncpg.connect(url)
+    try:
+        if not await conn.fetchval("SELECT to_regclass('shard_leases') IS NOT NULL"):
+            return {"members": (), "leases": ()}  # a store from before clusters: none joined
+        members, leases = await read_table(conn)
+    finally:
+        await conn.close()
+    return {"members": members, "leases": leases}
+
+
+def _print_cluster(console: Console, data: dict[str, Any]) -> None:
+    members = Table(title="nodes", title_justify="left")
+    for name in ("node", "incarnation", "address", "lease until (UTC)", "live", "shards"):
+        members.add_column(name)
+    held: dict[tuple[str | None, int | None], int] = {}
+    for lease in data["leases"]:
+        if lease.live:
+            key = (lease.owner, lease.owner_incarnation)
+            held[key] = held.get(key, 0) + 1
+    for m in data["members"]:
+        members.add_row(m.node_id, str(m.incarnation), m.address,
+                        m.lease_until.strftime("%H:%M:%S.%f")[:-3], "yes" if m.live else "no",
+                        str(held.get((m.node_id, m.incarnation), 0)))
+    console.print(members)
+    table = Table(title="shard leases", title_justify="left")
+    for name in ("shard", "owner", "incarnation", "epoch", "lease until (UTC)", "live"):
+        table.add_column(name)
+    for lease in data["leases"]:
+        until = lease.lease_until.strftime("%H:%M:%S.%f")[:-3] if lease.lease_until else "-"
+        table.add_row(str(lease.shard), lease.owner or "-",
+                      "-" if lease.owner_incarnation is None else str(lease.owner_incarnation),
+                      str(lease.epoch), until, "yes" if lease.live else "no")
+    console.print(table)
+    if not data["leases"]:
+        console.print("no node has joined a cluster on this database")
+
+
 async def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     if parse_store_url(args.db).backend == "postgres":
         await require_postgres_store(args.db)
+        if args.cluster:
+            return await _cluster(args.db)
     async with open_store(args.db) as store:
         if args.conversation is None:
             return await _listing(store, args.limit)
@@ -310,10 +358,16 @@ async def _inspect(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cluster and parse_store_url(args.db).backend != "postgres":
+        raise CliError("--cluster: a cluster of nodes lives on a postgresql:// store")
+    if args.cluster and args.conversation is not None:
+        raise CliError("--cluster lists the lease table; leave out CONVERSATION")
     existing_store_url(args.db)
     out, _ = consoles(args.json)
     data = asyncio.run(_inspect(args))
-    if args.conversation is None:
+    if args.cluster:
+        _print_cluster(out, data)
+    elif args.conversation is None:
         _print_listing(out, data)
     else:
         _print_detail(out, data)

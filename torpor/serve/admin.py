@@ -7,6 +7,7 @@
 ``GET  /admin/watch``                         lifecycle transitions as Server-Sent Events
 ``GET  /admin/pending?limit=&after=``         conversations waiting on an outside answer
 ``GET  /admin/calls/{id}/{n}``                the exact rebuilt context of model call ``n``
+``GET  /admin/cluster``                       a cluster node's shards, epochs, members, leases
 ``GET  /metrics``                             Prometheus exposition
 """
 
@@ -25,6 +26,7 @@ from torpor.errors import InvalidInput
 from torpor.serve.access import check_admin
 from torpor.serve.chat import int_param, json_response
 from torpor.serve.logs import conversation_id_var
+from torpor.serve.problems import HTTPProblem
 from torpor.serve.service import Service
 from torpor.serve.streams import PING_SECONDS
 from torpor.text import check_id
@@ -78,6 +80,13 @@ class AdminAPI:
         stats["server"] = self.service.server_stats()
         return json_response(stats)
 
+    async def cluster(self, request: Request) -> Response:
+        view = await self.rt.admin.cluster()
+        if view is None:
+            raise HTTPProblem("this server is not a node of a cluster (torpor serve --node-id)",
+                              status=404, title="Not a Cluster Node")
+        return json_response(msgspec.to_builtins(view))
+
     async def pending(self, request: Request) -> Response:
         limit = int_param(request, "limit", 100)
         assert limit is not None
@@ -125,6 +134,7 @@ def admin_routes(service: Service, token: str | None, remote: bool) -> list[Rout
         Route("/admin/stats", g(api.stats), methods=["GET"]),
         Route("/admin/watch", g(api.watch), methods=["GET"]),
         Route("/admin/pending", g(api.pending), methods=["GET"]),
+        Route("/admin/cluster", g(api.cluster), methods=["GET"]),
         Route("/admin/calls/{conversation_id:path}/{n}", g(api.rendered), methods=["GET"]),
         Route("/metrics", g(api.metrics), methods=["GET"]),
     ]

@@ -23,6 +23,7 @@ from torpor.errors import (
     EventTooLarge,
     IdempotencyConflict,
     InvalidInput,
+    NotOwner,
     RuntimeClosed,
     StoreUnavailable,
     TorporError,
@@ -107,6 +108,7 @@ _STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidInput, 422, "Invalid Input"),
     (ConfigError, 422, "Invalid Input"),
     (Busy, 429, "Busy"),
+    (NotOwner, 421, "Not Owner"),
     (StoreUnavailable, 503, "Store Unavailable"),
     (RuntimeClosed, 503, "Runtime Closed"),
 )
@@ -173,4 +175,7 @@ def problem_for(error: BaseException, request: Request | None = None) -> Respons
     else:
         detail = str(error)
     name = type(error).__name__ if isinstance(error, TorporError) else None
-    return problem(status, title, detail, request=request, error=name, headers=headers)
+    # Another node of the cluster serves this conversation: where (None: not known yet).
+    extra = {"owner": error.owner} if isinstance(error, NotOwner) else None
+    return problem(status, title, detail, request=request, error=name, headers=headers,
+                   extra=extra)

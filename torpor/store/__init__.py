@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from torpor.errors import ConfigError
+from torpor.store.fence import Fence
 from torpor.store.prepare import estimate_tokens
 from torpor.store.protocol import (
     Checkpoint,
@@ -28,6 +30,7 @@ __all__ = [
     "ConversationInfo",
     "Durability",
     "EventStore",
+    "Fence",
     "HintExtractor",
     "Marker",
     "ModelCall",
@@ -52,6 +55,7 @@ async def open_store(
     durability: Durability = "normal",
     artifact_threshold: int = 16 * 1024,
     max_event_bytes: int = 1024 * 1024,
+    fence: Fence | None = None,
 ) -> AsyncIterator[EventStore]:
     """Open the store a URL names; close it (committing queued writes) on exit.
 
@@ -62,8 +66,12 @@ async def open_store(
     Other schemes raise :class:`UnsupportedStoreURL` (a StoreError and ValueError).
     ``token_counter`` and ``hint_extractor`` are called once per appended event and
     their results stored with it (the runtime passes compaction's).
+    ``fence`` (PostgreSQL only) makes every append present a shard lease epoch;
+    :mod:`torpor.cluster` passes it for a node of a cluster.
     """
     location = parse_store_url(url)
+    if fence is not None and location.backend != "postgres":
+        raise ConfigError("node", "a cluster of nodes needs a postgresql:// store")
     if location.backend == "postgres":
         try:
             from torpor.store.postgres import PostgresStore
@@ -78,6 +86,7 @@ async def open_store(
             durability=durability,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
+            fence=fence,
         ) as pg_store:
             yield pg_store
         return

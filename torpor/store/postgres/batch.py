@@ -8,7 +8,10 @@ conversations:
    with their heads and the idempotency keys the batch asks about. Another
    writer holding one of them makes us wait for its commit; we then read the
    head it left. So positions stay dense and unique across processes, and a
-   stale ``expect_head`` is refused with ConflictError.
+   stale ``expect_head`` is refused with ConflictError. On a clustered node
+   (appends carrying a fence) the same statement also reads the lease rows of
+   the batch's shards ``FOR SHARE`` (``LOCK_FENCED``): an append whose epoch
+   is not the current one fails alone with FencedError, no extra round trip.
 2. Plan every operation against that view (pure, no I/O; see :mod:`.plan`).
 3. ``CREATE`` the conversations kept plans need; if another writer created one
    of them meanwhile, lock it, read it and plan again.
@@ -46,7 +49,7 @@ from torpor.errors import StoreError
 from torpor.store.commit_queue import Failed
 from torpor.store.postgres.errors import is_unavailable
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
-from torpor.store.postgres.statements import CREATE, LOCK, write, write_pending
+from torpor.store.postgres.statements import CREATE, LOCK, LOCK_FENCED, write, write_pending
 from torpor.store.rows import EVENT_COLUMNS, check_reaches, to_events
 
 __all__ = ["BatchStats", "Failed", "run_batch"]
@@ -103,7 +106,15 @@ async def _load(conn: asyncpg.Connection, view: View, ops: Sequence[WriteOp]) ->
     """Lock and read the conversations of ``ops`` (and their idempotency keys) into ``view``."""
     names = sorted({op.conversation_id for op in ops})
     keys = sorted({op.idempotency_key for op in ops if op.idempotency_key is not None})
-    for key, name, head, idem, first, count, mark, body in await conn.fetch(LOCK, names, keys):
+    shards = sorted({fence[0] for op in ops if (fence := getattr(op, "fence", None)) is not None})
+    if not shards:  # a single node (or no append): the statement it always was
+        rows = await conn.fetch(LOCK, names, keys)
+    else:  # the same round trip also share-locks the shards' lease rows (see LOCK_FENCED)
+        rows = await conn.fetch(LOCK_FENCED, names, keys, shards)
+    for key, name, head, idem, first, count, mark, body, *lease in rows:
+        if name is None:
+            view.epochs[lease[0]] = lease[1]
+            continue
         view.states[name] = ConvState(key, head)
         if idem is not None:
             view.stored_keys[(name, idem)] = (first, count, mark, body)
@@ -114,7 +125,7 @@ async def _create(conn: asyncpg.Connection, view: View, names: list[str]) -> lis
     if not view.creating:  # from here on, a long lock wait means retry (see the module doc)
         await conn.execute(f"SET LOCAL lock_timeout = '{STEP3_LOCK_TIMEOUT}'")
         view.creating = True
-    rows = await conn.fetch(CREATE, names, view.now)
+    rows = await conn.fetch(CREATE, names, [view.shards.get(n) for n in names], view.now)
     view.created({name: key for key, name in rows})
     return [name for name in names if name not in view.states]
 

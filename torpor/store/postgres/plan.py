@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, StoreError
+from torpor.errors import ConflictError, FencedError, IdempotencyConflict, StoreError
 from torpor.events import Body
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
@@ -69,7 +69,8 @@ class HeadUpdate:
 class Writes:
     """Rows to insert, per table; conversations named by text id."""
 
-    events: list[tuple[str, int, int, str, int, int, bytes, bytes | None]] = field(
+    # (conversation, position, turn, kind, tokens, created_at, body, hints, epoch)
+    events: list[tuple[str, int, int, str, int, int, bytes, bytes | None, int | None]] = field(
         default_factory=list
     )
     fts: list[tuple[str, int, int, str, str]] = field(default_factory=list)
@@ -133,6 +134,8 @@ class View:
         self.states: dict[str, ConvState] = {}  # read (and locked) from the database
         self.stored_keys: dict[tuple[str, str], StoredKey] = {}
         self.creating = False  # the batch has started creating conversations
+        self.epochs: dict[int, int] = {}  # shard -> current lease epoch (fenced batches only)
+        self.shards: dict[str, int] = {}  # conversation -> shard, for rows this batch creates
         self.begin()
 
     def begin(self) -> None:
@@ -196,9 +199,16 @@ class AppendOp:
     documents: tuple[tuple[int, tuple[tuple[str, str], ...]], ...]  # (index, chunks)
     artifacts: tuple[tuple[int, bytes], ...]  # (index, compressed full content)
     with_events: bool = False
+    fence: tuple[int, int] | None = None  # (shard, epoch held) on a clustered node
 
     @classmethod
-    def build(cls, append: PreparedAppend, *, with_events: bool = False) -> AppendOp:
+    def build(
+        cls,
+        append: PreparedAppend,
+        *,
+        with_events: bool = False,
+        fence: tuple[int, int] | None = None,
+    ) -> AppendOp:
         documents = tuple(
             (i, tuple(document_chunks(e.text))) for i, e in enumerate(append.events) if e.text
         )
@@ -207,7 +217,7 @@ class AppendOp:
             for i, e in enumerate(append.events)
             if e.artifact_data is not None
         )
-        return cls(append, documents, artifacts, with_events)
+        return cls(append, documents, artifacts, with_events, fence)
 
     @property
     def conversation_id(self) -> str:
@@ -220,6 +230,12 @@ class AppendOp:
     def plan(self, view: View) -> Plan:
         append = self.append
         name = append.conversation_id
+        epoch: int | None = None
+        if self.fence is not None:  # checked first: a fenced node learns nothing more
+            shard, epoch = self.fence
+            if view.epochs.get(shard) != epoch:
+                raise FencedError(name, shard, epoch)
+            view.shards[name] = shard
         state = view.state(name)
         if append.key is not None:
             planned = view.planned_keys.get((name, append.key))
@@ -247,7 +263,10 @@ class AppendOp:
         for offset, e in enumerate(events):
             size += len(e.body)
             writes.events.append(
-                (name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body, e.hints)
+                (
+                    name, first + offset, e.turn, e.kind, e.tokens, e.created_at, e.body, e.hints,
+                    epoch,
+                )
             )
             if e.kind in INDEXED_KINDS:
                 if indexed is None:

@@ -32,9 +32,18 @@ conversations in id order is one range scan of its primary key; and
 used for. ``events.hints`` (version 3) holds the store's hint extractor's bytes
 for the body (compaction's topic hints, opaque here), NULL for older rows; adding a
 nullable column without a default rewrites nothing. ``memory_episodes``,
-``memory_facts``, ``memory_ledger`` and ``memory_turns`` (the ``_MEMORY`` step)
-hold derived memory (:mod:`torpor.store.memory`), written beside the group
+``memory_facts``, ``memory_ledger`` and ``memory_turns``
+(version 5) hold derived memory (:mod:`torpor.store.memory`), written beside the group
 commit (never by an append) and never read by revival.
+
+Version 4 is scale-out (:mod:`torpor.cluster`): ``cluster`` (one row: the shard
+count, fixed when the first node creates it), ``nodes`` (membership: each
+node's current ``incarnation``, advertised ``address`` and ``lease_until``,
+from the database's clock), ``shard_leases`` (one row per shard: ``owner``,
+``owner_incarnation``, ``epoch``, ``lease_until``), ``conversations.shard``
+(the conversation's shard, written once when a node creates the row; NULL on a
+single node) and ``events.epoch`` (the lease epoch that wrote the row; NULL on
+a single node). All nullable columns: adding them rewrites nothing.
 
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
@@ -195,12 +204,42 @@ _V2: Sequence[Step] = (
 
 _V3: Sequence[Step] = ("ALTER TABLE events ADD COLUMN hints bytea",)
 
+# IF NOT EXISTS throughout: nothing here depends on what an earlier run of it left.
+_V4: Sequence[Step] = (
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS shard integer",
+    "ALTER TABLE events ADD COLUMN IF NOT EXISTS epoch bigint",
+    """
+    CREATE TABLE IF NOT EXISTS cluster (
+        singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+        shards integer NOT NULL CHECK (shards > 0),
+        created_at timestamptz NOT NULL DEFAULT now()
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS nodes (
+        node_id text COLLATE "C" PRIMARY KEY,
+        incarnation bigint NOT NULL,
+        address text NOT NULL,
+        lease_until timestamptz NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS shard_leases (
+        shard integer PRIMARY KEY,
+        owner text COLLATE "C",
+        owner_incarnation bigint,
+        epoch bigint NOT NULL DEFAULT 0,
+        lease_until timestamptz
+    )
+    """,
+)
+
 # Derived memory (torpor.store.memory), never the log: episodic and semantic items written
 # at folds, the consolidation ledger, and the turns a hot-path reconciler said NONE for.
-# Self-contained (it depends on no other step after version 3), so it can be renumbered.
+# Version 5. IF NOT EXISTS throughout, like version 4.
 _MEMORY: Sequence[Step] = (
     """
-    CREATE TABLE memory_episodes (
+    CREATE TABLE IF NOT EXISTS memory_episodes (
         conversation_id bigint NOT NULL,
         position bigint NOT NULL,
         created_at bigint NOT NULL,
@@ -209,7 +248,7 @@ _MEMORY: Sequence[Step] = (
     )
     """,
     """
-    CREATE TABLE memory_facts (
+    CREATE TABLE IF NOT EXISTS memory_facts (
         conversation_id bigint NOT NULL,
         position bigint NOT NULL,
         ordinal integer NOT NULL,
@@ -220,7 +259,7 @@ _MEMORY: Sequence[Step] = (
     )
     """,
     """
-    CREATE TABLE memory_ledger (
+    CREATE TABLE IF NOT EXISTS memory_ledger (
         id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
         conversation_id bigint NOT NULL,
         key text NOT NULL,
@@ -228,9 +267,9 @@ _MEMORY: Sequence[Step] = (
         body bytea NOT NULL
     )
     """,
-    "CREATE INDEX memory_ledger_by_key ON memory_ledger (conversation_id, key, id)",
+    "CREATE INDEX IF NOT EXISTS memory_ledger_by_key ON memory_ledger (conversation_id, key, id)",
     """
-    CREATE TABLE memory_turns (
+    CREATE TABLE IF NOT EXISTS memory_turns (
         conversation_id bigint NOT NULL,
         turn integer NOT NULL,
         decision text NOT NULL,
@@ -240,7 +279,7 @@ _MEMORY: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _MEMORY)
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _MEMORY)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

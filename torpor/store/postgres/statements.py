@@ -21,7 +21,16 @@ from torpor.store.pending import PendingChanges
 from torpor.store.postgres.plan import HeadUpdate, Writes
 from torpor.store.postgres.schema import INSERT_PENDING
 
-__all__ = ["CREATE", "LOCK", "PENDING_CLEAR", "PENDING_REMOVE", "WRITE", "write", "write_pending"]
+__all__ = [
+    "CREATE",
+    "LOCK",
+    "LOCK_FENCED",
+    "PENDING_CLEAR",
+    "PENDING_REMOVE",
+    "WRITE",
+    "write",
+    "write_pending",
+]
 
 # Lock the batch's existing conversations in key order (every writer locks in the same
 # order, so two batches cannot deadlock on them) and read their heads and any
@@ -40,11 +49,36 @@ FROM locked AS l
 LEFT JOIN idempotency_keys AS i ON i.conversation_id = l.key AND i.key = ANY($2::text[])
 """
 
+# The same, on a clustered node: also the lease rows of the batch's shards ($3), FOR SHARE
+# in shard order, appended as extra rows (only their last two columns set). A takeover
+# (an UPDATE of a lease row) therefore waits for this batch to commit, and this batch,
+# if a takeover committed first, reads the new epoch and refuses the stale ops.
+# Conversations are locked first, leases after; takeovers and renewals lock only leases
+# (in shard order), so no cycle can form.
+LOCK_FENCED = """
+WITH locked AS MATERIALIZED (
+    SELECT key, external_id, head FROM conversations
+    WHERE external_id = ANY($1::text[]) ORDER BY key FOR UPDATE
+),
+leases AS MATERIALIZED (
+    SELECT shard, epoch FROM shard_leases WHERE shard = ANY($3::int[]) ORDER BY shard FOR SHARE
+)
+SELECT l.key, l.external_id, l.head, i.key, i.first_position, i.count, i.fingerprint,
+    CASE WHEN i.key IS NOT NULL AND i.fingerprint IS NULL THEN (
+        SELECT e.body FROM events AS e
+        WHERE e.conversation_id = l.key AND e.position = i.first_position
+    ) END, NULL::int, NULL::bigint
+FROM locked AS l
+LEFT JOIN idempotency_keys AS i ON i.conversation_id = l.key AND i.key = ANY($2::text[])
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, shard, epoch FROM leases
+"""
+
 # Create the conversations a batch needs, in name order. A name not returned was
 # created (and committed) by another writer meanwhile: the batch locks and re-reads it.
 CREATE = """
-INSERT INTO conversations (external_id, created_at, updated_at)
-SELECT n, $2, $2 FROM unnest($1::text[]) AS n ORDER BY n
+INSERT INTO conversations (external_id, shard, created_at, updated_at)
+SELECT n, s, $3, $3 FROM unnest($1::text[], $2::int[]) AS u(n, s) ORDER BY n
 ON CONFLICT (external_id) DO NOTHING
 RETURNING key, external_id
 """
@@ -52,40 +86,41 @@ RETURNING key, external_id
 WRITE = """
 WITH
 e AS (
-    INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body, hints)
+    INSERT INTO events
+        (conversation_id, position, turn, kind, tokens, created_at, body, hints, epoch)
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::text[], $5::int[],
-                         $6::bigint[], $7::bytea[], $8::bytea[])
+                         $6::bigint[], $7::bytea[], $8::bytea[], $9::bigint[])
 ),
 f AS (
     INSERT INTO events_fts (conversation_id, position, chunk, document)
     SELECT c, p, n, CASE WHEN l = '' THEN to_tsvector('simple', t)
         ELSE to_tsvector('simple', t) || array_to_tsvector(string_to_array(l, ' ')) END
-    FROM unnest($9::bigint[], $10::bigint[], $11::int[], $12::text[], $13::text[])
+    FROM unnest($10::bigint[], $11::bigint[], $12::int[], $13::text[], $14::text[])
         AS u(c, p, n, t, l)
 ),
 a AS (
     INSERT INTO artifacts (id, conversation_id, size, created_at, data)
-    SELECT * FROM unnest($14::text[], $15::bigint[], $16::bigint[], $17::bigint[], $18::bytea[])
+    SELECT * FROM unnest($15::text[], $16::bigint[], $17::bigint[], $18::bigint[], $19::bytea[])
 ),
 k AS (
     INSERT INTO idempotency_keys
         (conversation_id, key, first_position, count, created_at, fingerprint)
-    SELECT * FROM unnest($19::bigint[], $20::text[], $21::bigint[], $22::int[], $23::bigint[],
-                         $24::bytea[])
+    SELECT * FROM unnest($20::bigint[], $21::text[], $22::bigint[], $23::int[], $24::bigint[],
+                         $25::bytea[])
 ),
 cp AS (
     INSERT INTO checkpoints (conversation_id, position, created_at, body)
-    SELECT * FROM unnest($25::bigint[], $26::bigint[], $27::bigint[], $28::bytea[])
+    SELECT * FROM unnest($26::bigint[], $27::bigint[], $28::bigint[], $29::bytea[])
 ),
 m AS (
     INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body)
-    SELECT * FROM unnest($29::bigint[], $30::int[], $31::int[], $32::bigint[], $33::bytea[])
+    SELECT * FROM unnest($30::bigint[], $31::int[], $32::int[], $33::bigint[], $34::bytea[])
 ),
 h AS (
     UPDATE conversations AS c
     SET head = u.head, bytes = c.bytes + u.added,
-        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $38
-    FROM unnest($34::bigint[], $35::bigint[], $36::bigint[], $37::bigint[])
+        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $39
+    FROM unnest($35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[])
         AS u(key, head, added, cp)
     WHERE c.key = u.key
 )
@@ -131,7 +166,7 @@ async def write(
     """One statement: every row of ``writes`` and the conversations' new heads."""
     head_rows = [(key_of(name), u.head, u.added_bytes, u.checkpoint) for name, u in heads.items()]
     args: list[Any] = [
-        *_keyed(writes.events, 0, key_of, 8),
+        *_keyed(writes.events, 0, key_of, 9),
         *_keyed(writes.fts, 0, key_of, 5),
         *_keyed(writes.artifacts, 1, key_of, 5),
         *_keyed(writes.keys, 0, key_of, 6),

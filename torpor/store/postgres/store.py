@@ -19,6 +19,12 @@ acknowledged append survives a crash of the server and of the machine);
 ``"full"`` sets ``synchronous_commit = on`` on the writer connections, so an
 acknowledged append is flushed to the WAL (and to synchronous standbys, if any)
 even where the server default is weaker.
+
+Scale-out (``fence=``, given by :mod:`torpor.cluster`): every append carries
+the shard and lease epoch the node holds (see :mod:`.batch`), and every
+connection sets ``idle_in_transaction_session_timeout`` and TCP keepalives,
+so a node stopped (SIGSTOP) or cut off inside a transaction loses its locks
+on lease rows instead of blocking a takeover until it resumes.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from typing import Any, TypeVar
 import asyncpg
 
 from torpor._logging import get_logger
-from torpor.errors import ConfigError, StoreError
+from torpor.errors import ConfigError, FencedError, StoreError
 from torpor.store.core import StoreCore
+from torpor.store.fence import Fence
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite
 from torpor.store.postgres import reads
@@ -50,7 +57,7 @@ from torpor.store.protocol import (
 from torpor.store.rows import compress_artifact
 from torpor.store.sqlite.schema import Durability
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresStore", "node_session_settings"]
 
 log = get_logger(__name__)
 
@@ -88,6 +95,7 @@ class PostgresStore(StoreCore):
         readers: int = 4,
         writers: int = 1,
         max_batch: int = 2048,
+        fence: Fence | None = None,
     ) -> None:
         super().__init__(
             token_counter=token_counter,
@@ -101,6 +109,7 @@ class PostgresStore(StoreCore):
         if type(writers) is not int or writers < 1:
             raise ConfigError("writers", "at least one writer connection is needed")
         self.dsn = dsn
+        self._fence = fence
         self._writer_count = writers
         self._writer: GroupCommitWriter | None = None
         self._writer_conns: list[asyncpg.Connection] = []
@@ -121,7 +130,7 @@ class PostgresStore(StoreCore):
                 self.dsn,
                 min_size=1,
                 max_size=self._reader_count,
-                server_settings={"application_name": "torpor-reader"},
+                server_settings=self._settings("torpor-reader"),
             )
         except _DRIVER_ERRORS as exc:
             await self._close_connections()
@@ -135,8 +144,14 @@ class PostgresStore(StoreCore):
         self._writer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
 
+    def _settings(self, name: str) -> dict[str, str]:
+        settings = {"application_name": name}
+        if self._fence is not None:
+            settings.update(node_session_settings(self._fence.idle_timeout))
+        return settings
+
     async def _connect(self) -> asyncpg.Connection:
-        settings = {"application_name": "torpor-writer"}
+        settings = self._settings("torpor-writer")
         if self.durability == "full":
             settings["synchronous_commit"] = "on"
         return await asyncpg.connect(self.dsn, server_settings=settings)
@@ -204,13 +219,19 @@ class PostgresStore(StoreCore):
     # what StoreCore asks of a backend ----------------------------------------------
 
     async def _submit(self, op: Any) -> Any:
-        return await self._write().submit(op)
+        try:
+            return await self._write().submit(op)
+        except FencedError as exc:
+            if self._fence is not None and exc.epoch is not None:
+                self._fence.fenced(exc.shard, exc.epoch)
+            raise
 
     async def _reading(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self._read(fn, *args)
 
     def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
-        return AppendOp.build(prepared, with_events=with_events)
+        fence = None if self._fence is None else self._fence.hold(prepared.conversation_id)
+        return AppendOp.build(prepared, with_events=with_events, fence=fence)
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
         return CheckpointOp(checkpoint)
@@ -237,6 +258,24 @@ class PostgresStore(StoreCore):
     async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
         """ts_rank-scored; see :mod:`.lexemes` for the matching."""
         return await self._read(reads.search, conversation_id, query, k)
+
+
+def node_session_settings(idle_timeout: float) -> dict[str, str]:
+    """Server settings of every connection a clustered node opens.
+
+    ``idle_in_transaction_session_timeout``: a process stopped inside a
+    transaction (SIGSTOP, a long GC pause) has its session ended, releasing its
+    share locks on lease rows, so a takeover proceeds. TCP keepalives: the server
+    notices a peer that vanished without closing its socket (power loss, a cut
+    cable) within seconds instead of the kernel's two hours.
+    """
+    idle_ms = max(100, int(idle_timeout * 1000))
+    return {
+        "idle_in_transaction_session_timeout": str(idle_ms),
+        "tcp_keepalives_idle": "5",
+        "tcp_keepalives_interval": "2",
+        "tcp_keepalives_count": "3",
+    }
 
 
 def _redact(dsn: str) -> str:

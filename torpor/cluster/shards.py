@@ -1,0 +1,36 @@
+"""Which shard a conversation is in, and which node should own each shard.
+
+Both are pure functions every node computes identically: the shard is a
+stable hash of the conversation id (CRC-32 of its UTF-8 bytes, never Python's
+per-process ``hash()``), and the desired owner is chosen by rendezvous
+(highest-random-weight) hashing over the live nodes, so a node joining or
+leaving moves only the shards it wins or held. The lease row, not this
+function, says who owns a shard right now.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterable
+
+__all__ = ["desired_owner", "shard_of"]
+
+
+def shard_of(conversation_id: str, shards: int) -> int:
+    return zlib.crc32(conversation_id.encode("utf-8", "surrogatepass")) % shards
+
+
+def _weight(node_id: str, shard: int) -> bytes:
+    return hashlib.blake2b(f"{shard}\x00{node_id}".encode(), digest_size=8).digest()
+
+
+def desired_owner(shard: int, nodes: Iterable[str]) -> str | None:
+    """The live node that should hold ``shard`` (None when there is none)."""
+    best: str | None = None
+    best_weight = b""
+    for node in nodes:
+        weight = _weight(node, shard)
+        if best is None or (weight, node) > (best_weight, best):
+            best, best_weight = node, weight
+    return best

@@ -1,0 +1,41 @@
+"""The cluster as an admin sees it: members, the lease table, this node's shards."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import msgspec
+
+__all__ = ["ClusterView", "LeaseInfo", "MemberInfo"]
+
+
+class MemberInfo(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    incarnation: int
+    address: str
+    lease_until: datetime
+    live: bool  # its lease is in the future by the database's clock
+
+
+class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):
+    shard: int
+    owner: str | None
+    owner_incarnation: int | None
+    epoch: int
+    lease_until: datetime | None
+    live: bool  # held by a lease still in the future
+    address: str | None  # the owner's address, if that incarnation is still registered
+
+
+class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    incarnation: int
+    address: str
+    shard_count: int
+    shards: dict[int, int]  # shards this node serves -> their epochs
+    leaving: tuple[int, ...]  # being handed off
+    serving: bool  # the last renewal is recent enough to serve
+    fenced_appends: int  # appends the database refused: this node's epoch was stale
+    takeovers: int  # shards this node took from an expired lease of another node
+    members: tuple[MemberInfo, ...]
+    leases: tuple[LeaseInfo, ...]

@@ -1,0 +1,142 @@
+"""What a clustered runtime adds: requests only for shards it serves, agents that move away.
+
+:class:`ShardGate` is the runtime's :class:`~torpor.cluster.ShardHost`. It
+refuses a request for a conversation whose shard this node does not serve
+(:class:`~torpor.errors.NotOwner`, with the owner's address), and when a shard
+leaves it takes that shard's agents out of the runtime: waiting requests and
+turns fail with :class:`~torpor.errors.ShardMoved` (retry at the new owner),
+followers are closed (they reconnect there), and agent tasks are cancelled and
+awaited; a turn cut off this way tries to log its ``Aborted``, which the
+database refuses once the new owner holds the lease (the new owner logs
+``Aborted(interrupted)`` on revival instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from torpor.actors.actor import fail
+from torpor.actors.state import AgentState
+from torpor.cluster import NodeConfig, shard_of
+from torpor.cluster.leases import Leases
+from torpor.cluster.member import ClusterMember
+from torpor.errors import NotOwner, ShardMoved
+
+if TYPE_CHECKING:
+    from torpor.actors.agent import Agent
+    from torpor.runtime.host import Runtime
+
+__all__ = ["ShardGate"]
+
+
+class ShardGate:
+    __slots__ = ("_rt", "member")
+
+    def __init__(self, runtime: Runtime, node: NodeConfig) -> None:
+        self._rt = runtime
+        self.member = ClusterMember(runtime.store_url, node, self)
+
+    @property
+    def fence(self) -> Leases:
+        return self.member.leases
+
+    async def __aenter__(self) -> ShardGate:
+        await self.member.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.member.leave()
+
+    def check(self, conversation_id: str) -> None:
+        leases = self.member.leases
+        shard = shard_of(conversation_id, leases.shards)
+        if not leases.serving(shard):
+            raise NotOwner(conversation_id, shard, leases.owner_address(shard))
+
+    # -- torpor.cluster.ShardHost ---------------------------------------------------------
+    async def shards_lost(self, shards: frozenset[int]) -> None:
+        await self._evict(self._agents_of(shards), shards)
+
+    async def shards_leaving(self, shards: frozenset[int], deadline: float) -> None:
+        # Woken by every state change (the admin watchers' feed), until the shard's turns
+        # have all ended or the deadline passed; then whatever still runs is cut off.
+        until = time.monotonic() + deadline
+        agents = self._agents_of(shards)
+        with self._rt._watchers.watch(1024) as changes:
+            while any(_in_turn(a) for a in agents):
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(anext(changes), remaining)
+                except (TimeoutError, StopAsyncIteration):
+                    break
+        await self._evict(self._agents_of(shards), shards)
+
+    # -- taking agents out -------------------------------------------------------------------
+    def _agents_of(self, shards: frozenset[int]) -> list[Agent]:
+        rt = self._rt
+        count = self.member.leases.shards
+        agents = [a for a in rt._registry if shard_of(a.id, count) in shards]
+        agents += [a for a in rt._admission.queue.values() if shard_of(a.id, count) in shards]
+        return agents
+
+    async def _evict(self, agents: list[Agent], shards: frozenset[int]) -> None:
+        rt = self._rt
+        leases = self.member.leases
+        tasks: list[asyncio.Task[None]] = []
+        for agent in agents:
+            task = self._retire(agent, self._moved(agent.id, shard_of(agent.id, leases.shards)))
+            if task is not None:
+                tasks.append(task)
+        followers = rt._host.followers_by_id
+        for conversation_id, shard in [
+            (c, s) for c in followers if (s := shard_of(c, leases.shards)) in shards
+        ]:
+            error = self._moved(conversation_id, shard)
+            for follower in list(followers.get(conversation_id, ())):
+                follower.close(error)  # it follows the conversation on its new owner
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=rt.config.shutdown_deadline)
+            for task in pending:
+                rt._host.abandon(task, f"agent task {task.get_name()} of a moved shard")
+
+    def _moved(self, conversation_id: str, shard: int) -> ShardMoved:
+        return ShardMoved(conversation_id, shard, self.member.leases.owner_address(shard))
+
+    def _retire(self, agent: Agent, error: ShardMoved) -> asyncio.Task[None] | None:
+        rt = self._rt
+        rt._registry.remove(agent)
+        if rt._admission.queue.pop(agent.id, None) is not None:
+            rt._admission.since.pop(agent.id, None)
+        mailbox, agent.mailbox = agent.mailbox, None
+        for message in mailbox.drain() if mailbox is not None else ():
+            fail(message, error)
+        postponed, agent.postponed = agent.postponed, None
+        for waiting in postponed or ():  # logged: the new owner runs them
+            waiting.turn._fail(error)
+        if agent.current is not None:
+            agent.current._fail(error)
+        rt._host.forget_bytes(agent)
+        rt._counters.evictions += 1
+        rt._host.transition(agent, agent.state, AgentState.EVICTED)
+        task = agent.task
+        if task is None:
+            return None
+        rt._supervisor.retire(agent)
+        return task
+
+
+def _in_turn(agent: Agent) -> bool:
+    return agent.scope is not None or agent.state in (
+        AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING
+    )
+
