@@ -30,6 +30,11 @@ Reported:
   running another task meanwhile (what every other conversation waits).
 
 Usage: ``python bench/needles.py [--sizes 100,200,1000,10000] [--json FILE]``.
+
+``--table1`` runs the end-to-end benchmark in the shape of the source's Table 1
+instead (exact-match recall, 1-hop and 2-hop, after 1, 3, 5 and 50 folds:
+truncation, narrative compaction, torpor pull-only and torpor with push; see
+``bench/_recall_table1.py``); ``--table1 --quick`` a small version in seconds.
 """
 
 from __future__ import annotations
@@ -412,7 +417,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--no-runtime", action="store_true",
                         help="skip the first turns through the runtime")
+    parser.add_argument("--table1", action="store_true",
+                        help="end-to-end 1-hop/2-hop recall by method (Table 1's shape)")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --table1: 2 traces of 10 needles, 1 and 3 folds")
     args = parser.parse_args(argv)
+    if args.table1:
+        table1(args.quick, args.json_path)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     results = [asyncio.run(run_size(n, table2=(n == 200))) for n in sizes]
     big = max(sizes)  # a history under the working budget would not fold
@@ -439,6 +451,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(report, fh, indent=2)
+
+
+def table1(quick: bool, json_path: str | None) -> dict[str, Any]:
+    """Run the Table 1 benchmark, print its JSON and table; the report."""
+    from _recall_table1 import run
+    from _recall_table1 import table as table1_text
+
+    options: dict[str, Any] = {"traces": 2, "needles": 10, "levels": (1, 3)} if quick else {}
+    report = asyncio.run(run(**options))
+    report["python"] = sys.version.split()[0]
+    report["quick"] = quick
+    print(json.dumps(report))
+    print(table1_text(report))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return report
 
 
 if __name__ == "__main__":

@@ -434,6 +434,44 @@ def test_ceiling_stubs_tool_results_before_dialogue() -> None:
     assert_paired(rendered.messages)
 
 
+def test_the_task_card_and_recalled_section_render_the_same_on_the_cached_and_full_paths() -> None:
+    # Order: system prompt, task card, markers, the tail, the recalled section; the render
+    # cache keeps its hash chain across a card change (the prefix changes) and across
+    # recalled sections that change from call to call (hashed after the tail, per call).
+    from torpor.compaction.push import recalled_block
+    from torpor.compaction.task_card import card_text
+    from torpor.events import TaskCard
+
+    log = Log()
+    log.add(TaskCard(goal="first goal"))
+    log.user("hello")
+    log.say("hi")
+    ws = WorkingSet("c", None, log.events)
+    assert [e.kind for e in ws.tail] == ["user", "assistant"]  # a card is never in the tail
+    renders = []
+    for step in range(4):
+        if step == 2:
+            ws.note_card(log.add(TaskCard(goal="second goal", open_loops=("x",)))[0])
+        ws.append(log.user(f"question {step}"))
+        recalled = recalled_block(log.events[1:3], [20, 20], SMALL.encoding) if step % 2 else None
+        pushed = ((1, 20), (2, 20)) if step % 2 else ()
+        rendered = ws.render("sys", SMALL, recalled=recalled, pushed=pushed)
+        assert rendered == ws.render_from_scratch("sys", SMALL, recalled=recalled, pushed=pushed)
+        card = ws.card
+        assert card is not None and isinstance(card.body, TaskCard)
+        assert rendered.messages[1] == SystemMessage(card_text(card.body))
+        assert rendered.recipe.task_card == card.position
+        assert rendered.recipe.pushed == pushed
+        if recalled is not None:
+            assert rendered.messages[-1] == SystemMessage(recalled.text)
+            assert rendered.sections["recalled"] == recalled.tokens
+        else:
+            assert "recalled" not in rendered.sections
+        renders.append(rendered)
+    assert "second goal" in renders[-1].messages[1].text  # type: ignore[union-attr]
+    assert len({r.hash for r in renders}) == 4
+
+
 def test_ceiling_stubs_the_heaviest_span_not_every_old_result() -> None:
     """The span that frees what is missing with the most eviction weight per token: one
     large old result is enough, so the smaller, older result stays whole (a policy that

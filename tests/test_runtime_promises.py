@@ -573,7 +573,7 @@ async def test_pending_lists_every_suspended_conversation_without_waking_any(
 
 # -- item 13: one calling convention, and nothing but the public API on the runtime --------
 
-PUBLIC = {"send", "resolve", "cancel", "subscribe", "history", "recall", "expand", "admin",
+PUBLIC = {"send", "resolve", "cancel", "subscribe", "history", "recall", "expand", "admin", "task",
           "store", "config", "agent_config", "model", "store_url", "memory", "consolidate",
           "tool_interactions", "spawn"}
 

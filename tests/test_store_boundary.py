@@ -20,9 +20,11 @@ from torpor.events import (
     Aborted,
     AssistantMessage,
     Body,
+    Event,
     Parked,
     Resolved,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -190,6 +192,13 @@ async def test_absurd_numbers_are_invalid_input_never_overflow(backend: Backend)
             store.put_checkpoint(Checkpoint("c", 0, 0, 1, summary=SURROGATE)),
             store.put_checkpoint(Checkpoint("c", 0, 0, 1, (Marker(0, huge, 0, 0),))),
             store.put_checkpoint(Checkpoint("c", 5, 0, 1)),  # beyond the head
+            store.append("c", [TaskCard(goal=SURROGATE)]),
+            store.append("c", [TaskCard(key_positions=(-1,))]),
+            store.append("c", [TaskCard(constraints=("ok", "nul\x00"))]),
+            store.put_checkpoint(Checkpoint(
+                "c", 0, 0, 1, task_card=Event("c", 0, 0, 1, 0, UserMessage("not a card")))),
+            store.put_checkpoint(Checkpoint(
+                "c", 0, 0, 1, task_card=Event("c", 0, 0, 1, 0, TaskCard(goal=SURROGATE)))),
             store.record_model_call(call(turn=huge)),
             store.record_model_call(call(call_index=2**40)),
             store.record_model_call(call(reported_prompt_tokens=huge)),

@@ -32,6 +32,7 @@ from torpor.errors import (
     ShardMoved,
     StoreError,
     StoreUnavailable,
+    TaskCardTooLarge,
     ToolArgumentError,
     TorporError,
     TurnAborted,
@@ -49,6 +50,7 @@ from torpor.events import (
     Resolved,
     Spawned,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -68,7 +70,7 @@ from torpor.memory import (
     SemanticItem,
     ToolInteraction,
 )
-from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, Transition
+from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, TaskHandle, Transition
 from torpor.runtime.memory_api import MemoryView
 from torpor.store import open_store
 from torpor.store.protocol import Checkpoint, EventStore, Marker, ModelCall, SearchHit
@@ -141,6 +143,9 @@ __all__ = [
     "StoreUnavailable",
     "Subscriber",
     "Suspended",
+    "TaskCard",
+    "TaskCardTooLarge",
+    "TaskHandle",
     "TextDelta",
     "ToolArgumentError",
     "ToolCall",

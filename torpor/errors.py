@@ -28,6 +28,7 @@ __all__ = [
     "ShardMoved",
     "StoreError",
     "StoreUnavailable",
+    "TaskCardTooLarge",
     "ToolArgumentError",
     "TorporError",
     "TurnAborted",
@@ -60,6 +61,22 @@ class InvalidInput(TorporError, ValueError, TypeError):
     def __init__(self, what: str, message: str) -> None:
         super().__init__(f"{what}: {message}")
         self.what = what
+
+
+class TaskCardTooLarge(InvalidInput):
+    """A task card change would make the card cost more than ``AgentConfig.task_card_tokens``.
+
+    Refused whole, before anything is logged: the card in effect is unchanged.
+    """
+
+    def __init__(self, tokens: int, budget: int) -> None:
+        super().__init__(
+            "task card",
+            f"would cost {tokens} tokens, over its budget of {budget} "
+            "(AgentConfig.task_card_tokens): shorten it",
+        )
+        self.tokens = tokens
+        self.budget = budget
 
 
 class StoreError(TorporError):

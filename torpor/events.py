@@ -23,6 +23,7 @@ __all__ = [
     "Resolved",
     "Spawned",
     "Suspended",
+    "TaskCard",
     "ToolCall",
     "ToolResult",
     "Unparked",
@@ -149,8 +150,33 @@ class Spawned(msgspec.Struct, tag="spawned", frozen=True, gc=False, omit_default
     task: str = ""
 
 
+class TaskCard(msgspec.Struct, tag="task_card", frozen=True, gc=False, omit_defaults=True):
+    """The conversation's task card as it stands after a change (the whole card, not a patch).
+
+    Logged by ``rt.task(conversation).update(...)`` (``by="code"``) or the model's
+    ``task_card`` tool (``by="model"``). The latest one in the log is the card in
+    effect: it is rendered right after the system prompt and never folded or stubbed
+    (see :mod:`torpor.compaction.task_card`). ``key_positions``: log positions the
+    task turns on, which the model can ``expand``.
+    """
+
+    goal: str = ""
+    constraints: tuple[str, ...] = ()
+    open_loops: tuple[str, ...] = ()
+    key_positions: tuple[int, ...] = ()
+    by: Literal["code", "model"] = "code"
+
+
 Body: TypeAlias = (
-    UserMessage | AssistantMessage | ToolResult | Suspended | Resolved | Aborted | Parked | Unparked
+    UserMessage
+    | AssistantMessage
+    | ToolResult
+    | Suspended
+    | Resolved
+    | Aborted
+    | Parked
+    | Unparked
+    | TaskCard
     | Spawned
 )
 
@@ -181,6 +207,7 @@ _KINDS: dict[type, str] = {
     for cls in (
         UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked,
         Spawned,
+        TaskCard,
     )
 }
 KINDS: frozenset[str] = frozenset(_KINDS.values())
@@ -228,4 +255,6 @@ def searchable_text(body: Body) -> str:
         return body.cause
     if isinstance(body, Spawned):
         return body.task
+    if isinstance(body, TaskCard):
+        return " ".join((body.goal, *body.constraints, *body.open_loops)).strip()
     return ""

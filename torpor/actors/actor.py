@@ -22,10 +22,18 @@ import anyio
 
 from torpor.actors.agent import Waiting
 from torpor.actors.branch import handle_spawn
-from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest, SpawnRequest
+from torpor.actors.mailbox import (
+    CancelRequest,
+    CardRequest,
+    Message,
+    ResolveRequest,
+    SendRequest,
+    SpawnRequest,
+)
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
+from torpor.actors.task import card_change
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import ModelFailed, StepLimit, append, logged, run_steps
 from torpor.compaction.order import up_to_turn
@@ -77,6 +85,8 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
                 await _handle_resolve(agent, host, message)
             elif isinstance(message, SpawnRequest):
                 await handle_spawn(agent, host, message)
+            elif isinstance(message, CardRequest):
+                await _handle_card(agent, host, message)
             else:
                 await _handle_cancel(agent, host, message)
         agent.last_active = time.monotonic()
@@ -274,6 +284,8 @@ async def _take_waiting(agent: Agent, host: Host) -> None:
             if agent.cancels is None:
                 agent.cancels = []
             agent.cancels.append(message.done)  # answered when this turn ends
+        elif isinstance(message, CardRequest):
+            await _handle_card(agent, host, message)  # in effect from this turn's first call
         elif not message.done.done():
             message.done.set_exception(
                 UnknownCall(f"{agent.id}: not waiting for tool call {message.call_id!r}")
@@ -518,6 +530,24 @@ def _turn_start(ws: WorkingSet, turn: int) -> int:
         if event.turn == turn:
             return event.position
     return ws.head if ws.head is not None else -1
+
+
+async def _handle_card(agent: Agent, host: Host, request: CardRequest) -> None:
+    """Log a task card change (see torpor.actors.task); bad input fails only the caller."""
+    if request.done.done():
+        return
+    try:
+        with anyio.CancelScope(shield=True):  # written and answered, or neither
+            events = await logged(
+                agent, host, card_change(agent, request.patch), turn=lambda: agent.turn
+            )
+    except (StoreUnavailable, ValueError, TypeError) as exc:
+        fail(request, exc)  # nothing was written; the agent is fine
+        return
+    except Exception as exc:
+        fail(request, exc)
+        raise  # a conflict: our view of the log is stale, revive from it
+    request.done.set_result(events[0])
 
 
 async def _handle_cancel(agent: Agent, host: Host, request: CancelRequest) -> None:

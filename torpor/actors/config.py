@@ -18,6 +18,7 @@ from torpor.validation import (
     custom,
     flag,
     integer,
+    number,
     optional,
     seconds,
     text,
@@ -110,6 +111,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     model_idle_timeout: float | None = 300.0
     # A cancelled or timed-out tool gets this long to stop; then it is abandoned (reported).
     cancel_deadline: float = 5.0
+    # The task card (torpor.compaction.task_card): its own token budget (a change over it
+    # is refused with TaskCardTooLarge), and whether the model gets the task_card tool.
+    task_card_tokens: int = 512
+    task_card_tool: bool = False
+    # Task-conditioned push (torpor.compaction.push): off until measured to help; the
+    # recalled section's budget (tokens) and MMR's lambda.
+    push_recall: bool = False
+    push_tokens: int = 2_000
+    push_lambda: float = 0.7
 
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
@@ -132,6 +142,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                                _consolidator_problem),
         "model_idle_timeout": optional(seconds()),
         "cancel_deadline": seconds(),
+        "task_card_tokens": integer(16, 100_000),
+        "task_card_tool": flag(),
+        "push_recall": flag(),
+        "push_tokens": integer(64, 1_000_000),
+        "push_lambda": number(0.0, 1.0),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = BUDGET_RELATIONS
 

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from torpor.actors.turn import Turn
+    from torpor.events import Event
 
-__all__ = ["CancelRequest", "Mailbox", "Message", "ResolveRequest", "SendRequest", "SpawnRequest"]
+__all__ = [
+    "CancelRequest",
+    "CardRequest",
+    "Mailbox",
+    "Message",
+    "ResolveRequest",
+    "SendRequest",
+    "SpawnRequest",
+]
 
 
 class SendRequest:
@@ -62,7 +71,17 @@ class SpawnRequest:
         self.done = done
 
 
-Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest | SpawnRequest
+class CardRequest:
+    """A task card change for an agent that is not live yet: logged once it is revived."""
+
+    __slots__ = ("done", "patch")
+
+    def __init__(self, patch: dict[str, Any], done: asyncio.Future[Event]) -> None:
+        self.patch = patch
+        self.done = done
+
+
+Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest
 
 
 class Mailbox:

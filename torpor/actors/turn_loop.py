@@ -18,9 +18,11 @@ import msgspec
 
 from torpor.actors.json_schema import schema_errors
 from torpor.actors.state import AgentState
+from torpor.actors.task import card_change, pushed_for, tool_patch
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.anatomy import anatomy
+from torpor.compaction.push import NOTHING, Pushed
 from torpor.compaction.recall import (
     EXPAND_PAGE_CHARS,
     EXPAND_TOOL,
@@ -30,8 +32,9 @@ from torpor.compaction.recall import (
     format_hits,
 )
 from torpor.compaction.recall import recall as recall_hits
-from torpor.errors import ModelContextTooLong, ModelError, ModelTimeout, StoreError
-from torpor.events import AssistantMessage, Body, Event, Suspended, ToolCall, ToolResult
+from torpor.compaction.task_card import TASK_CARD_TOOL
+from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
+from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
 from torpor.memory.reconcile import reconcile_logged
@@ -81,7 +84,7 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
 async def logged(
     agent: Agent,
     host: Host,
-    bodies: Sequence[Body],
+    bodies: Sequence[Body] | Callable[[], Sequence[Body]],
     *,
     turn: int | Callable[[], int],
     key: str | None = None,
@@ -90,7 +93,9 @@ async def logged(
 
     The one place an agent's appends go through: the lock orders the actor's own
     writes with a message logged mid-turn by the sender's task. ``turn`` may be
-    a function, read once the lock is held (a postponed message's number).
+    a function, read once the lock is held (a postponed message's number);
+    ``bodies`` too (a task card change, merged with the card in effect under the
+    lock, so two changes never overwrite each other).
     """
     lock = agent.lock
     if lock is None:
@@ -102,17 +107,24 @@ async def logged(
 async def _at_head(
     agent: Agent,
     host: Host,
-    bodies: Sequence[Body],
+    bodies: Sequence[Body] | Callable[[], Sequence[Body]],
     turn: int | Callable[[], int],
     key: str | None,
 ) -> list[Event]:
     number = turn if isinstance(turn, int) else turn()
+    if callable(bodies):
+        bodies = bodies()
     events = await host.store.append_events(
         agent.id, bodies, turn=number, expect_head=agent.head, key=key
     )
     if events[-1].position > agent.head:
         agent.head = events[-1].position
         host.publish(agent.id, events)
+        ws = agent.ws
+        if ws is not None:  # a card is in effect from the next model call on
+            for event in events:
+                if type(event.body) is TaskCard:
+                    ws.note_card(event)
         reconciler = agent.profile.config.reconciler
         if reconciler is not None:  # the hot-path reconciler, once per finished turn
             await reconcile_logged(host.store, reconciler, agent.id, number, agent.ws, events)
@@ -176,7 +188,8 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
                 agent.id, agent.turn, agent.calls, agent.cycle + 1, ws.checkpoint, profile.policy
             ))
     checkpoint = build_checkpoint(
-        plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary, memory=bundle
+        plan, ws.checkpoint, cycle=agent.cycle + 1, summary=summary, memory=bundle,
+        task_card=ws.card,
     )
     with anyio.CancelScope(shield=True):  # written and applied, or neither
         await host.store.put_checkpoint(checkpoint)
@@ -191,8 +204,10 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     assert ws is not None
     profile = agent.profile
     specs = profile.specs
+    pushed = await pushed_for(agent, host)
     rendered = ws.render(
-        profile.config.system_prompt, profile.policy, specs, calibration=agent.calibration
+        profile.config.system_prompt, profile.policy, specs, calibration=agent.calibration,
+        recalled=pushed.block, pushed=pushed.kept,
     )
     agent.set_state(host, AgentState.STREAMING)
     hub = agent.hub
@@ -233,7 +248,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
             await _close(stream)
             await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error="cancelled")
+                _model_call(agent, host, rendered, started, first, None, error="cancelled",
+                            pushed=pushed)
             )
         raise
     except Exception as exc:
@@ -241,7 +257,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         with anyio.CancelScope(shield=True):
             await _close(stream)
             await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error=repr(exc))
+                _model_call(agent, host, rendered, started, first, None, error=repr(exc),
+                            pushed=pushed)
             )
         if isinstance(exc, StoreError):  # ours, not the model's
             raise
@@ -249,7 +266,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     finally:
         CONVERSATION.reset(conversation)
     message = AssistantMessage("".join(parts), tuple(calls))
-    audit = _model_call(agent, host, rendered, started, first, usage)
+    audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
     with anyio.CancelScope(shield=True):
@@ -326,6 +343,7 @@ def _model_call(
     usage: Usage | None,
     *,
     error: str | None = None,
+    pushed: Pushed = NOTHING,
 ) -> ModelCall:
     """The audit row of one model call; also calibrates the agent's token estimate."""
     now = time.perf_counter()
@@ -374,6 +392,8 @@ def _model_call(
         markers=shape.markers,
         topic=shape.topic,
         topic_changed=changed,
+        pushed=tuple(position for position, _ in pushed.kept),
+        pushed_scores=pushed.scores,
     )
 
 
@@ -388,6 +408,10 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
 
     async def one(call: ToolCall) -> None:
         builtin = BUILTIN_TOOLS.get(call.name) if config.recall_tools else None
+        if (call.name == TASK_CARD_TOOL.name and config.task_card_tool
+                and toolbox.get(call.name) is None):
+            results[call.id] = await _card_tool(agent, host, call)
+            return
         if builtin is not None and toolbox.get(call.name) is None:
             results[call.id] = await _run_builtin(agent, host, call)
             return
@@ -424,6 +448,17 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
     if done:
         await append(agent, host, done)
     return tuple(external)
+
+
+async def _card_tool(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
+    """The model's ``task_card`` tool: the change is logged at once (in effect from the next
+    model call), or the reason it was refused is the result."""
+    try:
+        change = card_change(agent, tool_patch(call.arguments), by="model")
+        events = await logged(agent, host, change, turn=lambda: agent.turn)
+    except InvalidInput as exc:
+        return ToolResult(call.id, call.name, f"error: {exc}", is_error=True)
+    return ToolResult(call.id, call.name, f"task card updated (event #{events[0].position})")
 
 
 async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:

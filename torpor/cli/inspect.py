@@ -141,6 +141,11 @@ def _anatomy(call: ModelCall) -> dict[str, Any]:
         "markers": call.markers,
         "topic": call.topic,
         "topic_changed": call.topic_changed,
+        # task-conditioned push: positions in the recalled section and their 0-1 scores
+        "pushed": [
+            {"position": p, "score": score}
+            for p, score in zip(call.pushed, call.pushed_scores, strict=False)
+        ],
     }
 
 
@@ -300,6 +305,11 @@ def _anatomy_line(anatomy: dict[str, Any]) -> str:
         f"in context: {known(anatomy['events_in_context'])} events, "
         f"{known(anatomy['markers'])} markers; topic: {topic_text}; "
         f"turn id: {known(anatomy['turn_id'])}"
+        + (
+            "; pushed: " + ", ".join(f"#{p['position']} ({p['score']:.2f})"
+                                     for p in anatomy["pushed"])
+            if anatomy.get("pushed") else ""
+        )
     )
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from torpor.compaction.task_card import card_lines
 from torpor.events import (
     Aborted,
     AssistantMessage,
@@ -15,6 +16,7 @@ from torpor.events import (
     Resolved,
     Spawned,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -59,6 +61,8 @@ def body_text(body: Body) -> str:
         return f"unparked by {body.by}"
     if isinstance(body, Spawned):
         return f"sub-agent {body.child} for {body.parent} [{body.call_id}]"
+    if isinstance(body, TaskCard):
+        return f"task card ({body.by}): " + " | ".join(card_lines(body).splitlines())
     return ""
 
 

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from torpor._logging import get_logger
 from torpor.compaction.order import up_to_turn
 from torpor.compaction.policy import CompactionPolicy
+from torpor.compaction.push import recalled_block
 from torpor.compaction.recipe import Recipe, Rendered, text_hash
 from torpor.compaction.render import decisions_of, materialize
+from torpor.compaction.sections import head_of
+from torpor.compaction.task_card import card_text, card_tokens
 from torpor.compaction.working_set import handoff_tokens
 from torpor.errors import StoreError
-from torpor.events import Event
+from torpor.events import Event, TaskCard
 from torpor.llm.protocol import ToolSpec
 from torpor.store.protocol import Checkpoint, EventStore
 
@@ -63,14 +66,45 @@ async def rebuild_rendered(
         bound.warning("rebuild_tools_differ", recorded=recipe.tools)
     encoding = recipe.encoding or policy.encoding
     text, tokens = handoff_tokens(checkpoint, encoding)
+    card = await _card_at(store, conversation_id, recipe.task_card)
+    pushed = [
+        await _one(store, conversation_id, position) for position, _ in recipe.pushed
+    ]
+    recalled = recalled_block(pushed, [keep for _, keep in recipe.pushed], encoding)
     return materialize(
         events,
         checkpoint,
-        text,
-        tokens,
+        head_of({
+            "task_card": (card_text(card), card_tokens(card, encoding)),
+            "markers": (text, tokens),
+        }),
         system_prompt,
         tools,
         decisions_of(recipe),
         encoding,
         recipe.version,  # the hash format the call recorded (1: one sha256, 2: the chain)
+        recalled=recalled,
+        task_card=recipe.task_card,
+        pushed=recipe.pushed,
     )
+
+
+async def _one(store: EventStore, conversation_id: str, position: int) -> Event:
+    found = await store.read_range(conversation_id, position, position)
+    if not found:
+        raise StoreError(f"conversation {conversation_id!r} has no event at {position}")
+    return found[0]
+
+
+async def _card_at(
+    store: EventStore, conversation_id: str, position: int | None
+) -> TaskCard | None:
+    """The task card a recipe names (its event's position), read back from the log."""
+    if position is None:
+        return None
+    body = (await _one(store, conversation_id, position)).body
+    if not isinstance(body, TaskCard):
+        raise StoreError(
+            f"conversation {conversation_id!r}: position {position} is not a task card"
+        )
+    return body

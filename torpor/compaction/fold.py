@@ -153,6 +153,7 @@ def build_checkpoint(
     summary: str = "",
     *,
     created_at: int | None = None,
+    task_card: Event | None = None,
     memory: str = "",
 ) -> Checkpoint:
     """The checkpoint for a planned fold: previous markers merged with one for this span.
@@ -160,6 +161,9 @@ def build_checkpoint(
     ``summary``: a Summarizer's narrative (the previous one is carried over when
     none is given). ``memory``: the memory bundle rendered for this fold.
     ``tokens`` is what the handoff costs in a rendered context.
+    ``task_card``: the card in effect (its TaskCard event), kept with the fold so a
+    revival that reads only the events after it still has it; the previous
+    checkpoint's when none is given.
     """
     policy = plan.policy
     marker = make_marker(plan.events, policy.max_topics, plan.hints)
@@ -180,6 +184,9 @@ def build_checkpoint(
         cycle=cycle,
         markers=markers,
         summary=summary,
+        task_card=task_card if task_card is not None else (
+            previous.task_card if previous is not None else None
+        ),
         memory=memory,
     )
     tokens = count_text(handoff_text(checkpoint), policy.encoding) + MESSAGE_OVERHEAD

@@ -26,6 +26,7 @@ from torpor.events import (
     Resolved,
     Spawned,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -51,6 +52,7 @@ _BODY = {
         (Parked, Parked("")),
         (Unparked, Unparked()),
         (Spawned, Spawned("", "", "")),
+        (TaskCard, TaskCard()),
     )
 }
 _SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing
@@ -125,6 +127,11 @@ def event_bytes(event: Event) -> int:
     if kind is Aborted:
         assert isinstance(body, Aborted)
         size += _text(body.partial_text) + _text(body.detail)
+    elif kind is TaskCard:
+        assert isinstance(body, TaskCard)
+        size += _text(body.goal) + _TUPLE * 3 + _SLOT * len(body.key_positions)
+        for item in (*body.constraints, *body.open_loops):
+            size += _SLOT + _text(item)
     return size
 
 
@@ -140,6 +147,8 @@ def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
     for marker in checkpoint.markers:
         size += sys.getsizeof(marker) + sys.getsizeof(marker.topics)
         size += sum(str_bytes(t) for t in marker.topics)
+    if checkpoint.task_card is not None:
+        size += event_bytes(checkpoint.task_card)
     return size
 
 

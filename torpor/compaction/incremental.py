@@ -47,6 +47,7 @@ from torpor.compaction.recipe import (
     text_hash,
     tools_digest,
 )
+from torpor.compaction.sections import Block
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     clip_keep,
@@ -150,7 +151,7 @@ class TailCache:
         self.standin_tokens = text_tokens(INTERRUPTED_RESULT, encoding)
         # The payload hash chain: the state after the system messages (for this prompt
         # and handoff), after the first ``hashed`` slots, and after every STRIDE slots.
-        self.prefix: tuple[str, str] | None = None
+        self.prefix: tuple[str, tuple[str, ...]] | None = None
         self.prefix_state = CHAIN_SEED
         self.hashed = 0
         self.state = CHAIN_SEED
@@ -318,33 +319,39 @@ class TailCache:
         self,
         tail: Sequence[Event],
         checkpoint: Checkpoint | None,
-        handoff: str,
-        handoff_tokens: int,
+        head: Sequence[Block],
         system_prompt: str,
         tools: Sequence[ToolSpec],
         ceiling: int,
+        *,
+        recalled: Block | None = None,
+        task_card: int | None = None,
+        pushed: tuple[tuple[int, int], ...] = (),
     ) -> Rendered | None:
         """The context the full path would render, or None when it has to enforce the ceiling.
 
-        Call :meth:`advance` first.
+        Call :meth:`advance` first. ``head``, ``recalled``, ``task_card`` and
+        ``pushed`` as :func:`~torpor.compaction.render.materialize` takes them.
         """
         encoding = self.encoding
         pending = self.unanswered
         k_user, i_user = self.last_user
-        sections = {
-            "system": text_tokens(system_prompt, encoding),
-            "markers": handoff_tokens if handoff else 0,
-            "tools": self._tools(tools),
-            "tail": self.tail_tokens,
-            "tool_results": self.results_tokens + len(pending) * self.standin_tokens,
-            "user": tail[i_user].tokens if k_user >= 0 else 0,
-        }
+        sections = {"system": text_tokens(system_prompt, encoding), "markers": 0}
+        for block in head:
+            sections[block.name] = block.tokens
+        sections.update(
+            tools=self._tools(tools),
+            tail=self.tail_tokens,
+            tool_results=self.results_tokens + len(pending) * self.standin_tokens,
+            user=tail[i_user].tokens if k_user >= 0 else 0,
+        )
+        if recalled is not None:
+            sections[recalled.name] = recalled.tokens
         total = sum(sections.values())
         if total > ceiling:
             return None
         messages: list[ContextMessage] = [SystemMessage(system_prompt)]
-        if handoff:
-            messages.append(SystemMessage(handoff))
+        messages.extend(SystemMessage(block.text) for block in head)
         start = len(messages)
         messages.extend(self.messages)
         if self.rebuild:
@@ -353,6 +360,8 @@ class TailCache:
         if pending:
             messages.extend(synthetic(call) for call in pending.values())
             synthesized += tuple(call.id for call in pending.values())
+        if recalled is not None:  # after the tail: chosen per call, so hashed per call
+            messages.append(SystemMessage(recalled.text))
         recipe = Recipe(
             checkpoint_position=checkpoint.position if checkpoint is not None else None,
             cycle=checkpoint.cycle if checkpoint is not None else 0,
@@ -367,11 +376,13 @@ class TailCache:
             tools=tuple(t.name for t in tools),
             encoding=encoding,
             turn=tail[-1].turn if tail else None,
+            task_card=task_card,
+            pushed=pushed,
         )
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=self._hash(messages, start, system_prompt, handoff, tools),
+            hash=self._hash(messages, start, system_prompt, tuple(b.text for b in head), tools),
             sections=sections,
             estimated_tokens=total,
         )
@@ -381,13 +392,13 @@ class TailCache:
         messages: list[ContextMessage],
         start: int,
         system_prompt: str,
-        handoff: str,
+        head: tuple[str, ...],
         tools: Sequence[ToolSpec],
     ) -> str:
         """:func:`~torpor.compaction.recipe.payload_hash` of ``messages``, carried over from
         the last call: only slots new or changed since are hashed."""
         n = len(self.messages)
-        key = (system_prompt, handoff)
+        key = (system_prompt, head)
         if self.prefix != key:  # a new prompt (or the first call): every slot again
             state = CHAIN_SEED
             for message in messages[:start]:
@@ -409,7 +420,7 @@ class TailCache:
                 self.marks += state
         self.hashed = n
         self.state = state
-        for message in messages[start + n :]:  # stand-ins for calls still open: per call
+        for message in messages[start + n :]:  # stand-ins for open calls, recalled: per call
             state = chain(state, message)
         return chain_end(state, self.tools_digest)
 

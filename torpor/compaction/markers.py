@@ -25,6 +25,7 @@ __all__ = [
     "HANDOFF_HEADER",
     "HINTS_FORMAT",
     "Hints",
+    "common_word",
     "decode_hints",
     "encode_hints",
     "event_hints",
@@ -84,6 +85,12 @@ _COMMON_TEXT = """
     without wont work works would wrong year years yes yet your yours yourself yourselves
 """
 _COMMON_WORDS = frozenset(_COMMON_TEXT.split())
+
+
+def common_word(word: str) -> bool:
+    """Whether ``word`` is part of the background prose stands out from (common English)."""
+    return word.lower() in _COMMON_WORDS
+
 _PROSE_RE = re.compile(r"(?<![\w/.@#$%&=~\-])[A-Za-z][a-z]{3,}(?![\w/@#$%&=~\-]|\.\w)")
 
 _EXTENSIONS = (

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from torpor.compaction.fusion import HybridRecall
+from torpor.compaction.task_card import card_lines
 from torpor.errors import InvalidInput
 from torpor.events import (
     Aborted,
@@ -23,6 +24,7 @@ from torpor.events import (
     Resolved,
     Spawned,
     Suspended,
+    TaskCard,
     ToolResult,
     Unparked,
     UserMessage,
@@ -180,6 +182,8 @@ def _body_text(body: object) -> str:
         return f"unparked by {body.by}"
     if isinstance(body, Spawned):
         return f"sub-agent {body.child} answers {body.parent}'s call [{body.call_id}]"
+    if isinstance(body, TaskCard):
+        return f"task card set by {body.by}:\n{card_lines(body)}"
     return repr(body)
 
 

@@ -75,6 +75,11 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # The call's turn: a rebuild keeps events of turns up to it, in turn order (a user
     # message postponed behind this turn may sit inside the position range).
     turn: int | None = None
+    # The task card rendered (the position of its TaskCard event; None: no card), and
+    # the recalled section pushed: (position, tokens of its text kept), in the order
+    # rendered. Added last, with defaults: older recipes decode as "none".
+    task_card: int | None = None
+    pushed: tuple[tuple[int, int], ...] = ()
 
 
 class Rendered(msgspec.Struct, frozen=True, gc=False):
@@ -83,7 +88,9 @@ class Rendered(msgspec.Struct, frozen=True, gc=False):
     messages: list[ContextMessage]
     recipe: Recipe
     hash: str  # the payload hash (hex) of (messages, tool specs), per the recipe's version
-    sections: dict[str, int]  # tokens: system, markers, tools, tail, tool_results, user
+    # tokens: system, markers, tools, tail, tool_results, user (and task_card, recalled
+    # when they render)
+    sections: dict[str, int]
     estimated_tokens: int
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from torpor.compaction.recipe import RECIPE_VERSION, Recipe, Rendered, payload_hash, text_hash
+from torpor.compaction.sections import Block
 from torpor.compaction.slots import (
     INTERRUPTED_RESULT,
     Decisions,
@@ -49,6 +50,7 @@ __all__ = [
     "Decisions",
     "ceiling_of",
     "decisions_of",
+    "head_sections",
     "materialize",
     "plan",
     "tools_tokens",
@@ -256,34 +258,29 @@ def _groups(slots: Sequence[Slot], last_user: int) -> list[list[int]]:
 def materialize(
     events: Sequence[Event],
     checkpoint: Checkpoint | None,
-    handoff: str,
-    handoff_tokens: int,
+    head: Sequence[Block],
     system_prompt: str,
     tools: Sequence[ToolSpec],
     d: Decisions,
     encoding: str,
     version: int = RECIPE_VERSION,
+    *,
+    recalled: Block | None = None,
+    task_card: int | None = None,
+    pushed: tuple[tuple[int, int], ...] = (),
 ) -> Rendered:
     """Messages, section sizes, hash and recipe for a tail under the given decisions.
 
-    ``version``: the recipe version whose hash to compute (a rebuild of an older
-    call's recipe computes the hash that call recorded).
+    ``head``: the blocks after the system prompt (:mod:`torpor.compaction.sections`);
+    ``recalled``: the pushed section, rendered after the tail. ``task_card`` and
+    ``pushed`` go into the recipe (the card event's position; the pushed positions
+    with the tokens each kept). ``version``: the recipe version whose hash to
+    compute (a rebuild of an older call's recipe computes the hash that call recorded).
     """
     slots, _ = layout(events)
-    system_tokens = text_tokens(system_prompt, encoding)
     messages: list[ContextMessage] = [SystemMessage(system_prompt)]
-    if handoff:
-        messages.append(SystemMessage(handoff))
-    else:
-        handoff_tokens = 0
-    sections = {
-        "system": system_tokens,
-        "markers": handoff_tokens,
-        "tools": tools_tokens(tools, encoding),
-        "tail": 0,
-        "tool_results": 0,
-        "user": 0,
-    }
+    messages.extend(SystemMessage(block.text) for block in head)
+    sections = head_sections(system_prompt, head, tools, encoding)
     last_user = -1
     for index, _, call in reversed(slots):
         if call is None and type(events[index].body) is UserMessage:
@@ -308,6 +305,9 @@ def materialize(
             sections["user"] += cost
         else:
             sections["tail"] += cost
+    if recalled is not None:
+        messages.append(SystemMessage(recalled.text))
+        sections[recalled.name] = recalled.tokens
     recipe = Recipe(
         checkpoint_position=checkpoint.position if checkpoint is not None else None,
         cycle=checkpoint.cycle if checkpoint is not None else 0,
@@ -323,6 +323,8 @@ def materialize(
         encoding=encoding,
         version=version,
         turn=events[-1].turn if events else None,
+        task_card=task_card,
+        pushed=pushed,
     )
     return Rendered(
         messages=messages,
@@ -331,6 +333,21 @@ def materialize(
         sections=sections,
         estimated_tokens=sum(sections.values()),
     )
+
+
+def head_sections(
+    system_prompt: str, head: Sequence[Block], tools: Sequence[ToolSpec], encoding: str
+) -> dict[str, int]:
+    """The section sizes of everything before the tail; the tail's start at zero.
+
+    ``markers`` is always there (0 without a fold); other head blocks only when
+    they render, so rows of calls without them look as they always did.
+    """
+    sections = {"system": text_tokens(system_prompt, encoding), "markers": 0}
+    for block in head:
+        sections[block.name] = block.tokens
+    sections.update(tools=tools_tokens(tools, encoding), tail=0, tool_results=0, user=0)
+    return sections
 
 
 def decisions_of(recipe: Recipe) -> Decisions:

@@ -29,12 +29,15 @@ from torpor.compaction.markers import Hints, handoff_text, span_hints
 from torpor.compaction.order import in_turn_order
 from torpor.compaction.recipe import Recipe, Rendered, decode_recipe, encode_recipe
 from torpor.compaction.render import ceiling_of, materialize, plan
+from torpor.compaction.sections import Block, head_of, head_tokens
+from torpor.compaction.task_card import card_text, card_tokens
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
-from torpor.events import Aborted, AssistantMessage, Event, ToolResult, UserMessage
+from torpor.events import Aborted, AssistantMessage, Event, TaskCard, ToolResult, UserMessage
 from torpor.llm.protocol import ToolSpec
 
 if TYPE_CHECKING:
     from torpor.compaction.policy import CompactionPolicy
+    from torpor.compaction.push import Pushed
     from torpor.store.protocol import Checkpoint
 
 __all__ = [
@@ -71,6 +74,8 @@ class WorkingSet:
 
     __slots__ = (
         "_cache",
+        "_card",
+        "_card_block",
         "_checkpoint",
         "_checkpoint_bytes",
         "_event_bytes",
@@ -80,6 +85,7 @@ class WorkingSet:
         "_tail",
         "_tail_tokens",
         "conversation_id",
+        "push_memo",
     )
 
     def __init__(
@@ -98,6 +104,10 @@ class WorkingSet:
         self._starts = array("q")  # tail indices where a fold may cut (see fold.turn_starts)
         self._high = -1  # the tail's highest position
         self._cache: TailCache | None = None  # made on the first render, dropped on a fold
+        self._card: Event | None = None  # the latest TaskCard event seen (by position)
+        self._card_block: tuple[str, int, str] | None = None  # text, tokens, encoding
+        # The last recalled section pushed and what it was for (see actors.task.pushed_for).
+        self.push_memo: tuple[tuple[int, int, int], Pushed] | None = None
         if checkpoint is not None:
             self.apply(checkpoint)
             start = checkpoint.position
@@ -109,6 +119,20 @@ class WorkingSet:
     @property
     def checkpoint(self) -> Checkpoint | None:
         return self._checkpoint
+
+    @property
+    def card(self) -> Event | None:
+        """The task card in effect: the latest :class:`TaskCard` event seen, or None."""
+        return self._card
+
+    def note_card(self, event: Event) -> None:
+        """A TaskCard event was logged (or found in the log or a checkpoint): the latest
+        by position is the card in effect. Never part of the tail: a card is not a turn's
+        content, is never folded, and its tokens are its own section's."""
+        current = self._card
+        if current is None or event.position > current.position:
+            self._card = event
+            self._card_block = None
 
     @property
     def tail(self) -> list[Event]:
@@ -181,6 +205,9 @@ class WorkingSet:
             for event in events:
                 position = event.position
                 kind = type(event.body)
+                if kind is TaskCard:
+                    self.note_card(event)
+                    continue
                 postponed = event.turn > last_turn and kind is UserMessage
                 if event.turn < last_turn or (position <= last and not postponed):
                     raise ValueError(
@@ -231,6 +258,8 @@ class WorkingSet:
             self._extend(kept)
             self._cache = None  # slot indices moved; rebuilt from the kept tail on next render
         self._checkpoint = checkpoint
+        if checkpoint.task_card is not None:
+            self.note_card(checkpoint.task_card)
         self._checkpoint_bytes = checkpoint_bytes(checkpoint)
         self._handoff = None  # rendered on the next assembly (it needs the policy's encoding)
 
@@ -262,12 +291,17 @@ class WorkingSet:
         tools: Sequence[ToolSpec] = (),
         *,
         calibration: float = 1.0,
+        recalled: Block | None = None,
+        pushed: tuple[tuple[int, int], ...] = (),
     ) -> Rendered:
-        """The context for the next model call: system prompt, handoff, rendered tail.
+        """The context for the next model call, in the order of
+        :mod:`torpor.compaction.sections`: system prompt, task card, handoff, rendered
+        tail, and the ``recalled`` section pushed for this call (``pushed``: its
+        positions and the tokens each kept, for the recipe).
 
-        Deterministic in (checkpoint, tail, prompt, policy, tools); never above
-        the policy's hard ceiling. ``calibration``: reported / estimated prompt
-        tokens seen for this conversation; above 1 it tightens the ceiling.
+        Deterministic in (card, checkpoint, tail, prompt, policy, tools, recalled);
+        never above the policy's hard ceiling. ``calibration``: reported / estimated
+        prompt tokens seen for this conversation; above 1 it tightens the ceiling.
 
         The same bytes as :meth:`render_from_scratch`, at O(events since the last
         call): the rendered tail is kept and extended (see
@@ -275,7 +309,7 @@ class WorkingSet:
         whose cuts depend on the whole tail, is planned from scratch.
         """
         encoding = policy.encoding
-        text, tokens = self._handoff_for(encoding)
+        head = self._head(encoding)
         limit = policy.clip_limit
         keep = policy.keep_tool_results
         clear = policy.clear_at_least
@@ -283,18 +317,24 @@ class WorkingSet:
         if cache is None or not cache.fits(encoding, limit, keep, clear):
             cache = self._cache = TailCache(encoding, limit, keep, clear)
         cache.advance(self._tail)
+        card = self._card.position if self._card is not None else None
         rendered = cache.render(
             self._tail,
             self._checkpoint,
-            text,
-            tokens,
+            head,
             system_prompt,
             tools,
             ceiling_of(policy, calibration),
+            recalled=recalled,
+            task_card=card,
+            pushed=pushed,
         )
         if rendered is not None:
             return rendered
-        return self.render_from_scratch(system_prompt, policy, tools, calibration=calibration)
+        return self.render_from_scratch(
+            system_prompt, policy, tools, calibration=calibration, recalled=recalled,
+            pushed=pushed,
+        )
 
     def render_from_scratch(
         self,
@@ -303,14 +343,30 @@ class WorkingSet:
         tools: Sequence[ToolSpec] = (),
         *,
         calibration: float = 1.0,
+        recalled: Block | None = None,
+        pushed: tuple[tuple[int, int], ...] = (),
     ) -> Rendered:
         """:meth:`render` by planning and materializing the whole tail (no cache used or kept)."""
         encoding = policy.encoding
-        text, tokens = self._handoff_for(encoding)
-        decisions = plan(self._tail, system_prompt, tokens, policy, tools, calibration)
+        head = self._head(encoding)
+        fixed = head_tokens(head) + (recalled.tokens if recalled is not None else 0)
+        decisions = plan(self._tail, system_prompt, fixed, policy, tools, calibration)
         return materialize(
-            self._tail, self._checkpoint, text, tokens, system_prompt, tools, decisions, encoding
+            self._tail, self._checkpoint, head, system_prompt, tools, decisions, encoding,
+            recalled=recalled,
+            task_card=self._card.position if self._card is not None else None,
+            pushed=pushed,
         )
+
+    def _head(self, encoding: str) -> tuple[Block, ...]:
+        """The blocks between the system prompt and the tail (see compaction.sections)."""
+        text, tokens = self._handoff_for(encoding)
+        block = self._card_block
+        if block is None or block[2] != encoding:
+            body = self._card.body if self._card is not None else None
+            card = body if isinstance(body, TaskCard) else None
+            block = self._card_block = (card_text(card), card_tokens(card, encoding), encoding)
+        return head_of({"task_card": (block[0], block[1]), "markers": (text, tokens)})
 
     def _handoff_for(self, encoding: str) -> tuple[str, int]:
         handoff = self._handoff
@@ -345,6 +401,10 @@ class WorkingSet:
         size += self._checkpoint_bytes
         if self._handoff is not None and self._handoff[0]:
             size += str_bytes(self._handoff[0])
+        if self._card is not None:
+            size += event_bytes(self._card)
+            if self._card_block is not None:
+                size += str_bytes(self._card_block[0])
         return size
 
 

@@ -12,8 +12,9 @@ conversation's context only grows at its end. Up to four ``cache_control``
 breakpoints (the provider's limit) mark what stays the same:
 
 1. the system prompt block (the same for the whole conversation, folds included);
-2. the handoff block a fold left (markers and any summary: the same until the
-   next fold);
+2. the last system block: the handoff a fold left (markers and any summary: the
+   same until the next fold), or the task card before any fold (the same until
+   it changes);
 3. the end of the stable history: the last block of the message just before the
    newest user message (everything up to there was sent, unchanged, last turn);
 4. the last block of the final message (so the next call of this turn, after
@@ -130,7 +131,9 @@ def anthropic_request(
         for s in tools
     ]
     if cache:
-        marks = [block for block in system[:2]]
+        # The system prompt and the last head block (the fold's handoff, or the task card
+        # before any fold): both change only at a fold or a card change.
+        marks = [system[0], system[-1]] if system else []
         if newest_user > 0:
             marks.append(messages[newest_user - 1]["content"][-1])
         if messages:

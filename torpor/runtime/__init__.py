@@ -6,6 +6,7 @@ from torpor.runtime.embedding import EmbeddingStats
 from torpor.runtime.host import Runtime
 from torpor.runtime.spawn import Branch
 from torpor.runtime.stats import Transition
+from torpor.runtime.task import TaskHandle
 
 __all__ = [
     "Admin",
@@ -16,5 +17,6 @@ __all__ = [
     "Runtime",
     "RuntimeConfig",
     "RuntimeStats",
+    "TaskHandle",
     "Transition",
 ]

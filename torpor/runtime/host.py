@@ -23,6 +23,7 @@ from torpor.cluster.config import NodeConfig
 from torpor.compaction.markers import encode_hints
 from torpor.compaction.recall import expand as expand_events
 from torpor.compaction.recall import recall as recall_hits
+from torpor.compaction.task_card import TASK_CARD_TOOL
 from torpor.compaction.tokens import make_token_counter
 from torpor.errors import (
     AgentParked,
@@ -48,6 +49,7 @@ from torpor.runtime.registry import Registry
 from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
+from torpor.runtime.task import TaskHandle
 from torpor.store import open_store
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.url import parse_store_url
@@ -240,6 +242,8 @@ class Runtime(MemoryAPI):
                 specs = specs + tuple(
                     spec for name, spec in BUILTIN_TOOLS.items() if toolbox.get(name) is None
                 )
+            if config.task_card_tool and toolbox.get(TASK_CARD_TOOL.name) is None:
+                specs = (*specs, TASK_CARD_TOOL)
             profile = Profile(config, config.policy(), toolbox, specs)
             if len(self._profiles) > 1024:
                 self._profiles.clear()
@@ -473,6 +477,13 @@ class Runtime(MemoryAPI):
         _position(before, "before")
         _count(limit, "limit", 10_000)
         return await self.store.page_backward(conversation_id, before, limit)
+
+    def task(self, conversation_id: str) -> TaskHandle:
+        """The conversation's task card: ``await rt.task(c).update(goal=...)``, ``.get()``
+        (see README "The task card")."""
+        self._check_open()
+        check_id(conversation_id)
+        return TaskHandle(self, conversation_id)
 
     async def recall(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
         """Full-text search over the whole log, folded parts included; scores exposed.

@@ -25,10 +25,12 @@ from torpor.events import (
     AbortReason,
     AssistantMessage,
     Body,
+    Event,
     Parked,
     Resolved,
     Spawned,
     Suspended,
+    TaskCard,
     ToolCall,
     ToolResult,
     Unparked,
@@ -69,6 +71,8 @@ def check_body(body: Body, where: str) -> None:
         check_id(body.call_id, f"{where}.call_id")
         check_id(body.child, f"{where}.child")
         check_text(body.task, f"{where}.task")
+    elif isinstance(body, TaskCard):
+        _task_card(body, where)
     else:
         raise InvalidInput(where, f"not an event body: {type(body).__name__}")
 
@@ -114,6 +118,22 @@ def _suspended(body: Suspended, where: str) -> None:
         )
     for index, tool in enumerate(body.tools):
         check_text(tool, f"{where}.tools[{index}]")
+
+
+def _task_card(body: TaskCard, where: str) -> None:
+    check_text(body.goal, f"{where}.goal")
+    for name in ("constraints", "open_loops"):
+        items = getattr(body, name)
+        if not isinstance(items, tuple | list):
+            raise InvalidInput(f"{where}.{name}", "must be a tuple of str")
+        for index, item in enumerate(items):
+            check_text(item, f"{where}.{name}[{index}]")
+    if not isinstance(body.key_positions, tuple | list):
+        raise InvalidInput(f"{where}.key_positions", "must be a tuple of positions")
+    for index, position in enumerate(body.key_positions):
+        check_int(position, f"{where}.key_positions[{index}]", 0, POSITION_LIMIT)
+    if body.by not in ("code", "model"):
+        raise InvalidInput(f"{where}.by", "must be 'code' or 'model'")
 
 
 def _aborted(body: Aborted, where: str) -> None:
@@ -174,6 +194,12 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
     check_int(checkpoint.tokens, "checkpoint.tokens", 0, INT32_LIMIT)
     check_text(checkpoint.summary, "checkpoint.summary")
     check_text(checkpoint.memory, "checkpoint.memory")
+    card = checkpoint.task_card
+    if card is not None:
+        if not isinstance(card, Event) or not isinstance(card.body, TaskCard):
+            raise InvalidInput("checkpoint.task_card", "must be None or a TaskCard event")
+        check_int(card.position, "checkpoint.task_card.position", 0, POSITION_LIMIT)
+        check_body(card.body, "checkpoint.task_card.body")
     if not isinstance(checkpoint.markers, tuple | list):
         raise InvalidInput("checkpoint.markers", "must be a tuple of Marker")
     for index, marker in enumerate(checkpoint.markers):

@@ -59,6 +59,10 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     markers: tuple[Marker, ...] = ()
     summary: str = ""  # optional narrative handoff (Summarizer strategy)
     tokens: int = 0  # tokens the handoff costs when rendered
+    # The task card in effect when the fold was made (its TaskCard event), so a revival
+    # that reads only the events after the fold still renders it. None: no card, or a
+    # checkpoint written before cards existed.
+    task_card: Event | None = None
     # The memory bundle rendered at this fold (torpor.memory.bundle): the most salient
     # episodic and semantic items, shown before the markers instead of ``summary``.
     memory: str = ""
@@ -133,6 +137,11 @@ class ModelCall(msgspec.Struct, frozen=True, gc=False):
     markers: int | None = None  # time-range markers in context
     topic: str | None = None  # the turn's detected topic (its best topic hint)
     topic_changed: bool | None = None  # the topic differs from the previous call's
+    # Task-conditioned push (torpor.compaction.push): the positions in the recalled
+    # section and their scores (0-1), in the order rendered. Empty: nothing was pushed
+    # (push off, no folded history, no candidate), or a row written before push.
+    pushed: tuple[int, ...] = ()
+    pushed_scores: tuple[float, ...] = ()
 
 
 class PendingCall(msgspec.Struct, frozen=True, gc=False):

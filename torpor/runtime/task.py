@@ -1,0 +1,100 @@
+"""``rt.task(conversation)``: the handle a caller sets and reads a task card through."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from torpor.actors.mailbox import CardRequest
+from torpor.actors.state import AgentState
+from torpor.actors.task import card_change, card_of
+from torpor.actors.turn_loop import logged
+from torpor.compaction.task_card import merged_card
+from torpor.errors import AgentParked
+from torpor.events import Event, TaskCard
+
+if TYPE_CHECKING:
+    from torpor.runtime.host import Runtime
+
+__all__ = ["TaskHandle"]
+
+
+class TaskHandle:
+    """One conversation's task card (see README "The task card").
+
+    ``await update(goal=..., constraints=..., open_loops=..., key_positions=...)``
+    logs the card with the given fields replaced (None: unchanged) and returns it;
+    ``await get()`` returns the card in effect (None: none set), never waking the
+    agent. A change made while a turn runs is logged at once and is in effect
+    from that turn's next model call.
+    """
+
+    __slots__ = ("_rt", "conversation_id")
+
+    def __init__(self, rt: Runtime, conversation_id: str) -> None:
+        self._rt = rt
+        self.conversation_id = conversation_id
+
+    def __repr__(self) -> str:
+        return f"TaskHandle({self.conversation_id!r})"
+
+    async def update(
+        self,
+        *,
+        goal: str | None = None,
+        constraints: list[str] | tuple[str, ...] | None = None,
+        open_loops: list[str] | tuple[str, ...] | None = None,
+        key_positions: list[int] | tuple[int, ...] | None = None,
+    ) -> TaskCard:
+        """Log a card change; the card now in effect.
+
+        Raises InvalidInput for a bad field and TaskCardTooLarge when the card
+        would exceed ``AgentConfig.task_card_tokens`` (nothing is logged either
+        way), AgentParked for a parked agent, StoreUnavailable when the store
+        cannot write. Starts the conversation if it has no events yet.
+        """
+        rt = self._rt
+        rt._check_open()
+        patch: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("goal", goal),
+                ("constraints", constraints),
+                ("open_loops", open_loops),
+                ("key_positions", key_positions),
+            )
+            if value is not None
+        }
+        merged_card(None, **patch)  # bad fields fail here, before any agent is woken
+        agent = rt._agent(self.conversation_id)
+        if agent.state is AgentState.PARKED:
+            raise AgentParked(self.conversation_id, agent.parked_cause or "parked")
+        if agent.ws is not None and agent.lock is not None:
+            # Live (idle or inside a turn): logged from here under the agent's append lock.
+            events = await logged(
+                agent, rt._host, card_change(agent, patch), turn=lambda: agent.turn
+            )
+            event = events[0]
+        else:  # not revived yet: the actor logs it once it is
+            done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+            agent.post(CardRequest(patch, done))
+            rt._registry.unqueue(agent)
+            rt._supervisor.ensure_running(agent)
+            event = await done
+        assert isinstance(event.body, TaskCard)
+        return event.body
+
+    async def get(self) -> TaskCard | None:
+        """The card in effect (None: none was ever set). Read from the log when the agent
+        is not live: the latest fold's card, or a later one logged since."""
+        rt = self._rt
+        rt._check_open()
+        agent = rt._registry.get(self.conversation_id)
+        if agent is not None and agent.ws is not None:
+            return card_of(agent)
+        resume = await rt.store.resume(self.conversation_id)
+        found: Event | None = resume.checkpoint.task_card if resume.checkpoint else None
+        for event in resume.events:
+            if type(event.body) is TaskCard and (found is None or event.position > found.position):
+                found = event
+        return found.body if found is not None and isinstance(found.body, TaskCard) else None
