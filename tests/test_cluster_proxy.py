@@ -226,6 +226,30 @@ async def test_a_forwarded_request_is_never_forwarded_again_and_redirect_mode_an
             assert await store.head(on_b) is None  # the looped send was written nowhere
 
 
+@pytest.mark.parametrize("stale", ["another node", "a closed port"])
+async def test_a_stale_lease_cache_gets_one_retry_after_a_fresh_lookup(
+    db: str, stale: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = EchoModel()
+    async with node(db, "a", model) as a, node(db, "b", model) as b, \
+            node(db, "c", model) as c:
+        held = await split(a, b, c)
+        cid = owned_by(held["a"])
+        if stale == "another node":  # c answers 421 (it is not the owner either)
+            wrong = c.url.removeprefix("http://")
+        else:
+            sock = bind("127.0.0.1", 0)
+            wrong = f"127.0.0.1:{sock.getsockname()[1]}"
+            sock.close()  # nothing listens there: the connection is refused
+        assert b.rt._cluster is not None
+        # b's routing cache names the wrong node for every shard it does not serve.
+        monkeypatch.setattr(b.rt._cluster.member.leases, "owner_address", lambda shard: wrong)
+        async with httpx.AsyncClient(timeout=20) as client:
+            response, events = await turn_events(client, b.url, cid, "still there?")
+        assert response.headers[OWNER_HEADER] == a.url.removeprefix("http://")
+        assert events[-1][1]["body"]["text"] == "echo: still there?"
+
+
 # -- the owner killed mid-proxy: two `torpor serve` processes ------------------------------
 
 async def shards_of(client: Any, url: str) -> set[int]:

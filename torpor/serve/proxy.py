@@ -131,8 +131,12 @@ class Proxy:
         """The owner's response, begun (None: nothing reached it, or it refused at once)."""
         client = self._client
         assert client is not None and self.node_id is not None
-        headers = [(k, v) for k, v in request.headers.items() if k not in _NOT_FORWARDED]
+        headers = [(k, v) for k, v in request.headers.items()
+                   if k not in _NOT_FORWARDED and k != "x-request-id"]
         headers.append((HOP_HEADER, self.node_id))
+        request_id = getattr(request.state, "request_id", None)
+        if isinstance(request_id, str):  # the owner logs this request under the same id
+            headers.append(("x-request-id", request_id))
         body = getattr(request.state, "raw_body", None)
         if body is None:
             body = await request.body()
