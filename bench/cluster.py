@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import asyncpg
 from pg_cluster import running_cluster
 
-from torpor.cluster import shard_of
+from torpor.cluster import desired_owner, shard_of
 from torpor.events import UserMessage
 from torpor.serve.client import Client
 from torpor.store.postgres import PostgresStore
@@ -119,12 +119,15 @@ async def lease_owners(db: str) -> dict[int, str | None]:
 
 
 async def settled(db: str, live: set[str]) -> float:
-    """Seconds until every shard is held by a node in ``live``, each of them holding some."""
+    """Seconds until every shard is held by the node in ``live`` rendezvous hashing gives it
+    (so no hand-off is still under way)."""
     started = time.monotonic()
     async with asyncio.timeout(60):
         while True:
             owners = await lease_owners(db)
-            if len(owners) == SHARDS and set(owners.values()) == live:
+            if len(owners) == SHARDS and all(
+                owner == desired_owner(shard, live) for shard, owner in owners.items()
+            ):
                 return time.monotonic() - started
             await asyncio.sleep(0.02)
 
