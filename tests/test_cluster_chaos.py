@@ -10,7 +10,8 @@ idempotency key), while:
    over, the conversation is served again elsewhere, then the node is resumed
    (SIGCONT): its next append is refused (FencedError) and nothing of its cut
    turn lands;
-3. afterwards every conversation answers again, and the log holds the
+3. afterwards every conversation answers again (4: through whichever node the request
+   lands on; a non-owner proxies it to the owner and relays the stream), and the log holds the
    invariants: positions dense, every event row carries the epoch that wrote
    it, and per conversation epochs never go back (no event of epoch e after
    the first event of a later epoch); fence rejections were counted (> 0).
@@ -97,6 +98,7 @@ class Driver:
         self.acked: dict[str, str] = {}  # user text -> conversation
         self.redirects = 0
         self.retries = 0
+        self.proxied = 0  # answers streamed from the owner through another node
 
     def pick(self, address: str | None = None) -> Node:
         node = self.by_address.get(address) if address is not None else None
@@ -159,6 +161,7 @@ class Driver:
                                 node = self.pick(owner)
                                 continue
                             if response.status == 200:
+                                self.proxied += "x-torpor-owner" in response.headers
                                 async for event in response.events():
                                     if event.event == "user":
                                         self.acked[text] = cid
@@ -340,6 +343,7 @@ async def test_chaos_kill_and_stop_owners_lose_no_acknowledged_send_and_fence_th
         last[cid] = epoch
     assert found == len(driver.acked) > 3 * CONVERSATIONS
     assert fenced > 0
+    assert driver.proxied > 0  # 4. requests that landed on a non-owner streamed through it
     takeovers = len(killed_shards) + sum(
         1 for s in final_table if after_kill[s][0] == stopped.name
     )
@@ -347,7 +351,7 @@ async def test_chaos_kill_and_stop_owners_lose_no_acknowledged_send_and_fence_th
         "acknowledged": len(driver.acked), "found": found, "fenced": fenced,
         "takeovers": takeovers, "seconds_to_takeover": round(takeover_seconds, 2),
         "seconds_to_takeover_stopped": round(stop_seconds, 2),
-        "redirects": driver.redirects, "retries": driver.retries,
+        "redirects": driver.redirects, "retries": driver.retries, "proxied": driver.proxied,
         "seconds": round(time.monotonic() - started, 1),
     }))
     # Liveness, loosely (timing targets belong to bench/cluster.py): far inside "never".

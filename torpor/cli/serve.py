@@ -92,6 +92,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--shards", type=int, default=512, metavar="N",
                    help="with --node-id, the cluster's shard count, fixed when the first node "
                         "creates it (default 512)")
+    p.add_argument("--cluster-routing", choices=("proxy", "redirect"), default="proxy",
+                   help="with --node-id, a request for a conversation another node owns is "
+                        "proxied to it (default) or answered 421 with its address")
     p.set_defaults(run=run)
 
 
@@ -124,6 +127,7 @@ def configure_logging(level: str, fmt: str, tap: Any) -> None:
 
 def _check_extra() -> None:
     try:
+        import httpx  # noqa: F401
         import prometheus_client  # noqa: F401
         import sse_starlette  # noqa: F401
         import starlette  # noqa: F401
@@ -182,7 +186,7 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
         raise CliError(f"--node-id: {str(exc).removeprefix(exc.field + ': ')}") from None
     application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
                       admin_remote=args.admin_remote, metrics=metrics,
-                      shutdown_grace=args.shutdown_grace)
+                      shutdown_grace=args.shutdown_grace, cluster_routing=args.cluster_routing)
     name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
         f"{args.model.model}"
     lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, model {name})"]

@@ -16,7 +16,7 @@ from torpor.serve.access import (
 )
 from torpor.serve.app import app, service_of
 from torpor.serve.metrics import InstrumentedModel, Metrics
-from torpor.serve.problems import Draining, Forbidden, HTTPProblem, Unauthorized
+from torpor.serve.problems import Draining, Forbidden, HTTPProblem, OwnerUnreachable, Unauthorized
 from torpor.serve.runner import Server, bind, serve
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, format_cursor, parse_cursor
@@ -30,6 +30,7 @@ __all__ = [
     "HTTPProblem",
     "InstrumentedModel",
     "Metrics",
+    "OwnerUnreachable",
     "Server",
     "Service",
     "Unauthorized",

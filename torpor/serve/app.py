@@ -26,6 +26,7 @@ from torpor.serve.logs import conversation_id_var, request_id_var
 from torpor.serve.metrics import Metrics
 from torpor.serve.page import page_routes
 from torpor.serve.problems import HTTPProblem, problem, problem_for
+from torpor.serve.proxy import Proxy, Routing
 from torpor.serve.service import Service
 
 __all__ = ["app", "service_of"]
@@ -105,6 +106,7 @@ def app(
     metrics: Metrics | None = None,
     shutdown_grace: float = 10.0,
     page: bool = True,
+    cluster_routing: Routing = "proxy",
 ) -> Starlette:
     """The chat API, the admin, ``/metrics`` and the page, over ``runtime``.
 
@@ -120,22 +122,33 @@ def app(
     Mounted in another app (whose lifespan does not reach mounted apps), enter
     ``app.router.lifespan_context(app)`` from the host's lifespan, or run the
     runtime yourself.
+
+    On a cluster node (``Runtime(node=...)``) a request for a conversation
+    another node owns is proxied to it, streams included
+    (``cluster_routing="proxy"``, with a client the lifespan opens), or
+    answered 421 with the owner's address (``"redirect"``, and always without
+    the lifespan); see :mod:`torpor.serve.proxy`.
     """
     if not callable(authorize):
         raise TypeError("authorize must be a callable (request, conversation_id, action)")
+    if cluster_routing not in ("proxy", "redirect"):
+        raise ValueError(f'cluster_routing must be "proxy" or "redirect", got {cluster_routing!r}')
     metrics = metrics if metrics is not None else Metrics()
     service = Service(runtime, metrics, shutdown_grace=shutdown_grace)
+    proxy = Proxy(runtime, cluster_routing)
 
     @asynccontextmanager
     async def lifespan(application: Starlette) -> AsyncIterator[None]:
         await service.start()
         try:
-            yield
+            async with proxy.running():  # closed after the drain: relays end with the runtime
+                yield
+                await service.shutdown()
         finally:
             await service.shutdown()
 
     routes: list[BaseRoute] = [
-        *chat_routes(service, authorize),
+        *chat_routes(service, authorize, proxy),
         *admin_routes(service, admin_token, admin_remote),
         Route("/healthz", _health(service), methods=["GET"]),
     ]

@@ -23,6 +23,7 @@ from torpor.errors import Busy, InvalidInput, UnknownConversation
 from torpor.serve.access import Action, Authorize, permit
 from torpor.serve.logs import conversation_id_var
 from torpor.serve.problems import HTTPProblem
+from torpor.serve.proxy import Proxy
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, event_data, parse_cursor
 from torpor.serve.streams import follow_response
@@ -39,6 +40,11 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; its bytes stay on ``request.state.raw_body`` (a request
+    proxied to another node, or served again after a fresh lease lookup, sends them again)."""
+    kept = getattr(request.state, "raw_body", None)
+    if isinstance(kept, bytes):
+        return _object(kept)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
@@ -49,10 +55,15 @@ async def json_body(request: Request) -> dict[str, Any]:
         if len(raw) > MAX_BODY_BYTES:
             raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
                               title="Content Too Large")
+    request.state.raw_body = bytes(raw)
+    return _object(request.state.raw_body)
+
+
+def _object(raw: bytes) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        value = _decode.decode(bytes(raw))
+        value = _decode.decode(raw)
     except msgspec.DecodeError as exc:
         raise HTTPProblem(f"the body is not JSON: {exc}", status=400) from None
     if not isinstance(value, dict):
@@ -189,14 +200,17 @@ class ChatAPI:
         return JSONResponse({"cancelled": cancelled})
 
 
-def chat_routes(service: Service, authorize: Authorize) -> list[Route]:
+def chat_routes(service: Service, authorize: Authorize, proxy: Proxy) -> list[Route]:
+    """The routes; on a cluster node the owner answers those another node owns (history and
+    recall read the shared log here)."""
     api = ChatAPI(service, authorize)
     base = "/v1/conversations/{conversation_id:path}"
+    owned = proxy.route
     return [
-        Route(base + "/messages", api.send, methods=["POST"]),
-        Route(base + "/stream", api.stream, methods=["GET"]),
+        Route(base + "/messages", owned(api.send), methods=["POST"]),
+        Route(base + "/stream", owned(api.stream), methods=["GET"]),
         Route(base + "/history", api.history, methods=["GET"]),
         Route(base + "/recall", api.recall, methods=["GET"]),
-        Route(base + "/calls/{call_id}", api.resolve, methods=["POST"]),
-        Route(base + "/cancel", api.cancel, methods=["POST"]),
+        Route(base + "/calls/{call_id}", owned(api.resolve), methods=["POST"]),
+        Route(base + "/cancel", owned(api.cancel), methods=["POST"]),
     ]

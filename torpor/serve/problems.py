@@ -37,6 +37,7 @@ __all__ = [
     "Draining",
     "Forbidden",
     "HTTPProblem",
+    "OwnerUnreachable",
     "Unauthorized",
     "problem",
     "problem_for",
@@ -47,6 +48,7 @@ PROBLEM_JSON = "application/problem+json"
 
 RETRY_AFTER_BUSY = 1  # seconds: a mailbox drains as fast as a turn ends
 RETRY_AFTER_UNAVAILABLE = 5
+RETRY_AFTER_OWNER = 1  # a dead owner's shards move within its lease TTL
 
 
 class HTTPProblem(Exception):
@@ -94,6 +96,17 @@ class Draining(HTTPProblem):
 
     def __init__(self, detail: str = "the server is shutting down") -> None:
         super().__init__(detail, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE)})
+
+
+class OwnerUnreachable(HTTPProblem):
+    """A cluster node could not reach the node that owns the conversation (it died, or
+    its shards are moving): 503 with ``Retry-After``; retry with the same Idempotency-Key."""
+
+    status = 503
+    title = "Owner Unreachable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Retry-After": str(RETRY_AFTER_OWNER)})
 
 
 # Most specific first: several errors derive from others (IdempotencyConflict is a ValueError).

@@ -1,0 +1,239 @@
+"""Routing through any node: a request for a conversation another node owns is proxied there.
+
+On a cluster node (``Runtime(node=...)``, ``torpor serve --node-id``) the
+runtime refuses a request for a shard it does not serve with
+:class:`~torpor.errors.NotOwner` (``.owner``: the owner's address). The chat
+routes catch it and forward the request to that address with one pooled
+``httpx.AsyncClient`` the app's lifespan opens and closes; the answer is
+relayed as it arrives (a Server-Sent Events stream event by event, never
+buffered whole; ``Last-Event-ID`` and every other end-to-end header pass
+through, so a reconnect resumes exactly as on the owner).
+
+* Loops: a forwarded request carries ``X-Torpor-Hop`` (the forwarding node's
+  id). A node that is not the owner either answers it 421 (``NotOwner`` with
+  the owner it knows) instead of forwarding it again.
+* A stale cache: when the target refuses (421) or cannot be reached before
+  anything was sent, the lease table is read afresh from the database and the
+  request goes once more, to the owner it names (or is served here, if this
+  node took the shard meanwhile). Nothing is retried once the owner may have
+  acted on it.
+* The owner unreachable: :class:`~torpor.serve.OwnerUnreachable`, a 503 with
+  ``Retry-After`` (before the response began), or an SSE ``error`` event of
+  that name (mid-stream): retry, with the same ``Idempotency-Key``.
+
+``app(..., cluster_routing="redirect")`` answers 421 with the owner's address
+instead (the client goes there itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
+
+import anyio
+import httpx
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from torpor._logging import get_logger
+from torpor.cluster import shard_of
+from torpor.errors import NotOwner
+from torpor.runtime import Runtime
+from torpor.serve.problems import OwnerUnreachable
+
+__all__ = ["HOP_HEADER", "Proxy", "Routing"]
+
+log = get_logger("torpor.serve")
+
+Routing = Literal["proxy", "redirect"]
+Handler = Callable[[Request], Awaitable[Response]]
+
+HOP_HEADER = "x-torpor-hop"
+OWNER_HEADER = "x-torpor-owner"  # on a relayed response: the node that served it
+CONNECT_SECONDS = 2.0
+HEADERS_SECONDS = 10.0  # the owner's response must begin within this
+# Between two reads of a relayed body: the owner pings an idle stream every 15 s.
+READ_SECONDS = 40.0
+# RFC 9110 section 7.6.1 hop-by-hop headers, and those the client library sets itself.
+_NOT_FORWARDED = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+})
+_NOT_RELAYED = _NOT_FORWARDED | {"x-request-id", "date", "server"}
+_BEFORE_SENDING = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class Proxy:
+    """The app's forwarding to other nodes; its client lives as long as the app's lifespan."""
+
+    def __init__(self, runtime: Runtime, routing: Routing) -> None:
+        self.rt = runtime
+        self.routing = routing
+        self.node_id: str | None = None  # set while running on a cluster node
+        self._client: httpx.AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Open the pooled client for the app's lifespan (only on a cluster node)."""
+        view = await self.rt.admin.cluster() if self.routing == "proxy" else None
+        if view is None:
+            yield
+            return
+        self.node_id = view.node_id
+        timeout = httpx.Timeout(READ_SECONDS, connect=CONNECT_SECONDS, pool=CONNECT_SECONDS)
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            self._client = client
+            try:
+                yield
+            finally:
+                self._client = None
+
+    def route(self, handler: Handler) -> Handler:
+        """``handler``, with a NotOwner answered by the owner (when proxying)."""
+
+        async def routed(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except NotOwner as exc:
+                if self._client is None or request.headers.get(HOP_HEADER):
+                    raise  # redirect mode, or already forwarded once: 421 with the owner
+                return await self._forward(request, handler, exc)
+
+        return routed
+
+    async def _forward(self, request: Request, handler: Handler, refused: NotOwner) -> Response:
+        target = refused.owner
+        for attempt in (1, 2):
+            if target is not None:
+                upstream = await self._open(request, target)
+                if upstream is not None:
+                    if upstream.status_code != 421:
+                        return _Relay(upstream, target)
+                    await upstream.aclose()  # not the owner either: a cache was stale
+            if attempt == 2:
+                break
+            owner = await self._fresh_owner(refused.conversation_id)
+            if owner == "":  # this node holds the shard now
+                try:
+                    return await handler(request)
+                except NotOwner as exc:
+                    owner = exc.owner
+            target = owner
+        raise OwnerUnreachable(
+            f"the node that owns conversation {refused.conversation_id!r} "
+            f"({target or 'none live yet'}) could not be reached; retry shortly"
+        )
+
+    async def _open(self, request: Request, target: str) -> httpx.Response | None:
+        """The owner's response, begun (None: nothing reached it, or it refused at once)."""
+        client = self._client
+        assert client is not None and self.node_id is not None
+        headers = [(k, v) for k, v in request.headers.items()
+                   if k not in _NOT_FORWARDED and k != "x-request-id"]
+        headers.append((HOP_HEADER, self.node_id))
+        request_id = getattr(request.state, "request_id", None)
+        if isinstance(request_id, str):  # the owner logs this request under the same id
+            headers.append(("x-request-id", request_id))
+        body = getattr(request.state, "raw_body", None)
+        if body is None:
+            body = await request.body()
+        url = f"http://{target}{request.url.path}"
+        outgoing = client.build_request(request.method, url, params=request.url.query or None,
+                                        headers=headers, content=body)
+        try:
+            with anyio.fail_after(HEADERS_SECONDS):
+                return await client.send(outgoing, stream=True)
+        except _BEFORE_SENDING as exc:
+            log.warning("owner not reachable", owner=target, error=repr(exc))
+            return None
+        except (httpx.HTTPError, TimeoutError) as exc:
+            # It may have acted on the request: not retried here (the client retries
+            # under its Idempotency-Key).
+            log.warning("owner did not answer", owner=target, error=repr(exc))
+            raise OwnerUnreachable(
+                f"the node at {target} that owns this conversation did not answer; retry"
+            ) from None
+
+    async def _fresh_owner(self, conversation_id: str) -> str | None:
+        """The owner's address by the lease table read now ("": this node; None: none live)."""
+        view = await self.rt.admin.cluster()
+        if view is None:
+            return None
+        shard = shard_of(conversation_id, view.shard_count)
+        if shard in view.shards:
+            return ""
+        lease = next((x for x in view.leases if x.shard == shard), None)
+        if lease is None or not lease.live or lease.owner == view.node_id:
+            return None
+        return lease.address
+
+
+class _Relay(Response):
+    """The owner's response as it arrives; a stream cut by the owner ends with an error event."""
+
+    def __init__(self, upstream: httpx.Response, owner: str) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.background = None
+        self.raw_headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in upstream.headers.multi_items() if k.lower() not in _NOT_RELAYED
+        ]
+        self.raw_headers.append((OWNER_HEADER.encode(), owner.encode("latin-1")))
+        self.owner = owner
+        self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def relay() -> None:
+                    await self._relay(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(relay)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()  # the client left: stop reading the owner
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        held = b""  # the start of an SSE event not yet complete
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if self.sse:  # whole events only, so a cut stream never ends mid-event
+                    held += chunk
+                    end = _events_end(held)
+                    chunk, held = held[:end], held[end:]
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (TimeoutError, httpx.HTTPError) as exc:
+            log.warning("owner stream cut", owner=self.owner,
+                        error=repr(exc))
+            if self.sse:
+                await send({"type": "http.response.body", "body": _error_event(),
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends (0: none complete)."""
+    return max(
+        (i + len(sep) for sep in (b"\r\n\r\n", b"\n\n", b"\r\r") if (i := data.rfind(sep)) >= 0),
+        default=0,
+    )
+
+
+def _error_event() -> bytes:
+    error = OwnerUnreachable("the node that owns this conversation went away mid-stream; "
+                             "reconnect with Last-Event-ID")
+    data = msgspec.json.encode({"status": error.status, "title": error.title,
+                                "error": "OwnerUnreachable", "detail": error.detail})
+    return b"event: error\r\ndata: " + data + b"\r\n\r\n"
