@@ -95,12 +95,16 @@ class Proxy:
         self.transports: list[asyncio.Transport] = []
         self.server: asyncio.Server | None = None
         self.cuts = 0
+        self.refusing = False  # new connections are dropped at once (the network is down)
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            writer.transport.abort()
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
@@ -161,7 +165,8 @@ async def test_the_page_in_a_real_browser(capsys: pytest.CaptureFixture[str]) ->
                                                 bypass_csp=True)
             page = await context.new_page()
             errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("pageerror",
+                    lambda exc: errors.append(f"{exc} (after screenshot {len(saved)})"))
 
             async def shot(name: str) -> None:
                 path = shots / f"{len(saved) + 1:02d}-{name}.png"
@@ -225,6 +230,26 @@ async def test_the_page_in_a_real_browser(capsys: pytest.CaptureFixture[str]) ->
                 await until(f"{cell} && {cell}.textContent === '3'")
                 await shot("admin-counts-changed")
 
+                # 4b. the network is down when a message is sent: the page says so and
+                # keeps the text (no page error); Enter once it is back sends it, once
+                proxy.refusing = True
+                proxy.cut()  # and the browser's pooled connections with it
+                await page.evaluate("refreshStats()")  # a failed admin read is a note
+                await page.fill("#text", "sent again, logged once")
+                await page.press("#text", "Enter")
+                await until("document.getElementById('text').value === "
+                            "'sent again, logged once'")
+                await until("[...document.querySelectorAll('.note')]"
+                            ".some(e => e.textContent.startsWith('not sent ('))")
+                proxy.refusing = False
+                await page.press("#text", "Enter")
+                await until("[...document.querySelectorAll('.msg.assistant:not(.draft)')]"
+                            ".some(e => e.textContent === 'echo: sent again, logged once')")
+                logged = [e.body for e in await rt.history("web")]
+                assert sum(getattr(b, "text", None) == "sent again, logged once"
+                           for b in logged) == 1
+                await shot("sent-after-the-network-came-back")
+
                 # 5. scrollback loads older pages
                 for n in range(15):
                     turn = await rt.send("long", f"message {n:02d}")
@@ -240,7 +265,7 @@ async def test_the_page_in_a_real_browser(capsys: pytest.CaptureFixture[str]) ->
                 assert not errors, errors
             finally:
                 await browser.close()
-        assert proxy.cuts == 1
+        assert proxy.cuts == 2
         await proxy.close()
     with capsys.disabled():
         print("\nscreenshots of the page (tests/test_serve_browser.py):")
