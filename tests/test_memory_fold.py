@@ -6,11 +6,13 @@ import logging
 
 import msgspec
 import pytest
+from store_backends import AnyStore, Backend
 
-from torpor import AgentConfig, ModelSummarizer, Runtime, ScriptedModel
+from torpor import AgentConfig, InvalidInput, ModelSummarizer, Runtime, ScriptedModel, TurnAborted
 from torpor.compaction.extraction import parse_answer
 from torpor.compaction.markers import HANDOFF_HEADER
 from torpor.compaction.tokens import count_text
+from torpor.events import UserMessage
 from torpor.llm.protocol import SystemMessage
 from torpor.memory.bundle import BUNDLE_HEADER, render_bundle
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
@@ -133,3 +135,71 @@ async def test_a_revived_agent_is_shown_the_same_bundle() -> None:
     bundles = [t for t in before if t.startswith(BUNDLE_HEADER)]
     assert bundles and count_text(bundles[0].split(HANDOFF_HEADER)[0]) <= 300
     assert [t for t in after if t.startswith(BUNDLE_HEADER)] == bundles
+
+
+async def _fail_checkpoints(backend: Backend) -> None:
+    """Every checkpoint write fails inside the real store (a trigger), as a full disk would."""
+    if backend.postgres:
+        await backend.sql("CREATE FUNCTION refuse() RETURNS trigger AS $$ BEGIN "
+                          "RAISE EXCEPTION 'injected'; END $$ LANGUAGE plpgsql")
+        await backend.sql("CREATE TRIGGER refuse BEFORE INSERT ON checkpoints "
+                          "FOR EACH ROW EXECUTE FUNCTION refuse()")
+    else:
+        await backend.sql("CREATE TRIGGER refuse BEFORE INSERT ON checkpoints "
+                          "BEGIN SELECT RAISE(ABORT, 'injected'); END")
+
+
+async def test_a_fold_whose_checkpoint_failed_leaves_nothing_beside_the_next(
+    backend: Backend,
+) -> None:
+    """The items are written before the checkpoint; when the checkpoint never lands, the
+    next fold replaces them: one episode per checkpoint, no span remembered twice."""
+    url = backend.location if backend.postgres else f"sqlite:///{backend.location}"
+    assert url is not None
+    lost = answer("attempt that never landed", [
+        {"kind": "fact", "key": f"ghost{i}", "text": f"ghost {i}"} for i in range(3)])
+    summarizer = ScriptedModel.replies(lost, FIRST, *[SECOND] * 10)
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True),
+                        summarizer=ModelSummarizer(summarizer), **SMALL)
+    async with Runtime(url, agent=agent) as rt:
+        await (await rt.send("c", "hello")).result()
+        await _fail_checkpoints(backend)
+        failed = 0
+        for i in range(4):
+            try:
+                await (await rt.send("c", note(i))).result()
+            except TurnAborted:
+                failed += 1
+            if summarizer.calls:
+                break
+        assert failed == 1 and await rt.store.checkpoints("c") == []
+        assert [e.summary for e in (await rt.store.memory("c")).episodes] == [
+            "attempt that never landed"]  # written, its checkpoint not
+        await backend.sql("DROP TRIGGER refuse" + (" ON checkpoints" if backend.postgres else ""))
+        for i in range(4, 9):
+            await (await rt.send("c", note(i))).result()
+        memory = await rt.store.memory("c")
+        checkpoints = await rt.store.checkpoints("c")
+    assert len(checkpoints) >= 2
+    assert [e.position for e in memory.episodes] == [c.position for c in checkpoints]
+    assert {f.position for f in memory.facts} <= {c.position for c in checkpoints}
+    assert not any(f.key.startswith("ghost") for f in memory.facts)
+    assert all("ghost" not in c.memory and "never landed" not in c.memory for c in checkpoints)
+    # Consecutive episodes cover the log once: none overlaps the one before it.
+    assert all(b.start > a.end
+               for a, b in zip(memory.episodes, memory.episodes[1:], strict=False))
+
+
+async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> None:
+    await store.append("c", [UserMessage("x")] * 3)
+    await store.put_memory("c", episodes=[EpisodicItem(2, 0, 1, (1,), "kept")],
+                           facts=[SemanticItem(2, 0, "k", "fact", "kept")])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "orphan")],
+                           facts=[SemanticItem(5, i, f"o{i}", "fact", "orphan") for i in range(3)])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "retried")],
+                           facts=[SemanticItem(5, 0, "r", "fact", "retried")], replace_after=2)
+    memory = await store.memory("c")
+    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
+    assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
+    with pytest.raises(InvalidInput, match="replace_after"):
+        await store.put_memory("c", replace_after=-2)

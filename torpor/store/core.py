@@ -22,8 +22,10 @@ from torpor.errors import ConfigError, InvalidInput
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
 from torpor.store.arguments import (
+    POSITION_LIMIT,
     check_after,
     check_conversation_id,
+    check_int,
     check_limit,
     check_position,
     check_turn,
@@ -196,9 +198,13 @@ class StoreCore:
         *,
         episodes: Sequence[EpisodicItem] = (),
         facts: Sequence[SemanticItem] = (),
+        replace_after: int | None = None,
     ) -> None:
-        """Store a fold's episodic and semantic items (an item stored before is kept as is)."""
+        """Store a fold's episodic and semantic items (an item stored before is kept as is,
+        unless ``replace_after`` drops it first: see the protocol)."""
         check_conversation_id(conversation_id)
+        if replace_after is not None:
+            check_int(replace_after, "replace_after", -1, POSITION_LIMIT + 1)
         now = now_ms()
         eps = [_stamped(check_episode(e, f"episodes[{i}]"), now) for i, e in enumerate(episodes)]
         fas = [_stamped(check_fact(f, f"facts[{i}]"), now) for i, f in enumerate(facts)]
@@ -209,6 +215,7 @@ class StoreCore:
                 facts=tuple(
                     (f.position, f.ordinal, f.key, f.created_at, encode_row(f)) for f in fas
                 ),
+                replace_after=replace_after,
             )
         )
 

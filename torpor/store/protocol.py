@@ -256,10 +256,13 @@ class EventStore(Protocol):
         *,
         episodes: Sequence[EpisodicItem] = (),
         facts: Sequence[SemanticItem] = (),
+        replace_after: int | None = None,
     ) -> None:
         """Store a fold's episodic and semantic items; an item whose id is stored already
-        is kept as it was (a retried fold writes nothing twice). The conversation must
-        exist (InvalidInput otherwise)."""
+        is kept as it was (a retried fold writes nothing twice). ``replace_after``: first
+        drop, in the same transaction, every item at a position after it (what a fold
+        whose checkpoint was never written left behind; a fold passes its previous
+        checkpoint's position). The conversation must exist (InvalidInput otherwise)."""
         ...
 
     async def put_ledger(

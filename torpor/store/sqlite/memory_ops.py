@@ -2,7 +2,8 @@
 
 Writes go through the one writer like every other (so they commit with the
 batch they land in); items are keyed by deterministic ids, so a retried fold
-writes nothing twice (``INSERT OR IGNORE``).
+writes nothing twice (``INSERT OR IGNORE``), and a fold first drops what an
+attempt whose checkpoint never landed left after the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ INSERT_FACT = (
     "INSERT OR IGNORE INTO memory_facts "
     "(conversation_id, position, ordinal, key, created_at, body) VALUES (?, ?, ?, ?, ?, ?)"
 )
+DROP_EPISODES = "DELETE FROM memory_episodes WHERE conversation_id = ? AND position > ?"
+DROP_FACTS = "DELETE FROM memory_facts WHERE conversation_id = ? AND position > ?"
 INSERT_LEDGER = (
     "INSERT INTO memory_ledger (conversation_id, key, created_at, body) VALUES (?, ?, ?, ?)"
 )
@@ -66,6 +69,9 @@ class MemoryOp(msgspec.Struct, frozen=True, gc=False):
             )
         key = state.key
         writes: list[tuple[str, Row]] = []
+        if w.replace_after is not None:
+            writes.append((DROP_EPISODES, (key, w.replace_after)))
+            writes.append((DROP_FACTS, (key, w.replace_after)))
         writes.extend((INSERT_EPISODE, (key, *row)) for row in w.episodes)
         writes.extend((INSERT_FACT, (key, *row)) for row in w.facts)
         writes.extend((INSERT_LEDGER, (key, *row)) for row in w.ledger)
