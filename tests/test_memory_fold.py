@@ -203,3 +203,28 @@ async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> N
     assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
     with pytest.raises(InvalidInput, match="replace_after"):
         await store.put_memory("c", replace_after=-2)
+
+
+def test_parsing_keeps_keys_in_any_script_and_prose_around_the_list() -> None:
+    def item(key: str, text: str) -> dict[str, object]:
+        return {"kind": "fact", "key": key, "text": text}
+
+    other_scripts = parse_answer(answer("E.", [item("Срок деплоя", "вторник"),
+                                               item("締め切り", "金曜日"),
+                                               item("Déploiement", "mardi")]))
+    assert [i.key for i in other_scripts.items] == ["срок.деплоя", "締め切り", "déploiement"]
+    assert other_scripts.problem is None
+    # The list first, the episode after it: both read.
+    first = parse_answer("ITEMS:\n" + msgspec.json.encode([item("k", "t")]).decode()
+                         + "\nEPISODE:\nThe user talked.")
+    assert [i.key for i in first.items] == ["k"] and first.episode == "The user talked."
+    # A line after the list with brackets of its own is prose, not a broken list.
+    after = parse_answer(answer("E.", [item("k", "t [1]")]) + "\nSee [the docs].")
+    assert [i.text for i in after.items] == ["t [1]"] and after.problem is None
+    assert after.summary.endswith("See [the docs].")
+    # Escapes the log cannot hold are repaired; absurd nesting is unreadable, not a crash.
+    bad = parse_answer('EPISODE:\nE.\nITEMS:\n[{"kind": "fact", "key": "k\\u0000", '
+                       '"text": "a\\ud800b\\u0000"}]')
+    assert [(i.key, i.text) for i in bad.items] == [("k", "a\ufffdb\ufffd")]
+    deep = parse_answer("EPISODE:\nE.\nITEMS:\n" + "[" * 100_000)
+    assert deep.items == () and deep.problem is not None and deep.episode == "E."
