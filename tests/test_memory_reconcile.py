@@ -12,6 +12,7 @@ from store_backends import Backend
 
 from torpor import (
     AgentConfig,
+    InvalidInput,
     KeyedConsolidator,
     LedgerEntry,
     MemoryRecord,
@@ -306,3 +307,35 @@ async def test_a_decision_that_cannot_be_recorded_never_fails_the_logged_turn(
         assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged[:1]) is None
         assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged) == "none"
         assert (await store.memory("c")).skipped_turns == (1,)
+
+
+class Says:
+    """A sweep that answers whatever it is given."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    async def sweep(self, conversation_id: str, memory: MemoryRecord) -> object:
+        return self.answer
+
+
+@pytest.mark.parametrize(("answer", "field"), [
+    (None, "decisions"),
+    ("delete everything", "decisions"),
+    ([{"key": "db", "action": "delete", "item": "2.0"}], r"decisions\[0\]"),
+    ([LedgerEntry("db", "delete", "99.0")], r"decisions\[0\]\.item"),  # never shown
+    ([LedgerEntry("db", "delete", "2.1")], r"decisions\[0\]\.item"),  # another key's item
+    ([LedgerEntry("db", "update", "2.0"),
+      LedgerEntry("db", "update", "2.0", superseded=("2.1",))], r"decisions\[1\]\.superseded"),
+])
+async def test_a_sweep_answering_garbage_is_refused_whole_and_records_nothing(
+    answer: object, field: str
+) -> None:
+    async with Runtime("sqlite://", agent=AgentConfig(consolidator=Says(answer))) as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"),
+                                              fact(2, "owner", "ana", ordinal=1)])
+        with pytest.raises(InvalidInput, match=field):
+            await rt.consolidate("c")
+        view = await rt.memory("c")
+    assert view.record.ledger == () and len(view.standing) == 2

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from torpor.errors import ConfigError
+from torpor.errors import ConfigError, InvalidInput
 from torpor.memory.digest import Digest, write_digest
 from torpor.memory.ledger import item_order, latest_decisions, surviving
 from torpor.store.memory import LedgerEntry, MemoryRecord, SemanticItem
@@ -79,6 +79,25 @@ class Consolidation(msgspec.Struct, frozen=True, gc=False):
     digest: Digest
 
 
+def _checked(memory: MemoryRecord, answer: object) -> tuple[LedgerEntry, ...]:
+    """A sweep's decisions, each naming items of its own key that the sweep was shown;
+    InvalidInput (nothing recorded) otherwise: a decision about an item it never saw, or
+    under another key, would hide or revive facts it did not judge."""
+    if isinstance(answer, str | bytes) or not isinstance(answer, Sequence):
+        raise InvalidInput("decisions", f"a sweep must return a sequence of LedgerEntry, "
+                                        f"got {type(answer).__name__}")
+    keys = {item.id: item.key for item in memory.facts}
+    for index, entry in enumerate(answer):
+        what = f"decisions[{index}]"
+        if not isinstance(entry, LedgerEntry):
+            raise InvalidInput(what, f"must be a LedgerEntry, got {type(entry).__name__}")
+        for name, item in [("item", entry.item), *(("superseded", s) for s in entry.superseded)]:
+            if keys.get(item) != entry.key:
+                raise InvalidInput(f"{what}.{name}", f"{item!r} is not an item under key "
+                                                     f"{entry.key!r} in the swept memory")
+    return tuple(answer)
+
+
 async def consolidate(
     store: EventStore,
     conversation_id: str,
@@ -86,9 +105,13 @@ async def consolidate(
     *,
     max_lines: int = 40,
 ) -> Consolidation:
-    """Run one sweep over a conversation's memory and record its decisions in the ledger."""
+    """Run one sweep over a conversation's memory and record its decisions in the ledger.
+
+    Decisions that do not name items of their key in the swept memory are refused whole
+    (InvalidInput), before anything is recorded.
+    """
     memory = await store.memory(conversation_id)
-    decisions = tuple(await consolidator.sweep(conversation_id, memory))
+    decisions = _checked(memory, await consolidator.sweep(conversation_id, memory))
     if decisions:
         await store.put_ledger(conversation_id, decisions)
     ledger = (*memory.ledger, *decisions)
