@@ -228,3 +228,37 @@ def test_parsing_keeps_keys_in_any_script_and_prose_around_the_list() -> None:
     assert [(i.key, i.text) for i in bad.items] == [("k", "a\ufffdb\ufffd")]
     deep = parse_answer("EPISODE:\nE.\nITEMS:\n" + "[" * 100_000)
     assert deep.items == () and deep.problem is not None and deep.episode == "E."
+
+
+async def test_a_restarted_runtime_shows_the_same_bundle_and_the_audit_replays_it(
+    backend: Backend,
+) -> None:
+    """Across a restart (a new Runtime on the same store), on both backends: the first
+    call after it is sent the bundle the last call before it was, and every call with a
+    bundle rebuilds from the log and its recipe to the hash it recorded."""
+    url = backend.location if backend.postgres else f"sqlite:///{backend.location}"
+    assert url is not None
+
+    def config(model: ScriptedModel) -> AgentConfig:
+        summarizer = ScriptedModel.replies(FIRST, *[SECOND] * 10)
+        return AgentConfig(model=model, summarizer=ModelSummarizer(summarizer), **SMALL)
+
+    def bundles(call: list[object]) -> list[str]:
+        return [m.text for m in call
+                if isinstance(m, SystemMessage) and m.text.startswith(BUNDLE_HEADER)]
+
+    live = ScriptedModel.replies("ok", loop=True)
+    async with Runtime(url, agent=config(live)) as rt:
+        for i in range(6):
+            await (await rt.send("c", note(i))).result()
+        before = bundles(live.calls[-1])
+    revived = ScriptedModel.replies("ok", loop=True)
+    async with Runtime(url, agent=config(revived)) as rt:
+        await (await rt.send("c", "short")).result()
+        after = bundles(revived.calls[0])
+        calls = [c for c in await rt.store.model_calls("c", limit=1000) if c.purpose == "turn"]
+        replays = [await rt.admin.rendered("c", call) for call in calls]
+    assert before and "Thursdays" in before[0] and after == before
+    assert len(replays) == 7 and all(r.matches for r in replays)
+    assert any(BUNDLE_HEADER in m.text for r in replays for m in r.rendered.messages
+               if isinstance(m, SystemMessage))
