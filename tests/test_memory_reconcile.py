@@ -339,3 +339,13 @@ async def test_a_sweep_answering_garbage_is_refused_whole_and_records_nothing(
             await rt.consolidate("c")
         view = await rt.memory("c")
     assert view.record.ledger == () and len(view.standing) == 2
+
+
+@pytest.mark.parametrize("max_lines", [1, 2, 5])
+def test_the_digest_never_spans_more_lines_than_its_bound(max_lines: int) -> None:
+    # Keys, texts, summaries and the link (a conversation id) may hold line breaks.
+    facts = [SemanticItem(1, i, f"k{i}\nx", "fact", f"a\nb\r\n{i}\u2028c") for i in range(9)]
+    episodes = [EpisodicItem(10, 0, 9, (1,), "one\ntwo\x85three")]
+    digest = write_digest(facts, episodes, max_lines, link="memory:a\nb")
+    assert len(digest.text.splitlines()) == len(digest.lines) == max_lines
+    assert len(digest.demoted) == 10 - (max_lines - 1)  # nothing dropped
