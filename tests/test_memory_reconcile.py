@@ -349,3 +349,33 @@ def test_the_digest_never_spans_more_lines_than_its_bound(max_lines: int) -> Non
     digest = write_digest(facts, episodes, max_lines, link="memory:a\nb")
     assert len(digest.text.splitlines()) == len(digest.lines) == max_lines
     assert len(digest.demoted) == 10 - (max_lines - 1)  # nothing dropped
+
+
+@pytest.mark.parametrize("hibernate", [False, True])
+async def test_a_postponed_turn_is_decided_whole_and_apart_from_the_turn_it_waited_on(
+    hibernate: bool,
+) -> None:
+    # Turn 2's message is logged inside turn 1 (position 3, between its suspension and its
+    # result); each turn is still decided once, with its own events only.
+    from torpor import ExternalTool
+
+    model = ScriptedModel([[Call("approve", {}, id="a1")], [Text("approved")], [Text("2nd")]])
+    reconciler = SkipNoise()
+    agent = AgentConfig(model=model, tools=[ExternalTool("approve")], reconciler=reconciler)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "deploy?")).result()
+        second = await rt.send("c", "noise while waiting")
+        if hibernate:
+            await rt.admin.hibernate("c")
+        continuation = await rt.resolve("c", "a1", "yes")
+        assert continuation is not None
+        await continuation.result()
+        await second.result()
+        log = list(reversed(await rt.history("c", limit=100)))
+        skipped = (await rt.store.memory("c")).skipped_turns
+    assert [(e.turn, e.kind) for e in log][2:5] == [(1, "suspended"), (2, "user"),
+                                                    (1, "tool_result")]
+    assert reconciler.seen == [
+        (1, ["user", "assistant", "suspended", "tool_result", "resolved", "assistant"]),
+        (2, ["user", "assistant"])]
+    assert skipped == (2,)
