@@ -70,6 +70,14 @@ async def test_bad_memory_is_refused_before_anything_is_written(store: AnyStore)
         await store.put_turn_decision("c", 1, "maybe")
     with pytest.raises(InvalidInput, match="action"):
         await store.put_ledger("c", [LedgerEntry("k", "merge", "1.0")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="episodes"):
+        await store.put_memory("c", episodes=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="facts"):
+        await store.put_memory("c", facts=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="entries"):
+        await store.put_ledger("c", None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"episodes\[0\]\.start"):
+        await store.put_memory("c", episodes=[EpisodicItem(9, 5, 2, (1,), "backwards")])
     assert (await store.memory("c")).facts == ()
 
 

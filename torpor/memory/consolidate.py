@@ -17,7 +17,13 @@ import msgspec
 from torpor.errors import ConfigError, InvalidInput
 from torpor.memory.digest import Digest, write_digest
 from torpor.memory.ledger import item_order, latest_decisions, surviving
-from torpor.store.memory import LedgerEntry, MemoryRecord, SemanticItem
+from torpor.store.memory import (
+    LedgerEntry,
+    MemoryRecord,
+    SemanticItem,
+    check_items,
+    check_ledger_entry,
+)
 
 if TYPE_CHECKING:
     from torpor.store.protocol import EventStore
@@ -83,19 +89,15 @@ def _checked(memory: MemoryRecord, answer: object) -> tuple[LedgerEntry, ...]:
     """A sweep's decisions, each naming items of its own key that the sweep was shown;
     InvalidInput (nothing recorded) otherwise: a decision about an item it never saw, or
     under another key, would hide or revive facts it did not judge."""
-    if isinstance(answer, str | bytes) or not isinstance(answer, Sequence):
-        raise InvalidInput("decisions", f"a sweep must return a sequence of LedgerEntry, "
-                                        f"got {type(answer).__name__}")
+    decisions = check_items(answer, "decisions", check_ledger_entry)
     keys = {item.id: item.key for item in memory.facts}
-    for index, entry in enumerate(answer):
+    for index, entry in enumerate(decisions):
         what = f"decisions[{index}]"
-        if not isinstance(entry, LedgerEntry):
-            raise InvalidInput(what, f"must be a LedgerEntry, got {type(entry).__name__}")
         for name, item in [("item", entry.item), *(("superseded", s) for s in entry.superseded)]:
             if keys.get(item) != entry.key:
                 raise InvalidInput(f"{what}.{name}", f"{item!r} is not an item under key "
                                                      f"{entry.key!r} in the swept memory")
-    return tuple(answer)
+    return tuple(decisions)
 
 
 async def consolidate(

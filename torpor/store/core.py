@@ -38,6 +38,7 @@ from torpor.store.memory import (
     SemanticItem,
     check_episode,
     check_fact,
+    check_items,
     check_ledger_entry,
 )
 from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
@@ -206,8 +207,8 @@ class StoreCore:
         if replace_after is not None:
             check_int(replace_after, "replace_after", -1, POSITION_LIMIT + 1)
         now = now_ms()
-        eps = [_stamped(check_episode(e, f"episodes[{i}]"), now) for i, e in enumerate(episodes)]
-        fas = [_stamped(check_fact(f, f"facts[{i}]"), now) for i, f in enumerate(facts)]
+        eps = [_stamped(e, now) for e in check_items(episodes, "episodes", check_episode)]
+        fas = [_stamped(f, now) for f in check_items(facts, "facts", check_fact)]
         await self._write_memory(
             MemoryWrite(
                 conversation_id,
@@ -228,9 +229,7 @@ class StoreCore:
         check_conversation_id(conversation_id)
         check_limit(tail, "tail")
         now = now_ms()
-        rows = [
-            _stamped(check_ledger_entry(e, f"entries[{i}]"), now) for i, e in enumerate(entries)
-        ]
+        rows = [_stamped(e, now) for e in check_items(entries, "entries", check_ledger_entry)]
         await self._write_memory(
             MemoryWrite(
                 conversation_id,
