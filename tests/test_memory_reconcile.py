@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 
@@ -95,16 +96,24 @@ class Broken:
         return self.answer
 
 
-@pytest.mark.parametrize("answer", ["delete", "update", RuntimeError("boom")])
+async def _none() -> str:
+    return "none"
+
+
+@pytest.mark.parametrize("answer", ["delete", "update", None, RuntimeError("boom"), "coroutine"])
 async def test_a_reconciler_that_answers_out_of_turn_counts_as_add(
     answer: object, caplog: pytest.LogCaptureFixture
 ) -> None:
+    if answer == "coroutine":  # an async decide hidden behind a plain one
+        answer = _none()
     agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), reconciler=Broken(answer))
     with caplog.at_level(logging.WARNING, logger="torpor"):
         async with Runtime("sqlite://", agent=agent) as rt:
             assert (await (await rt.send("c", "hi")).result()).text == "ok"
             assert (await rt.store.memory("c")).skipped_turns == ()
     assert any("reconciler_" in r.getMessage() for r in caplog.records)
+    if inspect.iscoroutine(answer):  # closed, not left to warn "never awaited" at exit
+        assert inspect.getcoroutinestate(answer) == inspect.CORO_CLOSED
 
 
 def test_a_reconciler_must_decide_synchronously() -> None:
