@@ -175,7 +175,8 @@ async def test_a_fold_whose_checkpoint_failed_leaves_nothing_beside_the_next(
         assert failed == 1 and await rt.store.checkpoints("c") == []
         assert [e.summary for e in (await rt.store.memory("c")).episodes] == [
             "attempt that never landed"]  # written, its checkpoint not
-        await backend.sql("DROP TRIGGER refuse" + (" ON checkpoints" if backend.postgres else ""))
+    await backend.sql("DROP TRIGGER refuse" + (" ON checkpoints" if backend.postgres else ""))
+    async with Runtime(url, agent=agent) as rt:  # a restart: the next fold runs after revival
         for i in range(4, 9):
             await (await rt.send("c", note(i))).result()
         memory = await rt.store.memory("c")
