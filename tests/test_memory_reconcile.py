@@ -13,6 +13,7 @@ from store_backends import Backend
 
 from torpor import (
     AgentConfig,
+    ConfigError,
     InvalidInput,
     KeyedConsolidator,
     LedgerEntry,
@@ -116,13 +117,22 @@ async def test_a_reconciler_that_answers_out_of_turn_counts_as_add(
         assert inspect.getcoroutinestate(answer) == inspect.CORO_CLOSED
 
 
-def test_a_reconciler_must_decide_synchronously() -> None:
+def test_a_reconciler_must_decide_synchronously_and_a_consolidator_sweep_async() -> None:
     class Async:
         async def decide(self, *args: object) -> str:
             return "add"
 
-    with pytest.raises(Exception, match="reconciler"):
+    class Sync:
+        def sweep(self, *args: object) -> list[LedgerEntry]:
+            return []
+
+    with pytest.raises(ConfigError, match="reconciler"):
         AgentConfig(reconciler=Async())
+    with pytest.raises(ConfigError, match="consolidator"):
+        AgentConfig(consolidator=Sync())
+    for bad in (True, float("nan"), -0.1, "0.5"):
+        with pytest.raises(ConfigError, match="min_confidence"):
+            KeyedConsolidator(min_confidence=bad)  # type: ignore[arg-type]
 
 
 # -- the sweep and the ledger ------------------------------------------------------------

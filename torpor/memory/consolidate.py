@@ -50,7 +50,8 @@ class KeyedConsolidator:
     """
 
     def __init__(self, *, min_confidence: float = 0.0) -> None:
-        if not isinstance(min_confidence, int | float) or not 0.0 <= min_confidence <= 1.0:
+        if (isinstance(min_confidence, bool) or not isinstance(min_confidence, int | float)
+                or not 0.0 <= min_confidence <= 1.0):
             raise ConfigError("min_confidence", f"must be 0..1, got {min_confidence!r}")
         self.min_confidence = float(min_confidence)
 
