@@ -92,6 +92,7 @@ async def fold_memory(
         return FoldMemory(summary, None, "")
     episodes = [e for e in memory.episodes if e.position <= committed]
     facts = [f for f in memory.facts if f.position <= committed]
+    leftovers = len(episodes) < len(memory.episodes) or len(facts) < len(memory.facts)
     outcome = await summarizer.run(previous_summary, events) if events else None
     if outcome is not None and outcome.error is None:
         episode, new_facts = items_of(outcome, plan.position, events)
@@ -100,6 +101,9 @@ async def fold_memory(
                                    replace_after=committed)
         episodes.append(episode)
         facts.extend(new_facts)
+    elif leftovers:  # nothing to store, but the leftovers must not outlive this checkpoint
+        with anyio.CancelScope(shield=True):
+            await store.put_memory(conversation_id, replace_after=committed)
     bundle = ""
     if summarizer.memory_budget:
         bundle = render_bundle(episodes, facts, memory.ledger,
