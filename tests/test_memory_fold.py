@@ -6,13 +6,12 @@ import logging
 
 import msgspec
 import pytest
-from store_backends import AnyStore, Backend
+from store_backends import Backend
 
-from torpor import AgentConfig, InvalidInput, ModelSummarizer, Runtime, ScriptedModel, TurnAborted
+from torpor import AgentConfig, ModelSummarizer, Runtime, ScriptedModel, TurnAborted
 from torpor.compaction.extraction import parse_answer
 from torpor.compaction.markers import HANDOFF_HEADER
 from torpor.compaction.tokens import count_text
-from torpor.events import UserMessage
 from torpor.llm.protocol import SystemMessage
 from torpor.memory.bundle import BUNDLE_HEADER, render_bundle
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
@@ -195,20 +194,6 @@ async def test_a_fold_whose_checkpoint_failed_leaves_nothing_beside_the_next(
     assert all(b.start > a.end
                for a, b in zip(memory.episodes, memory.episodes[1:], strict=False))
 
-
-async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> None:
-    await store.append("c", [UserMessage("x")] * 3)
-    await store.put_memory("c", episodes=[EpisodicItem(2, 0, 1, (1,), "kept")],
-                           facts=[SemanticItem(2, 0, "k", "fact", "kept")])
-    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "orphan")],
-                           facts=[SemanticItem(5, i, f"o{i}", "fact", "orphan") for i in range(3)])
-    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "retried")],
-                           facts=[SemanticItem(5, 0, "r", "fact", "retried")], replace_after=2)
-    memory = await store.memory("c")
-    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
-    assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
-    with pytest.raises(InvalidInput, match="replace_after"):
-        await store.put_memory("c", replace_after=-2)
 
 
 def test_parsing_keeps_keys_in_any_script_and_prose_around_the_list() -> None:

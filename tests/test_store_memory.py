@@ -87,3 +87,18 @@ async def test_memory_survives_reopening(backend: Backend) -> None:
         await store.put_memory("c", facts=[fact(1, 0, "k", "kept")])
     async with backend.open() as store:
         assert [f.text for f in (await store.memory("c")).facts] == ["kept"]
+
+
+async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> None:
+    await store.append("c", [UserMessage("x")] * 3)
+    await store.put_memory("c", episodes=[EpisodicItem(2, 0, 1, (1,), "kept")],
+                           facts=[SemanticItem(2, 0, "k", "fact", "kept")])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "orphan")],
+                           facts=[SemanticItem(5, i, f"o{i}", "fact", "orphan") for i in range(3)])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "retried")],
+                           facts=[SemanticItem(5, 0, "r", "fact", "retried")], replace_after=2)
+    memory = await store.memory("c")
+    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
+    assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
+    with pytest.raises(InvalidInput, match="replace_after"):
+        await store.put_memory("c", replace_after=-2)
