@@ -8,6 +8,7 @@ from store_backends import AnyStore, Backend
 from torpor import InvalidInput
 from torpor.events import UserMessage
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
+from torpor.store.protocol import Checkpoint
 
 
 def fact(position: int, ordinal: int, key: str, text: str) -> SemanticItem:
@@ -89,8 +90,10 @@ async def test_memory_survives_reopening(backend: Backend) -> None:
         assert [f.text for f in (await store.memory("c")).facts] == ["kept"]
 
 
-async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> None:
-    await store.append("c", [UserMessage("x")] * 3)
+async def test_replace_after_drops_only_unbacked_items_after_it(store: AnyStore) -> None:
+    """What a fold that never landed left (no checkpoint at its position) is replaced; a
+    checkpointed fold's items never are, whoever writes (a stale writer on a cluster)."""
+    await store.append("c", [UserMessage("x")] * 9)
     await store.put_memory("c", episodes=[EpisodicItem(2, 0, 1, (1,), "kept")],
                            facts=[SemanticItem(2, 0, "k", "fact", "kept")])
     await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "orphan")],
@@ -100,5 +103,13 @@ async def test_replace_after_drops_only_the_items_after_it(store: AnyStore) -> N
     memory = await store.memory("c")
     assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
     assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
+    # Position 5 is checkpointed now: a write replacing after 2 leaves it, drops 8.
+    await store.put_checkpoint(Checkpoint("c", 5, 0, 1))
+    await store.put_memory("c", episodes=[EpisodicItem(8, 5, 7, (3,), "in flight")])
+    await store.put_memory("c", facts=[SemanticItem(9, 0, "s", "fact", "stale")],
+                           replace_after=2)
+    memory = await store.memory("c")
+    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
+    assert [f.id for f in memory.facts] == ["2.0", "5.0", "9.0"]
     with pytest.raises(InvalidInput, match="replace_after"):
         await store.put_memory("c", replace_after=-2)

@@ -29,8 +29,12 @@ INSERT INTO memory_facts (conversation_id, position, ordinal, key, created_at, b
 SELECT $1, * FROM unnest($2::bigint[], $3::int[], $4::text[], $5::bigint[], $6::bytea[])
 ON CONFLICT DO NOTHING
 """
-_DROP_EPISODES = "DELETE FROM memory_episodes WHERE conversation_id = $1 AND position > $2"
-_DROP_FACTS = "DELETE FROM memory_facts WHERE conversation_id = $1 AND position > $2"
+# Items after the given position that no checkpoint backs: a fold that never landed. A
+# checkpointed fold's items are never dropped (not even by a stale writer on a cluster).
+_UNBACKED = """conversation_id = $1 AND position > $2 AND position NOT IN
+(SELECT position FROM checkpoints WHERE conversation_id = $1)"""
+_DROP_EPISODES = f"DELETE FROM memory_episodes WHERE {_UNBACKED}"
+_DROP_FACTS = f"DELETE FROM memory_facts WHERE {_UNBACKED}"
 _LEDGER = """
 INSERT INTO memory_ledger (conversation_id, key, created_at, body)
 SELECT $1, k, c, b FROM unnest($2::text[], $3::bigint[], $4::bytea[])

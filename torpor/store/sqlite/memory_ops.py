@@ -31,8 +31,14 @@ INSERT_FACT = (
     "INSERT OR IGNORE INTO memory_facts "
     "(conversation_id, position, ordinal, key, created_at, body) VALUES (?, ?, ?, ?, ?, ?)"
 )
-DROP_EPISODES = "DELETE FROM memory_episodes WHERE conversation_id = ? AND position > ?"
-DROP_FACTS = "DELETE FROM memory_facts WHERE conversation_id = ? AND position > ?"
+# Items after the given position that no checkpoint backs: a fold that never landed. A
+# checkpointed fold's items are never dropped (not even by a stale writer on a cluster).
+_UNBACKED = (
+    "conversation_id = ?1 AND position > ?2 AND position NOT IN "
+    "(SELECT position FROM checkpoints WHERE conversation_id = ?1)"
+)
+DROP_EPISODES = f"DELETE FROM memory_episodes WHERE {_UNBACKED}"
+DROP_FACTS = f"DELETE FROM memory_facts WHERE {_UNBACKED}"
 INSERT_LEDGER = (
     "INSERT INTO memory_ledger (conversation_id, key, created_at, body) VALUES (?, ?, ?, ?)"
 )
