@@ -45,3 +45,17 @@ async def test_inspect_lists_episodes_facts_the_ledger_and_skipped_turns(tmp_pat
     for text in ("memory: episodes", "The user greeted.", "memory: semantic items",
                  "postgres 16", "memory: ledger", "left out of memory (NONE): 1"):
         assert text in shown.stdout
+
+
+async def test_inspect_shows_brackets_in_a_models_text_as_they_are(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    async with Runtime(url) as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory(
+            "c", episodes=[EpisodicItem(2, 0, 1, (1,), "see [red]x[/red]")],
+            facts=[SemanticItem(2, 0, "k[/]", "fact", "close [/] tag [bold]b")])
+        await rt.store.put_ledger("c", [LedgerEntry("k[/]", "update", "2.0", (), "why [/]")])
+    shown = inspect("--db", url, "c")
+    assert shown.returncode == 0, shown.stderr
+    for text in ("see [red]x[/red]", "k[/]", "close [/] tag [bold]b", "why [/]"):
+        assert text in shown.stdout

@@ -54,3 +54,23 @@ async def test_the_admin_shows_memory_without_waking_the_agent() -> None:
         view = await rt.admin.memory("c")
         assert view.record.conversation_id == "c" and view.digest.lines == ()
         assert [a.conversation_id for a in await rt.admin.agents()] == []
+
+
+async def test_a_call_id_used_again_in_a_later_turn_pairs_with_its_own_result() -> None:
+    # Some providers number calls per response: "call_0" in every turn.
+    model = ScriptedModel([
+        [Call("add", {"a": 1, "b": 1}, id="call_0")], [Text("two")],
+        [Call("add", {"a": 2, "b": 2}, id="call_0")], [Text("four")],
+        [Call("approve", {}, id="call_0")],
+    ])
+    agent = AgentConfig(model=model, tools=[add, ExternalTool("approve")])
+    async with Runtime("sqlite://", agent=agent) as rt:
+        for text in ("one plus one", "two plus two", "deploy?"):
+            await (await rt.send("c", text)).result()
+        seen = await rt.tool_interactions("c")
+    assert [(i.turn, i.arguments, i.status, i.result) for i in seen] == [
+        (1, {"a": 1, "b": 1}, "success", "2"),
+        (2, {"a": 2, "b": 2}, "success", "4"),
+        (3, {}, "pending", None),
+    ]
+    assert all(i.result_position is None or i.result_position > i.call_position for i in seen)

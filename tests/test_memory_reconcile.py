@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 
@@ -12,6 +13,8 @@ from store_backends import Backend
 
 from torpor import (
     AgentConfig,
+    ConfigError,
+    InvalidInput,
     KeyedConsolidator,
     LedgerEntry,
     MemoryRecord,
@@ -94,25 +97,42 @@ class Broken:
         return self.answer
 
 
-@pytest.mark.parametrize("answer", ["delete", "update", RuntimeError("boom")])
+async def _none() -> str:
+    return "none"
+
+
+@pytest.mark.parametrize("answer", ["delete", "update", None, RuntimeError("boom"), "coroutine"])
 async def test_a_reconciler_that_answers_out_of_turn_counts_as_add(
     answer: object, caplog: pytest.LogCaptureFixture
 ) -> None:
+    if answer == "coroutine":  # an async decide hidden behind a plain one
+        answer = _none()
     agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), reconciler=Broken(answer))
     with caplog.at_level(logging.WARNING, logger="torpor"):
         async with Runtime("sqlite://", agent=agent) as rt:
             assert (await (await rt.send("c", "hi")).result()).text == "ok"
             assert (await rt.store.memory("c")).skipped_turns == ()
     assert any("reconciler_" in r.getMessage() for r in caplog.records)
+    if inspect.iscoroutine(answer):  # closed, not left to warn "never awaited" at exit
+        assert inspect.getcoroutinestate(answer) == inspect.CORO_CLOSED
 
 
-def test_a_reconciler_must_decide_synchronously() -> None:
+def test_a_reconciler_must_decide_synchronously_and_a_consolidator_sweep_async() -> None:
     class Async:
         async def decide(self, *args: object) -> str:
             return "add"
 
-    with pytest.raises(Exception, match="reconciler"):
+    class Sync:
+        def sweep(self, *args: object) -> list[LedgerEntry]:
+            return []
+
+    with pytest.raises(ConfigError, match="reconciler"):
         AgentConfig(reconciler=Async())
+    with pytest.raises(ConfigError, match="consolidator"):
+        AgentConfig(consolidator=Sync())
+    for bad in (True, float("nan"), -0.1, "0.5"):
+        with pytest.raises(ConfigError, match="min_confidence"):
+            KeyedConsolidator(min_confidence=bad)  # type: ignore[arg-type]
 
 
 # -- the sweep and the ledger ------------------------------------------------------------
@@ -306,3 +326,75 @@ async def test_a_decision_that_cannot_be_recorded_never_fails_the_logged_turn(
         assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged[:1]) is None
         assert await reconcile_logged(store, SkipNoise(), "c", 1, None, logged) == "none"
         assert (await store.memory("c")).skipped_turns == (1,)
+
+
+class Says:
+    """A sweep that answers whatever it is given."""
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    async def sweep(self, conversation_id: str, memory: MemoryRecord) -> object:
+        return self.answer
+
+
+@pytest.mark.parametrize(("answer", "field"), [
+    (None, "decisions"),
+    ("delete everything", "decisions"),
+    ([{"key": "db", "action": "delete", "item": "2.0"}], r"decisions\[0\]"),
+    ([LedgerEntry("db", "delete", "99.0")], r"decisions\[0\]\.item"),  # never shown
+    ([LedgerEntry("db", "delete", "2.1")], r"decisions\[0\]\.item"),  # another key's item
+    ([LedgerEntry("db", "update", "2.0"),
+      LedgerEntry("db", "update", "2.0", superseded=("2.1",))], r"decisions\[1\]\.superseded"),
+])
+async def test_a_sweep_answering_garbage_is_refused_whole_and_records_nothing(
+    answer: object, field: str
+) -> None:
+    async with Runtime("sqlite://", agent=AgentConfig(consolidator=Says(answer))) as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"),
+                                              fact(2, "owner", "ana", ordinal=1)])
+        with pytest.raises(InvalidInput, match=field):
+            await rt.consolidate("c")
+        view = await rt.memory("c")
+    assert view.record.ledger == () and len(view.standing) == 2
+
+
+@pytest.mark.parametrize("max_lines", [1, 2, 5])
+def test_the_digest_never_spans_more_lines_than_its_bound(max_lines: int) -> None:
+    # Keys, texts, summaries and the link (a conversation id) may hold line breaks.
+    facts = [SemanticItem(1, i, f"k{i}\nx", "fact", f"a\nb\r\n{i}\u2028c") for i in range(9)]
+    episodes = [EpisodicItem(10, 0, 9, (1,), "one\ntwo\x85three")]
+    digest = write_digest(facts, episodes, max_lines, link="memory:a\nb")
+    assert len(digest.text.splitlines()) == len(digest.lines) == max_lines
+    assert len(digest.demoted) == 10 - (max_lines - 1)  # nothing dropped
+
+
+@pytest.mark.parametrize("hibernate", [False, True])
+async def test_a_postponed_turn_is_decided_whole_and_apart_from_the_turn_it_waited_on(
+    hibernate: bool,
+) -> None:
+    # Turn 2's message is logged inside turn 1 (position 3, between its suspension and its
+    # result); each turn is still decided once, with its own events only.
+    from torpor import ExternalTool
+
+    model = ScriptedModel([[Call("approve", {}, id="a1")], [Text("approved")], [Text("2nd")]])
+    reconciler = SkipNoise()
+    agent = AgentConfig(model=model, tools=[ExternalTool("approve")], reconciler=reconciler)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        await (await rt.send("c", "deploy?")).result()
+        second = await rt.send("c", "noise while waiting")
+        if hibernate:
+            await rt.admin.hibernate("c")
+        continuation = await rt.resolve("c", "a1", "yes")
+        assert continuation is not None
+        await continuation.result()
+        await second.result()
+        log = list(reversed(await rt.history("c", limit=100)))
+        skipped = (await rt.store.memory("c")).skipped_turns
+    assert [(e.turn, e.kind) for e in log][2:5] == [(1, "suspended"), (2, "user"),
+                                                    (1, "tool_result")]
+    assert reconciler.seen == [
+        (1, ["user", "assistant", "suspended", "tool_result", "resolved", "assistant"]),
+        (2, ["user", "assistant"])]
+    assert skipped == (2,)

@@ -8,6 +8,7 @@ from store_backends import AnyStore, Backend
 from torpor import InvalidInput
 from torpor.events import UserMessage
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
+from torpor.store.protocol import Checkpoint
 
 
 def fact(position: int, ordinal: int, key: str, text: str) -> SemanticItem:
@@ -70,6 +71,14 @@ async def test_bad_memory_is_refused_before_anything_is_written(store: AnyStore)
         await store.put_turn_decision("c", 1, "maybe")
     with pytest.raises(InvalidInput, match="action"):
         await store.put_ledger("c", [LedgerEntry("k", "merge", "1.0")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="episodes"):
+        await store.put_memory("c", episodes=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="facts"):
+        await store.put_memory("c", facts=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="entries"):
+        await store.put_ledger("c", None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"episodes\[0\]\.start"):
+        await store.put_memory("c", episodes=[EpisodicItem(9, 5, 2, (1,), "backwards")])
     assert (await store.memory("c")).facts == ()
 
 
@@ -79,3 +88,28 @@ async def test_memory_survives_reopening(backend: Backend) -> None:
         await store.put_memory("c", facts=[fact(1, 0, "k", "kept")])
     async with backend.open() as store:
         assert [f.text for f in (await store.memory("c")).facts] == ["kept"]
+
+
+async def test_replace_after_drops_only_unbacked_items_after_it(store: AnyStore) -> None:
+    """What a fold that never landed left (no checkpoint at its position) is replaced; a
+    checkpointed fold's items never are, whoever writes (a stale writer on a cluster)."""
+    await store.append("c", [UserMessage("x")] * 9)
+    await store.put_memory("c", episodes=[EpisodicItem(2, 0, 1, (1,), "kept")],
+                           facts=[SemanticItem(2, 0, "k", "fact", "kept")])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "orphan")],
+                           facts=[SemanticItem(5, i, f"o{i}", "fact", "orphan") for i in range(3)])
+    await store.put_memory("c", episodes=[EpisodicItem(5, 2, 4, (2,), "retried")],
+                           facts=[SemanticItem(5, 0, "r", "fact", "retried")], replace_after=2)
+    memory = await store.memory("c")
+    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
+    assert [(f.id, f.text) for f in memory.facts] == [("2.0", "kept"), ("5.0", "retried")]
+    # Position 5 is checkpointed now: a write replacing after 2 leaves it, drops 8.
+    await store.put_checkpoint(Checkpoint("c", 5, 0, 1))
+    await store.put_memory("c", episodes=[EpisodicItem(8, 5, 7, (3,), "in flight")])
+    await store.put_memory("c", facts=[SemanticItem(9, 0, "s", "fact", "stale")],
+                           replace_after=2)
+    memory = await store.memory("c")
+    assert [(e.position, e.summary) for e in memory.episodes] == [(2, "kept"), (5, "retried")]
+    assert [f.id for f in memory.facts] == ["2.0", "5.0", "9.0"]
+    with pytest.raises(InvalidInput, match="replace_after"):
+        await store.put_memory("c", replace_after=-2)

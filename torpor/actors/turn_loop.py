@@ -179,7 +179,9 @@ async def _maybe_fold(agent: Agent, host: Host) -> None:
         try:
             if agent.cancels:
                 _cancel_turn(agent)
-            remembered = await fold_memory(host.store, summarizer, agent.id, previous, plan)
+            committed = ws.checkpoint.position if ws.checkpoint is not None else -1
+            remembered = await fold_memory(host.store, summarizer, agent.id, previous, plan,
+                                           committed)
         finally:
             agent.cancellable = False
         summary, audit, bundle = remembered.summary, remembered.audit, remembered.bundle

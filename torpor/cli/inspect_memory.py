@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from torpor.cli.common import to_jsonable
@@ -34,6 +35,11 @@ async def memory_json(store: EventStore, conversation_id: str) -> dict[str, Any]
     }
 
 
+def _plain(*cells: str) -> list[str]:
+    # A model's text is not markup: "[/]" would end the command, "[red]" would vanish.
+    return [escape(cell) for cell in cells]
+
+
 def print_memory(console: Console, data: dict[str, Any]) -> None:
     if not (data["episodes"] or data["facts"] or data["ledger"] or data["skipped_turns"]):
         return
@@ -44,24 +50,24 @@ def print_memory(console: Console, data: dict[str, Any]) -> None:
         for e in data["episodes"]:
             turns = e["turns"]
             span = f"{turns[0]}-{turns[-1]}" if turns else "-"
-            table.add_row(f"{e['start']}-{e['end']}", span, f"{e['salience']:.2f}",
-                          clip(" ".join(e["summary"].split()), 80))
+            table.add_row(*_plain(f"{e['start']}-{e['end']}", span, f"{e['salience']:.2f}",
+                                  clip(" ".join(e["summary"].split()), 80)))
         console.print(table)
     if data["facts"]:
         table = Table(title="memory: semantic items")
         for name in ("id", "kind", "key", "confidence", "standing", "text"):
             table.add_column(name)
         for f in data["facts"]:
-            table.add_row(f["id"], f["kind"], f["key"], f"{f['confidence']:.2f}",
-                          "yes" if f["standing"] else "no", clip(f["text"], 60))
+            table.add_row(*_plain(f["id"], f["kind"], f["key"], f"{f['confidence']:.2f}",
+                                  "yes" if f["standing"] else "no", clip(f["text"], 60)))
         console.print(table)
     if data["ledger"]:
         table = Table(title="memory: ledger (latest per key plus a bounded tail)")
         for name in ("seq", "key", "action", "item", "supersedes", "reason"):
             table.add_column(name)
         for d in data["ledger"]:
-            table.add_row(str(d["seq"]), d["key"], d["action"], d["item"],
-                          ", ".join(d["superseded"]) or "-", clip(d["reason"], 40))
+            table.add_row(*_plain(str(d["seq"]), d["key"], d["action"], d["item"],
+                                  ", ".join(d["superseded"]) or "-", clip(d["reason"], 40)))
         console.print(table)
     if data["skipped_turns"]:
         turns = ", ".join(str(t) for t in data["skipped_turns"])

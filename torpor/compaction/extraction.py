@@ -10,6 +10,7 @@ not fit is left out alone, never failing the fold.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -22,7 +23,8 @@ __all__ = ["Extraction", "ItemDraft", "parse_answer"]
 
 _ITEMS = re.compile(r"^\s*ITEMS:\s*", re.MULTILINE)
 _SECTION = re.compile(r"^\s*(EPISODE|FACTS):\s*", re.MULTILINE)
-_KEY_CHARS = re.compile(r"[^a-z0-9._-]+")
+_KEY_CHARS = re.compile(r"[^\w.-]+")  # letters and digits of any script stay
+_JSON = json.JSONDecoder()  # raw_decode: the list, and where it ends (prose may follow)
 MAX_ITEMS = 64  # of one fold; more is a model rambling, not a span's facts
 
 
@@ -53,7 +55,8 @@ def _section(summary: str, name: str) -> str:
 
 def normal_key(key: str) -> str:
     """Keys compare loosely: lowercase, words joined by dots (``"Deploy window"`` ->
-    ``"deploy.window"``), so the same fact stated twice lands under one key."""
+    ``"deploy.window"``, ``"Срок деплоя"`` -> ``"срок.деплоя"``), so the same fact
+    stated twice lands under one key."""
     key = _KEY_CHARS.sub(".", key.strip().lower()).strip(".")
     return key[:MAX_KEY_LENGTH]
 
@@ -77,25 +80,41 @@ def _draft(raw: object) -> ItemDraft | None:
     return ItemDraft(kind, key, text, min(1.0, max(0.0, float(confidence))))
 
 
+def _list_at(block: str) -> tuple[object, str] | str:
+    """The first JSON list of ``block`` (fenced or not) and the text after it; or why
+    there is none. Decoded with ``raw_decode``: a line after the list is no garbage."""
+    rest = block.lstrip()
+    if rest.startswith("```"):  # a fenced block: its first line names the language
+        rest = rest.partition("\n")[2]
+    start = rest.find("[")  # a few words may come first ("ITEMS: here they are")
+    if start < 0:
+        return "the ITEMS: block holds no JSON list"
+    try:
+        raw, end = _JSON.raw_decode(rest, start)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        return f"the ITEMS: list is not JSON: {str(exc)[:200]}"
+    after = rest[end:].lstrip()
+    return raw, after[3:] if after.startswith("```") else after
+
+
 def parse_answer(answer: str) -> Extraction:
-    """Split a summarizer's answer; never raises."""
+    """Split a summarizer's answer; never raises.
+
+    The handoff is the answer without its ``ITEMS:`` list: what comes before it and
+    after it (a model may put the list first, or add a line after it).
+    """
     match = _ITEMS.search(answer)
     if match is None:
         summary = answer.strip()
         episode = _section(summary, "EPISODE") or summary
         return Extraction(summary, episode, problem="the answer has no ITEMS: list")
-    summary = answer[: match.start()].strip()
+    found = _list_at(answer[match.end():])
+    if isinstance(found, str):
+        summary = answer[: match.start()].strip()
+        return Extraction(summary, _section(summary, "EPISODE") or summary, problem=found)
+    raw, after = found
+    summary = "\n\n".join(p for p in (answer[: match.start()].strip(), after.strip()) if p)
     episode = _section(summary, "EPISODE") or summary
-    block = answer[match.end():].strip()
-    if block.startswith("```"):  # a fenced block: its first line names the language
-        block = block.split("\n", 1)[-1].rsplit("```", 1)[0]
-    start, end = block.find("["), block.rfind("]")
-    if start < 0 or end < start:
-        return Extraction(summary, episode, problem="the ITEMS: block holds no JSON list")
-    try:
-        raw = msgspec.json.decode(block[start : end + 1])
-    except msgspec.DecodeError as exc:
-        return Extraction(summary, episode, problem=f"the ITEMS: list is not JSON: {exc}")
     if not isinstance(raw, list):
         return Extraction(summary, episode, problem="the ITEMS: block is not a list")
     drafts = [_draft(item) for item in raw[:MAX_ITEMS]]

@@ -36,7 +36,9 @@ def importance(item: EpisodicItem | SemanticItem) -> float:
 
 
 def fact_line(item: SemanticItem) -> str:
-    return f"- ({item.kind}) {item.key}: {item.text}"
+    # One line per item, like an episode's: a line break in a stored text must not make a
+    # fact look like a section of the bundle ("Episodes:") or a second entry.
+    return f"- ({item.kind}) {' '.join(item.key.split())}: {' '.join(item.text.split())}"
 
 
 def episode_line(item: EpisodicItem) -> str:

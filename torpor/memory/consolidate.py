@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from torpor.errors import ConfigError
+from torpor.errors import ConfigError, InvalidInput
 from torpor.memory.digest import Digest, write_digest
 from torpor.memory.ledger import item_order, latest_decisions, surviving
-from torpor.store.memory import LedgerEntry, MemoryRecord, SemanticItem
+from torpor.store.memory import (
+    LedgerEntry,
+    MemoryRecord,
+    SemanticItem,
+    check_items,
+    check_ledger_entry,
+)
 
 if TYPE_CHECKING:
     from torpor.store.protocol import EventStore
@@ -44,7 +50,8 @@ class KeyedConsolidator:
     """
 
     def __init__(self, *, min_confidence: float = 0.0) -> None:
-        if not isinstance(min_confidence, int | float) or not 0.0 <= min_confidence <= 1.0:
+        if (isinstance(min_confidence, bool) or not isinstance(min_confidence, int | float)
+                or not 0.0 <= min_confidence <= 1.0):
             raise ConfigError("min_confidence", f"must be 0..1, got {min_confidence!r}")
         self.min_confidence = float(min_confidence)
 
@@ -79,6 +86,21 @@ class Consolidation(msgspec.Struct, frozen=True, gc=False):
     digest: Digest
 
 
+def _checked(memory: MemoryRecord, answer: object) -> tuple[LedgerEntry, ...]:
+    """A sweep's decisions, each naming items of its own key that the sweep was shown;
+    InvalidInput (nothing recorded) otherwise: a decision about an item it never saw, or
+    under another key, would hide or revive facts it did not judge."""
+    decisions = check_items(answer, "decisions", check_ledger_entry)
+    keys = {item.id: item.key for item in memory.facts}
+    for index, entry in enumerate(decisions):
+        what = f"decisions[{index}]"
+        for name, item in [("item", entry.item), *(("superseded", s) for s in entry.superseded)]:
+            if keys.get(item) != entry.key:
+                raise InvalidInput(f"{what}.{name}", f"{item!r} is not an item under key "
+                                                     f"{entry.key!r} in the swept memory")
+    return tuple(decisions)
+
+
 async def consolidate(
     store: EventStore,
     conversation_id: str,
@@ -86,9 +108,13 @@ async def consolidate(
     *,
     max_lines: int = 40,
 ) -> Consolidation:
-    """Run one sweep over a conversation's memory and record its decisions in the ledger."""
+    """Run one sweep over a conversation's memory and record its decisions in the ledger.
+
+    Decisions that do not name items of their key in the swept memory are refused whole
+    (InvalidInput), before anything is recorded.
+    """
     memory = await store.memory(conversation_id)
-    decisions = tuple(await consolidator.sweep(conversation_id, memory))
+    decisions = _checked(memory, await consolidator.sweep(conversation_id, memory))
     if decisions:
         await store.put_ledger(conversation_id, decisions)
     ledger = (*memory.ledger, *decisions)

@@ -65,5 +65,5 @@ def write_digest(
     shown, demoted = ranked[: max_lines - 1], ranked[max_lines - 1 :]
     shown.sort(key=lambda e: (e[1], e[2]))
     lines = [e[4] for e in shown]
-    lines.append(f"\u2026and {len(demoted)} more: expand {link}")
+    lines.append(_one_line(f"\u2026and {len(demoted)} more: expand {link}"))  # a link too
     return Digest(tuple(lines), tuple((e[3], e[4]) for e in demoted), link)

@@ -72,13 +72,17 @@ async def fold_memory(
     conversation_id: str,
     previous_summary: str,
     plan: FoldPlan,
+    committed: int = -1,
 ) -> FoldMemory:
     """Summarize a planned fold and, for a model summarizer, store what it learned.
 
     A model summarizer's failure leaves a marker-only handoff for the span (no
     items, the standing bundle kept); any other Summarizer's exception
-    propagates, as it always has. Called before the checkpoint is written: a
-    fold retried at the same position writes the same item ids (stored once).
+    propagates, as it always has. ``committed``: the previous checkpoint's position
+    (-1: none). Called before the checkpoint is written, so items at positions
+    after ``committed`` are an earlier attempt's whose checkpoint never landed
+    (the store failed, the process died): they are left out of the bundle and
+    replaced by this fold's, never shown twice beside them.
     """
     memory = await store.memory(conversation_id)
     skipped = set(memory.skipped_turns)
@@ -86,14 +90,20 @@ async def fold_memory(
     if not isinstance(summarizer, ModelSummarizer):
         summary = await summarizer.summarize(previous_summary, events) if events else ""
         return FoldMemory(summary, None, "")
-    episodes, facts = list(memory.episodes), list(memory.facts)
+    episodes = [e for e in memory.episodes if e.position <= committed]
+    facts = [f for f in memory.facts if f.position <= committed]
+    leftovers = len(episodes) < len(memory.episodes) or len(facts) < len(memory.facts)
     outcome = await summarizer.run(previous_summary, events) if events else None
     if outcome is not None and outcome.error is None:
         episode, new_facts = items_of(outcome, plan.position, events)
         with anyio.CancelScope(shield=True):  # stored whole, or the fold did not happen
-            await store.put_memory(conversation_id, episodes=[episode], facts=new_facts)
+            await store.put_memory(conversation_id, episodes=[episode], facts=new_facts,
+                                   replace_after=committed)
         episodes.append(episode)
         facts.extend(new_facts)
+    elif leftovers:  # nothing to store, but the leftovers must not outlive this checkpoint
+        with anyio.CancelScope(shield=True):
+            await store.put_memory(conversation_id, replace_after=committed)
     bundle = ""
     if summarizer.memory_budget:
         bundle = render_bundle(episodes, facts, memory.ledger,

@@ -33,34 +33,34 @@ class ToolInteraction(msgspec.Struct, frozen=True, gc=False):
 
 
 def pair_tool_calls(events: Iterable[Event]) -> list[ToolInteraction]:
-    """Every tool call of ``events`` (log order) with its result or its fate, in call order."""
-    calls: dict[str, tuple[Event, Any]] = {}
-    results: dict[str, Event] = {}
-    aborted_turns: dict[int, int] = {}  # turn -> position of its last abort
+    """Every tool call of ``events`` (log order) with its result or its fate, in call order.
+
+    A result answers the latest unanswered call with its id: some providers number
+    calls per response (``call_0`` in every turn), so an id alone is not unique.
+    """
+    out: list[ToolInteraction] = []
+    open_calls: dict[str, int] = {}  # call id -> index in ``out`` of its unanswered call
+    aborted: dict[str, int] = {}  # the same, for calls whose turn was aborted (a late
+    # result still pairs with its call)
     for event in events:
         body = event.body
         if isinstance(body, AssistantMessage):
             for call in body.tool_calls:
-                calls.setdefault(call.id, (event, call))
+                aborted.pop(call.id, None)
+                open_calls[call.id] = len(out)
+                out.append(ToolInteraction(call.id, call.name, dict(call.arguments),
+                                           event.turn, event.position, "pending"))
         elif isinstance(body, ToolResult):
-            results.setdefault(body.call_id, event)
-        elif isinstance(body, Aborted):
-            aborted_turns[event.turn] = event.position
-    out: list[ToolInteraction] = []
-    for call_id, (event, call) in calls.items():
-        found = results.get(call_id)
-        if found is not None:
-            result = found.body
-            assert isinstance(result, ToolResult)
-            out.append(ToolInteraction(
-                call_id, call.name, dict(call.arguments), event.turn, event.position,
-                "error" if result.is_error else "success", result.content, found.position,
-                result.artifact))
-            continue
-        abort = aborted_turns.get(event.turn)
-        status: InteractionStatus = (
-            "aborted" if abort is not None and abort > event.position else "pending"
-        )
-        out.append(ToolInteraction(call_id, call.name, dict(call.arguments), event.turn,
-                                   event.position, status))
+            index = open_calls.pop(body.call_id, None)
+            if index is None:
+                index = aborted.pop(body.call_id, None)
+            if index is not None:
+                out[index] = msgspec.structs.replace(
+                    out[index], status="error" if body.is_error else "success",
+                    result=body.content, result_position=event.position, artifact=body.artifact)
+        elif isinstance(body, Aborted):  # its turn's unanswered calls will never be answered
+            for call_id, index in list(open_calls.items()):
+                if out[index].turn == event.turn:
+                    out[index] = msgspec.structs.replace(out[index], status="aborted")
+                    aborted[call_id] = open_calls.pop(call_id)
     return out

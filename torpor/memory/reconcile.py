@@ -5,7 +5,10 @@ through (:func:`torpor.actors.turn_loop.logged`), once per turn, when the
 turn's last event is logged (its answer, or its abort), with every event of
 the turn: a user message and its tool calls are kept or skipped together
 (turn atomicity, 8.4). It must be cheap and synchronous, and it may answer
-only ``"add"`` or ``"none"``; anything else counts as ``"add"`` (logged).
+only ``"add"`` or ``"none"``; anything else, or an exception, counts as
+``"add"`` (logged). It runs on the event loop, holding the conversation's
+append lock: a decide that blocks stalls the runtime (nothing can time out a
+synchronous call), so anything slow belongs in the sweep.
 
 NONE never touches the log: the turn is appended like any other. It is
 recorded (:meth:`~torpor.store.protocol.EventStore.put_turn_decision`) so
@@ -16,6 +19,7 @@ every turn is ADD, as if reconciliation did not exist.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -81,6 +85,8 @@ def _decide(
                     error=repr(exc))
         return "add"
     if decision not in ("add", "none"):  # UPDATE/DELETE belong to the sweep, never here
+        if inspect.iscoroutine(decision):  # an async decide slipped in: never awaited here
+            decision.close()
         log.warning("reconciler_refused", conversation_id=conversation_id, turn=turn,
                     decision=repr(decision))
         return "add"

@@ -22,8 +22,10 @@ from torpor.errors import ConfigError, InvalidInput
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
 from torpor.store.arguments import (
+    POSITION_LIMIT,
     check_after,
     check_conversation_id,
+    check_int,
     check_limit,
     check_position,
     check_turn,
@@ -36,6 +38,7 @@ from torpor.store.memory import (
     SemanticItem,
     check_episode,
     check_fact,
+    check_items,
     check_ledger_entry,
 )
 from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
@@ -196,12 +199,16 @@ class StoreCore:
         *,
         episodes: Sequence[EpisodicItem] = (),
         facts: Sequence[SemanticItem] = (),
+        replace_after: int | None = None,
     ) -> None:
-        """Store a fold's episodic and semantic items (an item stored before is kept as is)."""
+        """Store a fold's episodic and semantic items (an item stored before is kept as is,
+        unless ``replace_after`` drops it first: see the protocol)."""
         check_conversation_id(conversation_id)
+        if replace_after is not None:
+            check_int(replace_after, "replace_after", -1, POSITION_LIMIT + 1)
         now = now_ms()
-        eps = [_stamped(check_episode(e, f"episodes[{i}]"), now) for i, e in enumerate(episodes)]
-        fas = [_stamped(check_fact(f, f"facts[{i}]"), now) for i, f in enumerate(facts)]
+        eps = [_stamped(e, now) for e in check_items(episodes, "episodes", check_episode)]
+        fas = [_stamped(f, now) for f in check_items(facts, "facts", check_fact)]
         await self._write_memory(
             MemoryWrite(
                 conversation_id,
@@ -209,6 +216,7 @@ class StoreCore:
                 facts=tuple(
                     (f.position, f.ordinal, f.key, f.created_at, encode_row(f)) for f in fas
                 ),
+                replace_after=replace_after,
             )
         )
 
@@ -221,9 +229,7 @@ class StoreCore:
         check_conversation_id(conversation_id)
         check_limit(tail, "tail")
         now = now_ms()
-        rows = [
-            _stamped(check_ledger_entry(e, f"entries[{i}]"), now) for i, e in enumerate(entries)
-        ]
+        rows = [_stamped(e, now) for e in check_items(entries, "entries", check_ledger_entry)]
         await self._write_memory(
             MemoryWrite(
                 conversation_id,

@@ -16,7 +16,8 @@ that position and its ordinal in the fold's answer.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_key",
     "check_fact",
     "check_ledger_entry",
+    "check_items",
 ]
 
 MemoryKind = Literal["fact", "preference", "constraint", "decision"]
@@ -143,11 +145,23 @@ def check_key(key: object, what: str) -> str:
     return text
 
 
+T = TypeVar("T")
+
+
+def check_items(items: object, what: str, check: Callable[[object, str], T]) -> list[T]:
+    """Every item of the sequence ``items`` through ``check`` (named ``what[i]``)."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise InvalidInput(what, f"must be a sequence, got {type(items).__name__}")
+    return [check(item, f"{what}[{index}]") for index, item in enumerate(items)]
+
+
 def check_episode(item: object, what: str = "episode") -> EpisodicItem:
     if not isinstance(item, EpisodicItem):
         raise InvalidInput(what, f"must be an EpisodicItem, got {type(item).__name__}")
     for name in ("position", "start", "end"):
         check_int(getattr(item, name), f"{what}.{name}", 0, POSITION_LIMIT + 1)
+    if item.start > item.end:
+        raise InvalidInput(f"{what}.start", f"must be <= end ({item.end}), got {item.start}")
     check_int(item.created_at, f"{what}.created_at", 0, 1 << 62)
     _turns(item.turns, f"{what}.turns")
     check_text(item.summary, f"{what}.summary")

@@ -41,6 +41,9 @@ class MemoryWrite(msgspec.Struct, frozen=True, gc=False):
     ledger: tuple[tuple[str, int, bytes], ...] = ()  # key, created_at, body
     turns: tuple[tuple[int, str, int], ...] = ()  # turn, decision, created_at
     prune_tail: int | None = None  # prune the ledger afterwards, keeping this tail
+    # First drop the items at positions after this one that no checkpoint backs (the
+    # leftovers of a fold that never landed).
+    replace_after: int | None = None
 
 
 def encode_row(item: EpisodicItem | SemanticItem | LedgerEntry) -> bytes:

@@ -265,9 +265,13 @@ class EventStore(Protocol):
         *,
         episodes: Sequence[EpisodicItem] = (),
         facts: Sequence[SemanticItem] = (),
+        replace_after: int | None = None,
     ) -> None:
         """Store a fold's episodic and semantic items; an item whose id is stored already
-        is kept as it was (a retried fold writes nothing twice). The conversation must
+        is kept as it was (a retried fold writes nothing twice). ``replace_after``: first
+        drop, in the same transaction, the items at positions after it that no stored
+        checkpoint's position backs (what a fold whose checkpoint was never written left
+        behind; a fold passes its previous checkpoint's position). The conversation must
         exist (InvalidInput otherwise)."""
         ...
 

@@ -3,7 +3,8 @@
 Memory writes are rare (a fold, a sweep, a turn a reconciler skipped) and never
 move a head, so they go beside the group commit instead of widening its one
 statement; items are keyed by deterministic ids (``ON CONFLICT DO NOTHING``),
-so a retried fold writes nothing twice.
+so a retried fold writes nothing twice; a fold first drops what an attempt
+whose checkpoint never landed left after the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ INSERT INTO memory_facts (conversation_id, position, ordinal, key, created_at, b
 SELECT $1, * FROM unnest($2::bigint[], $3::int[], $4::text[], $5::bigint[], $6::bytea[])
 ON CONFLICT DO NOTHING
 """
+# Items after the given position that no checkpoint backs: a fold that never landed. A
+# checkpointed fold's items are never dropped (not even by a stale writer on a cluster).
+_UNBACKED = """conversation_id = $1 AND position > $2 AND position NOT IN
+(SELECT position FROM checkpoints WHERE conversation_id = $1)"""
+_DROP_EPISODES = f"DELETE FROM memory_episodes WHERE {_UNBACKED}"
+_DROP_FACTS = f"DELETE FROM memory_facts WHERE {_UNBACKED}"
 _LEDGER = """
 INSERT INTO memory_ledger (conversation_id, key, created_at, body)
 SELECT $1, k, c, b FROM unnest($2::text[], $3::bigint[], $4::bytea[])
@@ -61,6 +68,9 @@ async def write_memory(pool: asyncpg.Pool, write: MemoryWrite) -> None:
             raise InvalidInput(
                 "conversation_id", f"no conversation {write.conversation_id!r} to remember"
             )
+        if write.replace_after is not None:
+            await conn.execute(_DROP_EPISODES, key, write.replace_after)
+            await conn.execute(_DROP_FACTS, key, write.replace_after)
         if write.episodes:
             await conn.execute(_EPISODES, key, *_columns(write.episodes, 3))
         if write.facts:

@@ -2,7 +2,8 @@
 
 Writes go through the one writer like every other (so they commit with the
 batch they land in); items are keyed by deterministic ids, so a retried fold
-writes nothing twice (``INSERT OR IGNORE``).
+writes nothing twice (``INSERT OR IGNORE``), and a fold first drops what an
+attempt whose checkpoint never landed left after the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ INSERT_FACT = (
     "INSERT OR IGNORE INTO memory_facts "
     "(conversation_id, position, ordinal, key, created_at, body) VALUES (?, ?, ?, ?, ?, ?)"
 )
+# Items after the given position that no checkpoint backs: a fold that never landed. A
+# checkpointed fold's items are never dropped (not even by a stale writer on a cluster).
+_UNBACKED = (
+    "conversation_id = ?1 AND position > ?2 AND position NOT IN "
+    "(SELECT position FROM checkpoints WHERE conversation_id = ?1)"
+)
+DROP_EPISODES = f"DELETE FROM memory_episodes WHERE {_UNBACKED}"
+DROP_FACTS = f"DELETE FROM memory_facts WHERE {_UNBACKED}"
 INSERT_LEDGER = (
     "INSERT INTO memory_ledger (conversation_id, key, created_at, body) VALUES (?, ?, ?, ?)"
 )
@@ -66,6 +75,9 @@ class MemoryOp(msgspec.Struct, frozen=True, gc=False):
             )
         key = state.key
         writes: list[tuple[str, Row]] = []
+        if w.replace_after is not None:
+            writes.append((DROP_EPISODES, (key, w.replace_after)))
+            writes.append((DROP_FACTS, (key, w.replace_after)))
         writes.extend((INSERT_EPISODE, (key, *row)) for row in w.episodes)
         writes.extend((INSERT_FACT, (key, *row)) for row in w.facts)
         writes.extend((INSERT_LEDGER, (key, *row)) for row in w.ledger)
