@@ -66,7 +66,12 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     head stale; a cancel takes effect at the next model or tool await instead.
     """
     with anyio.CancelScope(shield=True):
-        events = await logged(agent, host, bodies, turn=agent.turn)
+        return await _append(agent, host, bodies)
+
+
+async def _append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event]:
+    """:func:`append` for a caller that holds a shield already (one scope less per turn)."""
+    events = await logged(agent, host, bodies, turn=agent.turn)
     ws = agent.ws
     assert ws is not None
     ws.append(events)
@@ -195,18 +200,25 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
+    # Moving the deadline reschedules a timer: it is pushed on only when it would move by
+    # more than 1% of ``idle``, so a fast stream does not pay that on every chunk (the
+    # call still ends after between 0.99 and 1 times ``idle`` without a chunk).
+    slack = idle / 100 if idle is not None else 0.0
+    clock = asyncio.get_running_loop().time  # anyio's clock on asyncio
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     stream = _model_of(agent, host).stream(rendered.messages, specs)
     try:
         with anyio.CancelScope() as watchdog:  # no chunk for `idle` seconds ends the call
             if idle is not None:
-                watchdog.deadline = anyio.current_time() + idle
+                watchdog.deadline = clock() + idle
             agent.cancellable = True
             if agent.cancels:  # a cancel came while the turn could not be interrupted
                 _cancel_turn(agent)
             async for item in stream:
                 if idle is not None:
-                    watchdog.deadline = anyio.current_time() + idle
+                    deadline = clock() + idle
+                    if deadline - watchdog.deadline > slack:
+                        watchdog.deadline = deadline
                 if isinstance(item, TextDelta):
                     if first is None:
                         first = time.perf_counter()
@@ -245,13 +257,18 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     audit = _model_call(agent, host, rendered, started, first, usage)
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
+    # The audit row goes first, in a task of its own (it runs before the writer wakes,
+    # so it joins the message's batch); the message is logged from this task.
     with anyio.CancelScope(shield=True):
-        outcomes = await asyncio.gather(
-            append(agent, host, [message]), _record(host, audit), return_exceptions=True
-        )
-    for outcome in outcomes:  # both have finished either way: nothing is left running
-        if isinstance(outcome, BaseException):
-            raise outcome
+        recording = asyncio.ensure_future(host.store.record_model_call(audit))
+        try:
+            await _append(agent, host, [message])
+        except BaseException:  # both have finished either way: nothing is left running
+            await asyncio.wait((recording,))
+            if not recording.cancelled():
+                recording.exception()  # retrieved: the message's own error is raised
+            raise
+        await recording
     return message
 
 
