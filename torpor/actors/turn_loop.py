@@ -70,9 +70,15 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     return events
 
 
-async def _append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event]:
-    """:func:`append` for a caller that holds a shield already (one scope less per turn)."""
-    events = await logged(agent, host, bodies, turn=agent.turn)
+async def _append(
+    agent: Agent, host: Host, bodies: Sequence[Body], audit: ModelCall | None = None
+) -> list[Event]:
+    """:func:`append` for a caller that holds a shield already (one scope less per turn).
+
+    ``audit``: the model call that produced ``bodies``, recorded in the same group
+    commit (one round trip, and the call and its answer commit or fail together).
+    """
+    events, recording = await _logged(agent, host, bodies, agent.turn, None, audit)
     ws = agent.ws
     assert ws is not None
     ws.append(events)
@@ -80,6 +86,10 @@ async def _append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Even
     if hub is not None:
         for event in events:
             hub.logged(event)
+    # Only now, with the working set and the stream up to date (a follower arriving in
+    # between must not see the answer in the log and its text still in flight).
+    if recording is not None:
+        await recording
     return events
 
 
@@ -97,21 +107,47 @@ async def logged(
     writes with a message logged mid-turn by the sender's task. ``turn`` may be
     a function, read once the lock is held (a postponed message's number).
     """
+    events, _ = await _logged(agent, host, bodies, turn, key, None)
+    return events
+
+
+async def _logged(
+    agent: Agent,
+    host: Host,
+    bodies: Sequence[Body],
+    turn: int | Callable[[], int],
+    key: str | None,
+    audit: ModelCall | None,
+) -> tuple[list[Event], asyncio.Task[None] | None]:
+    """:func:`logged`, recording ``audit`` too: its task (started once the lock is held,
+    so both writes are queued before the writer takes its next batch), for the caller
+    to await once it has applied the events."""
     lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
     if lock is not None:
         await lock.acquire()
     try:
         number = turn if isinstance(turn, int) else turn()
-        events = await host.store.append_events(
-            agent.id, bodies, turn=number, expect_head=agent.head, key=key
+        recording = (
+            None if audit is None
+            else asyncio.ensure_future(host.store.record_model_call(audit))
         )
+        try:
+            events = await host.store.append_events(
+                agent.id, bodies, turn=number, expect_head=agent.head, key=key
+            )
+        except BaseException:  # both have finished either way: nothing is left running
+            if recording is not None:
+                await asyncio.wait((recording,))
+                if not recording.cancelled():
+                    recording.exception()  # retrieved: the append's own error is raised
+            raise
         if events[-1].position > agent.head:
             agent.head = events[-1].position
             host.publish(agent.id, events)
     finally:
         if lock is not None:
             lock.release()
-    return events
+    return events, recording
 
 
 async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
@@ -251,18 +287,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     audit = _model_call(agent, host, rendered, started, first, usage)
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
-    # The audit row goes first, in a task of its own (it runs before the writer wakes,
-    # so it joins the message's batch); the message is logged from this task.
     with anyio.CancelScope(shield=True):
-        recording = asyncio.ensure_future(host.store.record_model_call(audit))
-        try:
-            await _append(agent, host, [message])
-        except BaseException:  # both have finished either way: nothing is left running
-            await asyncio.wait((recording,))
-            if not recording.cancelled():
-                recording.exception()  # retrieved: the message's own error is raised
-            raise
-        await recording
+        await _append(agent, host, [message], audit)
     return message
 
 
