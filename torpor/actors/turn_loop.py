@@ -118,10 +118,11 @@ async def _logged(
     turn: int | Callable[[], int],
     key: str | None,
     audit: ModelCall | None,
-) -> tuple[list[Event], asyncio.Task[None] | None]:
-    """:func:`logged`, recording ``audit`` too: its task (started once the lock is held,
-    so both writes are queued before the writer takes its next batch), for the caller
-    to await once it has applied the events."""
+) -> tuple[list[Event], asyncio.Future[None] | None]:
+    """:func:`logged`, recording ``audit`` too, for the caller to await once it has
+    applied the events. Both are queued back to back once the lock is held, with no
+    await between them, so on SQLite they share one group commit: the call and its
+    answer commit or fail together (a store that queues later gets a task instead)."""
     lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
     if lock is not None:
         await lock.acquire()
@@ -129,7 +130,7 @@ async def _logged(
         number = turn if isinstance(turn, int) else turn()
         recording = (
             None if audit is None
-            else asyncio.ensure_future(host.store.record_model_call(audit))
+            else asyncio.ensure_future(host.store.record_model_call(audit))  # a future: as is
         )
         try:
             events = await host.store.append_events(

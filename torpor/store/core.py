@@ -170,12 +170,20 @@ class StoreCore:
         op = self._artifact_op(conversation_id, new_artifact_id(), bytes(data))
         return cast(str, await self._submit(op))
 
-    async def record_model_call(self, call: ModelCall) -> None:
-        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        call = admit_model_call(call)
-        if not call.created_at:
-            call = msgspec.structs.replace(call, created_at=now_ms())
-        await self._submit(self._model_call_op(call))
+    def record_model_call(self, call: ModelCall) -> Awaitable[None]:
+        """Store one audit row; a ``created_at`` of 0 is stamped with the current time.
+
+        Checked and queued when called, where the backend queues at once (SQLite):
+        a write queued right after it, before anything is awaited, joins the same
+        group commit. Await the result for the commit.
+        """
+        try:
+            call = admit_model_call(call)
+            if not call.created_at:
+                call = msgspec.structs.replace(call, created_at=now_ms())
+            return cast("Awaitable[None]", self._submit(self._model_call_op(call)))
+        except Exception as exc:  # raised where it is awaited, as from a coroutine
+            return _raising(exc)
 
     # reads -----------------------------------------------------------------------------
 
@@ -265,3 +273,7 @@ class StoreCore:
         check_after(after)
         check_limit(limit)
         return cast("list[PendingApproval]", await self._reading(self.reads.pending, after, limit))
+
+
+async def _raising(error: Exception) -> None:
+    raise error
