@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -380,7 +381,9 @@ def _model_call(
         now_ms,
     )
     changed = agent.topic is not None and shape.topic != agent.topic
-    agent.topic = shape.topic
+    # Kept while the agent sleeps: interned, so agents on one topic share one string
+    # instead of each pinning a copy made mid-turn among the turn's garbage.
+    agent.topic = sys.intern(shape.topic) if shape.topic is not None else None
     return ModelCall(
         conversation_id=agent.id,
         turn=agent.turn,
