@@ -31,13 +31,19 @@ the largest WAL file per minute: is the WAL bounded over a long run? (Only run
 by hand: neither CI nor ``run_all.py`` passes it.)
 
 Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
-[--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
+[--gc-off] [--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
+
+Each level also reports the cyclic GC's collections per generation and their seconds
+(``gc_collections``, ``gc_seconds``, timed part only); ``--gc-off`` runs every level
+again with the GC disabled (``cpu_us_per_turn_gc_off``): the difference is what
+collecting costs, which is what grows between 100 and 10,000 conversations in flight.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 import time
@@ -103,6 +109,30 @@ class WalGauge:
         return largest
 
 
+class GcGauge:
+    """Cyclic GC collections per generation, and the seconds they took, while installed."""
+
+    def __init__(self) -> None:
+        self.collections = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def __enter__(self) -> GcGauge:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.collections[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._started
+
+
 async def level(
     db: Path, conversations: int, duration: float, *, window: float | None = None
 ) -> dict[str, Any]:
@@ -147,9 +177,10 @@ async def level(
         sampler = asyncio.ensure_future(gauge.run())
         reporter = asyncio.ensure_future(report(window)) if window else None
         try:
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            await asyncio.gather(*(loop(c) for c in names))
-            elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            with GcGauge() as collected:
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                await asyncio.gather(*(loop(c) for c in names))
+                elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         finally:
             for task in (sampler, reporter):
                 if task is not None:
@@ -173,6 +204,8 @@ async def level(
         "tail_events_at_end": sample.tail_length,
         "working_set_tokens_at_end": sample.working_set_tokens,
         "max_wal_bytes": gauge.largest,
+        "gc_collections": collected.collections,  # per generation, timed part only
+        "gc_seconds": [round(x, 3) for x in collected.seconds],
     }
     if window:
         result["windows"] = windows
@@ -255,6 +288,9 @@ def main() -> None:
     p.add_argument("--soak", type=float, metavar="SECONDS", default=None,
                    help="instead: one level of --concurrency (first value) for SECONDS, "
                         "reporting latency and the largest WAL file every minute")
+    p.add_argument("--gc-off", action="store_true",
+                   help="run each level a second time with the cyclic GC disabled and report "
+                        "its CPU per turn (what the GC costs at that level)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
@@ -273,6 +309,15 @@ def main() -> None:
                       file=sys.stderr)
             db = Path(fresh_db(Path(tmp), f"turns-{c}.db").removeprefix("sqlite:///"))
             rows.append(asyncio.run(level(db, c, args.duration)))
+            if args.gc_off:  # the same level again with the cyclic GC off: what it costs
+                db = Path(fresh_db(Path(tmp), f"turns-{c}-nogc.db").removeprefix("sqlite:///"))
+                gc.collect()
+                gc.disable()
+                try:
+                    off = asyncio.run(level(db, c, args.duration))
+                finally:
+                    gc.enable()
+                rows[-1]["cpu_us_per_turn_gc_off"] = off["cpu_us_per_turn"]
             print(f"  {c:,} conversations: {rows[-1]['turns_per_second']:,} turns/s",
                   file=sys.stderr)
             floor = naive.get(c)
@@ -287,7 +332,8 @@ def main() -> None:
                                              rows[-1]["latency_p50_ms"])
     result = {"benchmark": "turns", "params": {"concurrency": args.concurrency,
                                                "naive": args.naive,
-                                               "duration": args.duration}, "levels": rows,
+                                               "duration": args.duration,
+                                               "gc_off": args.gc_off}, "levels": rows,
               "targets": {"torpor_over_naive_max": 2.0, "p99_over_p50_max_at_1": 2.0}}
     columns = ("conversations", "turns/s", "overhead µs/turn", "model µs/turn", "CPU µs/turn",
                "p50 ms", "p99 ms", "tail events", "max WAL MB", "errors")
@@ -306,6 +352,12 @@ def main() -> None:
             ("conversations", "naive turns/s", "torpor turns/s", "torpor/naive time",
              "naive CPU µs", "torpor CPU µs", "torpor/naive CPU", "naive p50 ms",
              "naive p99 ms"), floors))
+    tables.append(table(
+        "cyclic GC during the timed part (gen2: full collections)",
+        ("conversations", "CPU µs/turn", "CPU µs/turn, GC off", "collections gen0/1/2",
+         "gen2 seconds"),
+        [(r["conversations"], r["cpu_us_per_turn"], r.get("cpu_us_per_turn_gc_off", "-"),
+          "/".join(str(n) for n in r["gc_collections"]), r["gc_seconds"][2]) for r in rows]))
     emit(result, tables, args.json)
 
 

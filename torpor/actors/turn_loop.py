@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -70,7 +71,19 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     head stale; a cancel takes effect at the next model or tool await instead.
     """
     with anyio.CancelScope(shield=True):
-        events = await logged(agent, host, bodies, turn=agent.turn)
+        events = await _append(agent, host, bodies)
+    return events
+
+
+async def _append(
+    agent: Agent, host: Host, bodies: Sequence[Body], audit: ModelCall | None = None
+) -> list[Event]:
+    """:func:`append` for a caller that holds a shield already (one scope less per turn).
+
+    ``audit``: the model call that produced ``bodies``, recorded in the same group
+    commit (one round trip, and the call and its answer commit or fail together).
+    """
+    events, recording = await _logged(agent, host, bodies, agent.turn, None, audit)
     ws = agent.ws
     assert ws is not None
     ws.append(events)
@@ -78,6 +91,10 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     if hub is not None:
         for event in events:
             hub.logged(event)
+    # Only now, with the working set and the stream up to date (a follower arriving in
+    # between must not see the answer in the log and its text still in flight).
+    if recording is not None:
+        await recording
     return events
 
 
@@ -97,38 +114,58 @@ async def logged(
     ``bodies`` too (a task card change, merged with the card in effect under the
     lock, so two changes never overwrite each other).
     """
-    lock = agent.lock
-    if lock is None:
-        return await _at_head(agent, host, bodies, turn, key)
-    async with lock:
-        return await _at_head(agent, host, bodies, turn, key)
+    events, _ = await _logged(agent, host, bodies, turn, key, None)
+    return events
 
 
-async def _at_head(
+async def _logged(
     agent: Agent,
     host: Host,
     bodies: Sequence[Body] | Callable[[], Sequence[Body]],
     turn: int | Callable[[], int],
     key: str | None,
-) -> list[Event]:
-    number = turn if isinstance(turn, int) else turn()
-    if callable(bodies):
-        bodies = bodies()
-    events = await host.store.append_events(
-        agent.id, bodies, turn=number, expect_head=agent.head, key=key
-    )
-    if events[-1].position > agent.head:
-        agent.head = events[-1].position
-        host.publish(agent.id, events)
-        ws = agent.ws
-        if ws is not None:  # a card is in effect from the next model call on
-            for event in events:
-                if type(event.body) is TaskCard:
-                    ws.note_card(event)
-        reconciler = agent.profile.config.reconciler
-        if reconciler is not None:  # the hot-path reconciler, once per finished turn
-            await reconcile_logged(host.store, reconciler, agent.id, number, agent.ws, events)
-    return events
+    audit: ModelCall | None,
+) -> tuple[list[Event], asyncio.Future[None] | None]:
+    """:func:`logged`, recording ``audit`` too, for the caller to await once it has
+    applied the events. Both are queued back to back once the lock is held, with no
+    await between them, so on SQLite they share one group commit: the call and its
+    answer commit or fail together (a store that queues later gets a task instead)."""
+    lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
+    if lock is not None:
+        await lock.acquire()
+    try:
+        number = turn if isinstance(turn, int) else turn()
+        if callable(bodies):
+            bodies = bodies()
+        recording = (
+            None if audit is None
+            else asyncio.ensure_future(host.store.record_model_call(audit))  # a future: as is
+        )
+        try:
+            events = await host.store.append_events(
+                agent.id, bodies, turn=number, expect_head=agent.head, key=key
+            )
+        except BaseException:  # both have finished either way: nothing is left running
+            if recording is not None:
+                await asyncio.wait((recording,))
+                if not recording.cancelled():
+                    recording.exception()  # retrieved: the append's own error is raised
+            raise
+        if events[-1].position > agent.head:
+            agent.head = events[-1].position
+            host.publish(agent.id, events)
+            ws = agent.ws
+            if ws is not None:  # a card is in effect from the next model call on
+                for event in events:
+                    if type(event.body) is TaskCard:
+                        ws.note_card(event)
+            reconciler = agent.profile.config.reconciler
+            if reconciler is not None:  # the hot-path reconciler, once per finished turn
+                await reconcile_logged(host.store, reconciler, agent.id, number, ws, events)
+    finally:
+        if lock is not None:
+            lock.release()
+    return events, recording
 
 
 async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
@@ -219,18 +256,25 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
+    # Moving the deadline reschedules a timer: it is pushed on only when it would move by
+    # more than 1% of ``idle``, so a fast stream does not pay that on every chunk (the
+    # call still ends after between 0.99 and 1 times ``idle`` without a chunk).
+    slack = idle / 100 if idle is not None else 0.0
+    clock = asyncio.get_running_loop().time  # anyio's clock on asyncio
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     stream = _model_of(agent, host).stream(rendered.messages, specs)
     try:
         with anyio.CancelScope() as watchdog:  # no chunk for `idle` seconds ends the call
             if idle is not None:
-                watchdog.deadline = anyio.current_time() + idle
+                watchdog.deadline = clock() + idle
             agent.cancellable = True
             if agent.cancels:  # a cancel came while the turn could not be interrupted
                 _cancel_turn(agent)
             async for item in stream:
                 if idle is not None:
-                    watchdog.deadline = anyio.current_time() + idle
+                    deadline = clock() + idle
+                    if deadline - watchdog.deadline > slack:
+                        watchdog.deadline = deadline
                 if isinstance(item, TextDelta):
                     if first is None:
                         first = time.perf_counter()
@@ -269,15 +313,13 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         CONVERSATION.reset(conversation)
     message = AssistantMessage("".join(parts), tuple(calls))
     audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
+    # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
+    # every object a waiting turn holds is one more for the cyclic GC to walk.
+    del rendered, stream, parts, calls, conversation
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
     with anyio.CancelScope(shield=True):
-        outcomes = await asyncio.gather(
-            append(agent, host, [message]), _record(host, audit), return_exceptions=True
-        )
-    for outcome in outcomes:  # both have finished either way: nothing is left running
-        if isinstance(outcome, BaseException):
-            raise outcome
+        await _append(agent, host, [message], audit)
     return message
 
 
@@ -369,7 +411,9 @@ def _model_call(
         now_ms,
     )
     changed = agent.topic is not None and shape.topic != agent.topic
-    agent.topic = shape.topic
+    # Kept while the agent sleeps: interned, so agents on one topic share one string
+    # instead of each pinning a copy made mid-turn among the turn's garbage.
+    agent.topic = sys.intern(shape.topic) if shape.topic is not None else None
     return ModelCall(
         conversation_id=agent.id,
         turn=agent.turn,

@@ -49,8 +49,18 @@ def turn_id(started_ms: int, conversation_id: str, turn: int) -> str:
 
 
 def events_in_context(messages: Sequence[ContextMessage]) -> int:
-    """Conversation messages in a rendered context: all but the system prompt and handoff."""
-    return sum(1 for m in messages if not isinstance(m, SystemMessage))
+    """Conversation messages in a rendered context: all but the system prompt and handoff.
+
+    Assembly puts those (and only those) system messages first, so counting the
+    leading ones is enough: this runs before every call, and a tail of thousands
+    of messages must not be walked again for one number.
+    """
+    lead = 0
+    for message in messages:
+        if not isinstance(message, SystemMessage):
+            break
+        lead += 1
+    return len(messages) - lead
 
 
 def _current_turn(tail: Sequence[Event]) -> Sequence[Event]:

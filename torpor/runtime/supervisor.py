@@ -90,6 +90,8 @@ class Supervisor:
             crash = exc
         finally:
             self.tasks.discard(task)
+            if not self.tasks:  # a set never shrinks: after a storm its table would stay
+                self.tasks = set()
             if agent.task is task:
                 agent.task = None
             retired = agent in self.retired

@@ -12,7 +12,7 @@ signatures after the connection).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, Self, cast
 
@@ -99,8 +99,13 @@ class StoreCore:
     async def close(self) -> None:
         raise NotImplementedError
 
-    async def _submit(self, op: Any) -> Any:
-        """Queue ``op`` for the group commit; its result once committed."""
+    def _submit(self, op: Any) -> Awaitable[Any]:
+        """Queue ``op`` for the group commit; its result once committed.
+
+        An awaitable, not necessarily a coroutine: a backend may hand back the
+        commit's future itself (a write waiting for its batch then holds one
+        object less, which the cyclic GC would otherwise walk).
+        """
         raise NotImplementedError
 
     async def _reading(self, fn: Any, *args: Any) -> Any:
@@ -157,7 +162,7 @@ class StoreCore:
         prepared = self._policy.prepare(
             conversation_id, events, turn=turn, expect_head=expect_head, key=key
         )
-        return cast(list[int], await self._submit(self._append_op(prepared, False)))
+        return cast("list[int]", await self._submit(self._append_op(prepared, False)))
 
     async def append_events(
         self,
@@ -172,7 +177,7 @@ class StoreCore:
         prepared = self._policy.prepare(
             conversation_id, events, turn=turn, expect_head=expect_head, key=key
         )
-        return cast(list[Event], await self._submit(self._append_op(prepared, True)))
+        return cast("list[Event]", await self._submit(self._append_op(prepared, True)))
 
     async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._submit(self._checkpoint_op(check_checkpoint(checkpoint)))
@@ -184,12 +189,20 @@ class StoreCore:
         op = self._artifact_op(conversation_id, new_artifact_id(), bytes(data))
         return cast(str, await self._submit(op))
 
-    async def record_model_call(self, call: ModelCall) -> None:
-        """Store one audit row; a ``created_at`` of 0 is stamped with the current time."""
-        call = admit_model_call(call)
-        if not call.created_at:
-            call = msgspec.structs.replace(call, created_at=now_ms())
-        await self._submit(self._model_call_op(call))
+    def record_model_call(self, call: ModelCall) -> Awaitable[None]:
+        """Store one audit row; a ``created_at`` of 0 is stamped with the current time.
+
+        Checked and queued when called, where the backend queues at once (SQLite):
+        a write queued right after it, before anything is awaited, joins the same
+        group commit. Await the result for the commit.
+        """
+        try:
+            call = admit_model_call(call)
+            if not call.created_at:
+                call = msgspec.structs.replace(call, created_at=now_ms())
+            return cast("Awaitable[None]", self._submit(self._model_call_op(call)))
+        except Exception as exc:  # raised where it is awaited, as from a coroutine
+            return _raising(exc)
 
     # derived memory (torpor.store.memory): never the log ------------------------------
 
@@ -257,21 +270,20 @@ class StoreCore:
 
     async def head(self, conversation_id: str) -> int | None:
         check_conversation_id(conversation_id)
-        return cast(int | None, await self._reading(self.reads.head, conversation_id))
+        return cast("int | None", await self._reading(self.reads.head, conversation_id))
 
     async def read_since(self, conversation_id: str, position: int) -> list[Event]:
         check_conversation_id(conversation_id)
         check_position(position)
-        return cast(
-            list[Event], await self._reading(self.reads.read_since, conversation_id, position)
-        )
+        events = await self._reading(self.reads.read_since, conversation_id, position)
+        return cast("list[Event]", events)
 
     async def read_range(self, conversation_id: str, start: int, end: int) -> list[Event]:
         check_conversation_id(conversation_id)
         check_position(start, "start")
         check_position(end, "end")
         events = await self._reading(self.reads.read_range, conversation_id, start, end)
-        return cast(list[Event], events)
+        return cast("list[Event]", events)
 
     async def page_backward(
         self, conversation_id: str, before: int | None = None, limit: int = 50
@@ -281,7 +293,7 @@ class StoreCore:
             check_position(before, "before")
         check_limit(limit)
         events = await self._reading(self.reads.page_backward, conversation_id, before, limit)
-        return cast(list[Event], events)
+        return cast("list[Event]", events)
 
     async def resume(self, conversation_id: str) -> Resume:
         """Latest checkpoint, head and every event since, from one snapshot."""
@@ -291,11 +303,12 @@ class StoreCore:
     async def latest_checkpoint(self, conversation_id: str) -> Checkpoint | None:
         check_conversation_id(conversation_id)
         found = await self._reading(self.reads.latest_checkpoint, conversation_id)
-        return cast(Checkpoint | None, found)
+        return cast("Checkpoint | None", found)
 
     async def checkpoints(self, conversation_id: str) -> list[Checkpoint]:
         check_conversation_id(conversation_id)
-        return cast(list[Checkpoint], await self._reading(self.reads.checkpoints, conversation_id))
+        found = await self._reading(self.reads.checkpoints, conversation_id)
+        return cast("list[Checkpoint]", found)
 
     async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
         """Ranked events of one conversation (bm25 on SQLite, ts_rank on PostgreSQL);
@@ -318,7 +331,7 @@ class StoreCore:
             check_turn(turn)
         check_limit(limit)
         calls = await self._reading(self.reads.model_calls, conversation_id, turn, limit)
-        return cast(list[ModelCall], calls)
+        return cast("list[ModelCall]", calls)
 
     async def conversations(
         self, *, after: str | None = None, limit: int = 100
@@ -326,14 +339,13 @@ class StoreCore:
         """Conversations ordered by id (bytewise), those after ``after`` (keyset pagination)."""
         check_after(after)
         check_limit(limit)
-        return cast(
-            list[ConversationInfo], await self._reading(self.reads.conversations, after, limit)
-        )
+        found = await self._reading(self.reads.conversations, after, limit)
+        return cast("list[ConversationInfo]", found)
 
     async def conversation(self, conversation_id: str) -> ConversationInfo | None:
         check_conversation_id(conversation_id)
         found = await self._reading(self.reads.conversation, conversation_id)
-        return cast(ConversationInfo | None, found)
+        return cast("ConversationInfo | None", found)
 
     async def pending(
         self, *, after: str | None = None, limit: int = 100
@@ -341,9 +353,13 @@ class StoreCore:
         """Conversations waiting on outside answers, by id (bytewise), after ``after``."""
         check_after(after)
         check_limit(limit)
-        return cast(list[PendingApproval], await self._reading(self.reads.pending, after, limit))
+        return cast("list[PendingApproval]", await self._reading(self.reads.pending, after, limit))
 
 
 def _stamped(item: Any, now: int) -> Any:
     """``item`` with ``created_at`` set to ``now`` when the caller left it 0."""
     return item if item.created_at else msgspec.structs.replace(item, created_at=now)
+
+
+async def _raising(error: Exception) -> None:
+    raise error

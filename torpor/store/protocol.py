@@ -7,7 +7,7 @@ only ever see it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -238,7 +238,9 @@ class EventStore(Protocol):
 
     async def get_artifact(self, artifact_id: str) -> bytes: ...
 
-    async def record_model_call(self, call: ModelCall) -> None: ...
+    def record_model_call(self, call: ModelCall) -> Awaitable[None]:
+        """Store one audit row (awaitable; SQLite queues it for its group commit at once)."""
+        ...
 
     async def model_calls(
         self, conversation_id: str, *, turn: int | None = None, limit: int = 100

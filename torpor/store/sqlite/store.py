@@ -292,8 +292,8 @@ class SQLiteStore(StoreCore):
 
     # what StoreCore asks of a backend ----------------------------------------------
 
-    async def _submit(self, op: Any) -> Any:
-        return await self._write().submit(op)
+    def _submit(self, op: Any) -> asyncio.Future[Any]:
+        return self._write().submit(op)
 
     async def _reading(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._read().run(fn, *args)
