@@ -27,7 +27,7 @@ import anyio
 import pytest
 
 import torpor
-from torpor import Aborted, AssistantMessage, NodeConfig, Runtime, UserMessage
+from torpor import Aborted, AgentConfig, AssistantMessage, NodeConfig, Runtime, UserMessage
 from torpor.cluster import desired_owner, shard_of, sql
 from torpor.llm.protocol import ContextMessage, StreamEvent, TextDelta, ToolSpec
 
@@ -526,3 +526,75 @@ async def test_fencing_costs_no_extra_round_trip(pg_url: str) -> None:
     assert len(fenced) == len(plain)
     assert sum("shard_leases" in q for q in fenced) == 1  # inside the one locking statement
     assert not any("shard_leases" in q for q in plain)
+
+
+async def test_a_sub_agent_lives_on_its_parents_shard_and_its_link_moves_with_the_shard(
+    pg_url: str,
+) -> None:
+    """A child is placed on its parent's shard (its id carries the parent's hash tag), and
+    the node that acquires that shard picks the open link up: a child cut off by the
+    hand-off is told to continue there, and its answer resolves the parent once."""
+    from torpor.llm.scripted import Call, ScriptedModel, Text, Wait
+
+    research = torpor.ExternalTool("research", "ask a sub-agent")
+    parent = next(c for c in (f"p{i}" for i in range(999))
+                  if desired_owner(shard_of(c, SHARDS), ["a", "b"]) == "b")
+    gate = anyio.Event()  # never set: the child is still working when its shard moves
+    on_a = AgentConfig(model=ScriptedModel([[Call("research", {"q": "x"}, id="r1")]]),
+                       tools=[research], recall_tools=False)
+    child_on_a = AgentConfig(model=ScriptedModel([[Wait(gate), Text("never")]]),
+                             recall_tools=False)
+    on_b = {
+        "parent": AgentConfig(model=ScriptedModel([[Text("parent done")]]),
+                              tools=[research], recall_tools=False),
+        "child": AgentConfig(model=ScriptedModel([[Text("x is 42")]]), recall_tools=False),
+    }
+    config_a = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=1.0,
+                          shards=SHARDS, handoff_deadline=0.2)
+    async with Runtime(pg_url, agent=on_a, node=config_a) as a:
+        assert isinstance(await (await a.send(parent, "go")).result(), torpor.Suspended)
+        with pytest.raises(torpor.InvalidInput):  # another shard: refused before writing
+            await a.spawn(parent, "r1", task="t",
+                          child=next(c for c in (f"q{i}" for i in range(99))
+                                     if shard_of(c, SHARDS) != shard_of(parent, SHARDS)))
+        child = await a.spawn(parent, "r1", task="find x", agent=child_on_a)
+        assert shard_of(child, SHARDS) == shard_of(parent, SHARDS)
+        head = await a.store.head(parent)
+        assert head is not None
+
+        def agent_for(conversation: str) -> AgentConfig:
+            return on_b["child" if conversation == child else "parent"]
+
+        async with Runtime(pg_url, agent_for=agent_for, node=node("b", 7002)) as b:
+            with anyio.fail_after(20):  # the shard moves to b, which takes the link up
+                outcome = await final_body(b, parent, head)
+            assert outcome == AssistantMessage("parent done")
+            results = [e.body for e in reversed(await b.history(parent, limit=50))
+                       if isinstance(e.body, torpor.ToolResult)]
+            assert [(r.call_id, r.content, r.is_error) for r in results] == [
+                ("r1", "x is 42", False)
+            ]
+
+
+async def final_body(rt: Runtime, conversation: str, after: int) -> AssistantMessage:
+    """The conversation's next final answer after ``after``, followed on ``rt``."""
+    while True:
+        try:
+            async with rt.subscribe(conversation, after=after) as follower:
+                async for item in follower:
+                    if isinstance(item, torpor.Event) and isinstance(
+                        item.body, AssistantMessage
+                    ) and not item.body.tool_calls:
+                        return item.body
+        except torpor.NotOwner:
+            await next_refresh(rt)
+
+
+def test_a_hash_tag_picks_the_shard() -> None:
+    from torpor.cluster import routing_key
+
+    assert routing_key("{p}/r1") == routing_key("p") == "p"
+    assert routing_key("{tenant-1}chat-9") == "tenant-1"
+    for untagged in ("plain", "x{y", "a{}b", "}{"):
+        assert routing_key(untagged) == untagged
+    assert shard_of("{p7}/r1", SHARDS) == shard_of("p7", SHARDS)

@@ -5,9 +5,10 @@ its row locks order writers and its ``now()`` times every lease; no node
 compares its own clock with another's.
 
 * Shards. A fixed number (``cluster`` row, default 512, set by the first node).
-  A conversation's shard is ``crc32(id) % shards`` (stored once, on its
-  ``conversations`` row). Shards move whole: hibernated and evicted
-  conversations need no bookkeeping of their own.
+  A conversation's shard is ``crc32(routing_key(id)) % shards`` (stored once,
+  on its ``conversations`` row): the id, or only its ``{hash tag}`` if it has
+  one, so a sub-agent ``{p}/call`` shares its parent ``p``'s shard. Shards move
+  whole: hibernated and evicted conversations need no bookkeeping of their own.
 * Membership. ``nodes(node_id, incarnation, address, lease_until)``: a node
   registers with a new incarnation and renews every ``lease_ttl / 4`` with ONE
   statement that also renews every lease it holds (:data:`sql.RENEW`).
@@ -46,7 +47,7 @@ new owner (tools that must run once take an idempotency key).
 # Light imports only: the members (asyncpg) live in torpor.cluster.member, imported by the
 # runtime when a node joins, so importing torpor never needs the postgres extra.
 from torpor.cluster.config import NodeConfig
-from torpor.cluster.shards import desired_owner, shard_of
+from torpor.cluster.shards import desired_owner, routing_key, shard_of
 from torpor.cluster.view import ClusterView, LeaseInfo, MemberInfo
 
 __all__ = [
@@ -55,5 +56,6 @@ __all__ = [
     "MemberInfo",
     "NodeConfig",
     "desired_owner",
+    "routing_key",
     "shard_of",
 ]

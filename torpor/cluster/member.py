@@ -61,6 +61,10 @@ class ShardHost(Protocol):
         evict their agents. New requests for them are already refused."""
         ...
 
+    def shards_gained(self, shards: frozenset[int]) -> None:
+        """The leases are ours now: pick up what their conversations left waiting."""
+        ...
+
 
 class ClusterMember:
     def __init__(self, dsn: str, config: NodeConfig, host: ShardHost) -> None:
@@ -268,6 +272,7 @@ class ClusterMember:
                 leases.takeovers += 1
         if acquired:
             self._log.info("shards_acquired", count=len(acquired))
+            self._host.shards_gained(frozenset(shard for shard, _, _ in acquired))
 
     async def _hand_off(self, shards: set[int]) -> None:
         leases = self.leases

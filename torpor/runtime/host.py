@@ -407,7 +407,9 @@ class Runtime(MemoryAPI):
         """Answer the parent's suspended tool call with a sub-agent; returns the child's id.
 
         The child is a conversation of its own (``child``, default
-        ``"{parent}/{call_id}"``) run with ``agent`` (default: as any conversation),
+        ``"<parent>/<call_id>"``; on a cluster node ``"{<parent>}/<call_id>"`` unless the
+        first already shares the parent's shard: a child lives with its parent) run with
+        ``agent`` (default: as any conversation),
         given ``task`` as its first message; its final answer becomes the call's
         result in the parent (an error result if its turn fails). The link is in
         both logs, so it survives eviction and restarts; spawning again for the
@@ -422,9 +424,19 @@ class Runtime(MemoryAPI):
         check_text(task, "task")
         if agent is not None and not isinstance(agent, AgentConfig):
             raise ConfigError("agent", f"must be an AgentConfig, got {type(agent).__name__}")
-        child = check_id(f"{parent}/{call_id}" if child is None else child, "child")
+        gate = self._cluster
+        if child is None:
+            child = f"{parent}/{call_id}"
+            if gate is not None and not gate.colocated(child, parent):
+                child = f"{{{parent}}}/{call_id}"  # its hash tag: the parent's shard
+        child = check_id(child, "child")
         if child == parent:
             raise InvalidInput("child", "a conversation cannot answer its own call")
+        if gate is not None and not gate.colocated(child, parent):
+            raise InvalidInput(
+                "child", f"on a cluster a child lives on its parent's shard: give {child!r} "
+                f"the parent's hash tag, as in '{{{parent}}}/...'"
+            )
         return await self._branches.spawn(parent, call_id, task, agent, child)
 
     def subscribe(self, conversation_id: str, *, after: int | None = None) -> Follower:

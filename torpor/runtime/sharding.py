@@ -61,7 +61,20 @@ class ShardGate:
         if not leases.serving(shard):
             raise NotOwner(conversation_id, shard, leases.owner_address(shard))
 
+    def serves(self, conversation_id: str) -> bool:
+        leases = self.member.leases
+        return leases.serving(shard_of(conversation_id, leases.shards))
+
+    def colocated(self, a: str, b: str) -> bool:
+        shards = self.member.leases.shards
+        return shard_of(a, shards) == shard_of(b, shards)
+
     # -- torpor.cluster.ShardHost ---------------------------------------------------------
+    def shards_gained(self, shards: frozenset[int]) -> None:
+        count = self.member.leases.shards
+        # Sub-agent links the previous owner left open (it died or handed the shard off).
+        self._rt._branches.recover(lambda c: shard_of(c, count) in shards)
+
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)
 

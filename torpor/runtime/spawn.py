@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -40,6 +41,7 @@ from torpor.actors.mailbox import SpawnRequest
 from torpor.errors import (
     AgentParked,
     InvalidInput,
+    NotOwner,
     StoreUnavailable,
     UnknownCall,
     UnknownConversation,
@@ -134,16 +136,30 @@ class Branches:
         self._rt = runtime
         self._configs: dict[str, AgentConfig] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._recovery: asyncio.Task[None] | None = None
+        self._recoveries: set[asyncio.Task[None]] = set()
 
     # -- lifecycle (owned by the Runtime) -------------------------------------------
     def start(self) -> None:
-        """Watch again the links a previous run left open (in the background)."""
-        self._recovery = asyncio.get_running_loop().create_task(self._recover())
+        """Watch again the links a previous run left open (in the background); on a
+        cluster node, those of the parents this node serves (the rest are recovered by
+        their owners, and here when a shard is acquired: :meth:`recover`)."""
+        gate = self._rt._cluster
+        self.recover(None if gate is None else gate.serves)
+
+    def recover(self, parents: Callable[[str], bool] | None) -> None:
+        """Watch again the open links of the parents ``parents`` accepts (None: all)."""
+        task = asyncio.get_running_loop().create_task(self._recover(parents))
+        self._recoveries.add(task)
+        task.add_done_callback(self._recovered)
+
+    def _recovered(self, task: asyncio.Task[None]) -> None:
+        self._recoveries.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._rt._log.warning("sub_agent_recovery_failed", error=repr(task.exception()))
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._recovery, *self._watchers.values()) if t is not None]
-        self._recovery = None
+        tasks = [*self._recoveries, *self._watchers.values()]
+        self._recoveries.clear()
         self._watchers.clear()
         for task in tasks:
             task.cancel()
@@ -200,9 +216,11 @@ class Branches:
     def _finished(self, child: str, task: asyncio.Task[None]) -> None:
         if self._watchers.get(child) is task:
             del self._watchers[child]
-        if not task.cancelled() and task.exception() is not None:
-            self._rt._log.warning("sub_agent_watch_failed", child=child,
-                                  error=repr(task.exception()))
+        if not task.cancelled() and (error := task.exception()) is not None:
+            if isinstance(error, NotOwner):  # the shard moved: its new owner watches now
+                self._rt._log.info("sub_agent_watch_moved", child=child, owner=error.owner)
+            else:
+                self._rt._log.warning("sub_agent_watch_failed", child=child, error=repr(error))
 
     async def _follow(self, parent: str, call_id: str, child: str, task: str, kick: bool) -> None:
         """Follow the child's log until its task has an outcome; then resolve the parent."""
@@ -256,13 +274,15 @@ class Branches:
                                 error=str(exc))
             return
 
-    async def _recover(self) -> None:
+    async def _recover(self, parents: Callable[[str], bool] | None) -> None:
         store = self._rt.store
         after: str | None = None
         while True:
             page = await store.pending(after=after, limit=100)
             for waiting in page:
                 parent = waiting.conversation_id
+                if parents is not None and not parents(parent):
+                    continue
                 calls = {call.call_id for call in waiting.calls}
                 since = min(call.position for call in waiting.calls)
                 for event in await store.read_since(parent, since):
