@@ -238,9 +238,13 @@ async def test_a_429_is_rate_limited_with_the_wait_the_provider_asked_for(
     assert error.provider == provider.name and "rate limit" in str(error).lower()
     server.add(provider.rate_limited("2"))
     async with Runtime("sqlite://", agent=config(model)) as rt:
-        with pytest.raises(TurnAborted):
+        with pytest.raises(TurnAborted) as turn_info:
             await (await rt.send("c", "hi")).result()
         last = await aborted(rt, "c")
+    # The caller gets the typed error too, not only its text: it can decide to retry.
+    assert isinstance(turn_info.value.error, ModelRateLimited) and turn_info.value.retryable
+    assert turn_info.value.__cause__ is turn_info.value.error
+    assert turn_info.value.error.retry_after == 2.0
     assert last.reason == "model_error" and last.partial_text == ""
     assert last.detail.startswith("ModelRateLimited: ")
     assert last.detail.endswith("; a retry may help after 2 s")
@@ -372,3 +376,4 @@ def test_errors_say_whether_a_retry_may_help(provider: Provider) -> None:
     assert not torpor.ModelBadRequest.retryable
     for cls in (ModelRateLimited, ModelContextTooLong, torpor.ModelAuthError):
         assert issubclass(cls, ModelError) and issubclass(cls, torpor.TorporError)
+

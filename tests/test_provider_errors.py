@@ -57,6 +57,9 @@ from torpor.llm.provider_errors import classify, is_transport_error, retry_after
         (400, "invalid_request_error", None, "messages: roles must alternate", ModelBadRequest),
         (408, None, None, "Request Timeout", ModelTimeout),
         (None, None, None, "something odd", ModelError),
+        # The status wins over a body that says otherwise.
+        (401, "rate_limit_error", None, "Rate limited", ModelAuthError),
+        (403, "overloaded_error", None, "Overloaded", ModelAuthError),
     ],
 )
 def test_classify(status: int | None, kind: str | None, code: str | None, message: str,
@@ -100,3 +103,28 @@ def test_transport_failures_are_connection_errors_or_timeouts() -> None:
     assert isinstance(transport_error("p", ReadTimeout()), ModelTimeout)
     cut = transport_error("p", RemoteProtocolError("peer closed"))
     assert isinstance(cut, ModelConnectionError) and cut.retryable and "peer closed" in str(cut)
+
+
+async def test_anthropic_without_any_key_is_an_auth_error_not_a_type_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    from torpor import AgentConfig, Runtime, TurnAborted
+    from torpor.events import UserMessage
+    from torpor.llm import AnthropicModel
+
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    # Port 9 (discard) on loopback: nothing may be sent, and nothing is.
+    client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", max_retries=0)
+    model = AnthropicModel(client, model="claude-test")
+    with pytest.raises(ModelAuthError) as info:
+        async for _ in model.stream([UserMessage("hi")], ()):
+            pass
+    assert not info.value.retryable and "authentication" in str(info.value)
+    agent = AgentConfig(model=model, recall_tools=False)
+    async with Runtime("sqlite://", agent=agent) as rt:
+        with pytest.raises(TurnAborted) as turn_info:
+            await (await rt.send("c", "hi")).result()
+    assert isinstance(turn_info.value.error, ModelAuthError)
+    assert not turn_info.value.retryable

@@ -321,10 +321,29 @@ class InvalidTransition(TorporError, RuntimeError):
 
 
 class TurnAborted(TorporError):
-    """A turn ended without a final answer; ``reason`` is the logged abort reason."""
+    """A turn ended without a final answer; ``reason`` is the logged abort reason.
 
-    def __init__(self, reason: str, partial_text: str = "", detail: str = "") -> None:
+    ``error``: for ``model_error``, the typed :class:`ModelError` the model raised
+    (also the exception's ``__cause__``), so a caller can tell whether to retry
+    (:attr:`retryable`, ``error.retry_after``) without parsing ``detail``.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        partial_text: str = "",
+        detail: str = "",
+        error: BaseException | None = None,
+    ) -> None:
         super().__init__(f"turn aborted ({reason}){': ' + detail if detail else ''}")
         self.reason = reason
         self.partial_text = partial_text
         self.detail = detail
+        self.error = error
+        self.__cause__ = error
+
+    @property
+    def retryable(self) -> bool:
+        """Whether sending again may succeed: the model's error says so (a timeout, a
+        rate limit, an overload, a dropped connection); False for every other abort."""
+        return isinstance(self.error, ModelError) and self.error.retryable

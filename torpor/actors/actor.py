@@ -361,6 +361,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
     partial = ""
     final: AssistantMessage | None = None
     crash: BaseException | None = None
+    model_error: BaseException | None = None
     try:
         with anyio.CancelScope() as scope:
             agent.scope = scope
@@ -369,6 +370,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
                 final = await run_steps(agent, host)
             except ModelFailed as exc:
                 reason, detail, partial = "model_error", str(exc), exc.partial
+                model_error = exc.cause
             except StepLimit as exc:
                 reason, detail = "step_limit", str(exc)
         if scope.cancelled_caught:
@@ -396,7 +398,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
             _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
             raise crash  # nothing more can be logged now; the supervisor retries later
         try:
-            await abort_turn(agent, host, reason, detail, partial)
+            await abort_turn(agent, host, reason, detail, partial, model_error)
         except Exception as exc:
             # The abort is not in the log, so no cancel took effect: its callers get the
             # error (a cancel is True only once the log ends the turn with it).
@@ -459,7 +461,12 @@ def _partial(agent: Agent) -> str:
 
 
 async def abort_turn(
-    agent: Agent, host: Host, reason: AbortReason, detail: str, partial: str
+    agent: Agent,
+    host: Host,
+    reason: AbortReason,
+    detail: str,
+    partial: str,
+    error: BaseException | None = None,
 ) -> None:
     """Log an Aborted for the current turn, then fail everyone waiting on it.
 
@@ -473,11 +480,11 @@ async def abort_turn(
     agent.current = None
     agent.hub = None
     agent.pending = ()
-    error = TurnAborted(reason, partial, detail)
+    aborted = TurnAborted(reason, partial, detail, error)
     if turn is not None:
-        turn._fail(error)
+        turn._fail(aborted)
     if hub is not None:
-        hub.close(error)
+        hub.close(aborted)
     if agent.state not in (AgentState.AWAITING_INPUT, AgentState.PARKED, AgentState.STOPPED):
         agent.set_state(host, AgentState.AWAITING_INPUT)
     _measure(agent)

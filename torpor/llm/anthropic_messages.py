@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from torpor.errors import ConfigError, ModelError, ModelResponseError
+from torpor.errors import ConfigError, ModelAuthError, ModelError, ModelResponseError
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
 from torpor.llm.closing import close_quietly
 from torpor.llm.protocol import (
@@ -164,6 +164,10 @@ def _api_error(provider: str, exc: BaseException) -> ModelError | None:
                         headers=exc.response.headers)
     if isinstance(exc, anthropic.APIError):
         return classify(provider, status=None, message=exc.message)
+    if isinstance(exc, TypeError) and "authentication" in str(exc):
+        # No key or token anywhere: the SDK says so with a TypeError when it builds the
+        # request's headers.
+        return ModelAuthError(f"{provider}: {exc}", provider=provider)
     return None
 
 

@@ -108,6 +108,8 @@ def classify(
         or _TOO_LONG.search(text) is not None
     ):
         return make(ModelContextTooLong)
+    if status in (401, 403):  # the status is the server's word, whatever the body says
+        return make(ModelAuthError)
     if status == 429 or kind in _RATE_KINDS or code in _RATE_KINDS:
         error = make(ModelRateLimited, wait_applies=True)
         if code == "insufficient_quota" or kind == "insufficient_quota":
