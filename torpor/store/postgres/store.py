@@ -222,33 +222,45 @@ class PostgresStore(StoreCore):
         try:
             return await self._write().submit(op)
         except FencedError as exc:
-            if self._fence is not None and exc.epoch is not None:
-                self._fence.fenced(exc.shard, exc.epoch)
+            self._refused(exc)
             raise
+
+    def _refused(self, exc: FencedError) -> None:
+        if self._fence is not None and exc.epoch is not None:
+            self._fence.fenced(exc.shard, exc.epoch)
 
     async def _reading(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self._read(fn, *args)
 
+    def _held(self, conversation_id: str) -> tuple[int, int] | None:
+        """The (shard, epoch) a write of a clustered node presents (every write does)."""
+        return None if self._fence is None else self._fence.hold(conversation_id)
+
     def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
-        fence = None if self._fence is None else self._fence.hold(prepared.conversation_id)
+        fence = self._held(prepared.conversation_id)
         return AppendOp.build(prepared, with_events=with_events, fence=fence)
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
-        return CheckpointOp(checkpoint)
+        return CheckpointOp(checkpoint, self._held(checkpoint.conversation_id))
 
     def _artifact_op(self, conversation_id: str, artifact_id: str, data: bytes) -> ArtifactOp:
-        return ArtifactOp(conversation_id, artifact_id, len(data), compress_artifact(data))
+        return ArtifactOp(conversation_id, artifact_id, len(data), compress_artifact(data),
+                          self._held(conversation_id))
 
     def _model_call_op(self, call: ModelCall) -> ModelCallOp:
-        return ModelCallOp(call)
+        return ModelCallOp(call, self._held(call.conversation_id))
 
     async def _write_memory(self, write: MemoryWrite) -> None:
         # Not retried like a read: a ledger insert twice would be two rows.
         pool = self._pool
         if pool is None:
             raise StoreError("the store is not open")
+        fence = self._held(write.conversation_id)
         try:
-            await write_memory(pool, write)
+            await write_memory(pool, write, fence)
+        except FencedError as exc:
+            self._refused(exc)
+            raise
         except _DRIVER_ERRORS as exc:
             raise store_error(exc, "memory write failed") from exc
 
