@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import torpor
-from torpor import UserMessage
+from torpor import NodeConfig, Runtime, UserMessage
 from torpor.cluster import shard_of
 from torpor.store.memory import LedgerEntry
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -26,6 +26,7 @@ from tests.test_cluster_leases import (  # noqa: E402
     ids_in_distinct_shards,
     leases_table,
     pg_url,
+    torpor_cli,
 )
 from torpor.store.postgres import PostgresStore  # noqa: E402
 
@@ -83,3 +84,29 @@ async def test_a_stale_owners_checkpoint_ledger_and_audit_rows_are_fenced(pg_url
         assert await conn.fetchval("SELECT count(*) FROM artifacts") == 0
     finally:
         await conn.close()
+
+
+async def test_a_store_without_a_node_on_a_cluster_database_reads_but_refuses_every_write(
+    pg_url: str,
+) -> None:
+    async with PostgresStore(pg_url) as before:  # no cluster yet: a single node writes
+        await before.append("solo", [UserMessage("before the cluster")], turn=1)
+    node = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=5.0, shards=SHARDS)
+    async with Runtime(pg_url, node=node) as rt:
+        await (await rt.send("solo", "from the node")).result()
+        head = await rt.store.head("solo")
+        async with PostgresStore(pg_url) as plain:
+            with pytest.raises(torpor.FencedError, match="node=") as refused:
+                await plain.append("solo", [UserMessage("unfenced")], turn=3)
+            assert refused.value.epoch is None
+            assert refused.value.shard == shard_of("solo", SHARDS)
+            with pytest.raises(torpor.FencedError):
+                await plain.put_checkpoint(checkpoint("solo", 1, 1))
+            with pytest.raises(torpor.FencedError):
+                await plain.put_turn_decision("solo", 1, "none")
+            # Reads keep working, and nothing of the refused writes landed.
+            assert head is not None and await plain.head("solo") == head
+            assert await plain.latest_checkpoint("solo") is None
+        code, out, err = await torpor_cli("inspect", "--db", pg_url, "solo")
+        assert code == 0, err
+        assert "from the node" in out

@@ -11,14 +11,11 @@ function, says who owns a shard right now.
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable
 
+from torpor.store.fence import shard_of
+
 __all__ = ["desired_owner", "shard_of"]
-
-
-def shard_of(conversation_id: str, shards: int) -> int:
-    return zlib.crc32(conversation_id.encode("utf-8", "surrogatepass")) % shards
 
 
 def _weight(node_id: str, shard: int) -> bytes:

@@ -9,9 +9,17 @@ Without a fence (single node) the store writes exactly as before.
 
 from __future__ import annotations
 
+import zlib
 from typing import Protocol
 
-__all__ = ["Fence"]
+__all__ = ["Fence", "shard_of"]
+
+
+def shard_of(conversation_id: str, shards: int) -> int:
+    """The conversation's shard: CRC-32 of its UTF-8 id (stable across processes, unlike
+    ``hash()``), modulo the cluster's shard count. Here, not in torpor.cluster, because
+    the store needs it too (to name the shard a node-less write was refused for)."""
+    return zlib.crc32(conversation_id.encode("utf-8", "surrogatepass")) % shards
 
 
 class Fence(Protocol):
