@@ -110,3 +110,18 @@ async def test_a_store_without_a_node_on_a_cluster_database_reads_but_refuses_ev
         code, out, err = await torpor_cli("inspect", "--db", pg_url, "solo")
         assert code == 0, err
         assert "from the node" in out
+
+
+async def test_a_fenced_revival_is_not_retried_forever_the_agent_is_dropped(pg_url: str) -> None:
+    async with PostgresStore(pg_url) as before:  # a turn cut off before the cluster came
+        await before.append("cut", [UserMessage("unanswered")], turn=1)
+    node = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=5.0, shards=SHARDS)
+    async with Runtime(pg_url, node=node), Runtime(pg_url) as plain:
+        # Revival owes the log an Aborted for the cut turn; this runtime may not write it.
+        for _ in range(2):
+            with pytest.raises(torpor.FencedError):
+                await plain.send("cut", "again")
+            # Dropped, not scheduled to retry the refused write with backoff forever.
+            assert plain._registry.get("cut") is None
+            assert not plain._supervisor.tasks
+        assert await plain.store.head("cut") == 0
