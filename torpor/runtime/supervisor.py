@@ -141,12 +141,15 @@ class Supervisor:
         agent.lock = None
         rt._host.forget_bytes(agent)
 
+    def _store_refused(self, agent: Agent, exc: StoreUnavailable, what: str) -> None:
+        """Counted as the store's failure, never as the agent's crash."""
+        self._rt._counters.store_failures += 1
+        agent.last_error = f"{type(exc).__name__}: {exc}"
+        _log(self._rt, "warning", what, conversation_id=agent.id, error=str(exc))
+
     def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
         rt = self._rt
-        rt._counters.store_failures += 1
-        agent.last_error = f"StoreUnavailable: {exc}"
-        _log(rt, "warning", "store unavailable; retrying", conversation_id=agent.id,
-             error=str(exc))
+        self._store_refused(agent, exc, "store unavailable; retrying")
         self._drop_turn(agent, exc)
         # Requests not yet taken could only fail the same way now: tell their callers.
         mailbox = agent.mailbox
@@ -175,11 +178,7 @@ class Supervisor:
         error and the agent is forgotten, not restarted. The shard's owner serves it
         from the log (postponed turns included); a request here meets NotOwner.
         """
-        rt = self._rt
-        rt._counters.store_failures += 1
-        agent.last_error = f"FencedError: {exc}"
-        _log(rt, "warning", "conversation fenced; dropped", conversation_id=agent.id,
-             error=str(exc))
+        self._store_refused(agent, exc, "conversation fenced; dropped")
         self._forget(agent, exc)
 
     def _unreadable(self, agent: Agent, exc: CorruptEvent) -> None:
