@@ -10,6 +10,7 @@ moves only the shards the newcomer wins.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import anyio
@@ -138,3 +139,94 @@ async def test_a_suspension_and_a_keyed_send_survive_a_hand_off_to_the_new_owner
             kinds = [type(e.body) for e in reversed(await b.history(suspended, limit=20))]
             assert kinds == [UserMessage, AssistantMessage, Suspended, ToolResult, Resolved,
                              AssistantMessage]
+
+
+async def epochs_and_owners(url: str) -> dict[int, tuple[int, str | None]]:
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT shard, epoch, owner FROM shard_leases ORDER BY shard")
+    finally:
+        await conn.close()
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+async def until_owned_by_rendezvous(url: str, nodes: list[str], *runtimes: Runtime) -> None:
+    with anyio.fail_after(15):
+        while True:
+            table = await epochs_and_owners(url)
+            if all(owner == desired_owner(s, nodes) for s, (_, owner) in table.items()) and all(
+                not leases_of(rt).leaving for rt in runtimes
+            ):
+                return
+            await next_refresh(runtimes[0])
+
+
+async def test_a_join_moves_only_the_shards_the_newcomer_wins(pg_url: str) -> None:
+    async with Runtime(pg_url, node=node("a", 7001)) as a, \
+            Runtime(pg_url, node=node("b", 7002)) as b:
+        await until_owned_by_rendezvous(pg_url, ["a", "b"], a, b)
+        before = await epochs_and_owners(pg_url)
+        async with Runtime(pg_url, node=node("c", 7003)) as c:
+            await until_owned_by_rendezvous(pg_url, ["a", "b", "c"], a, b, c)
+            for _ in range(3):  # and it stays so: nothing moves back and forth
+                await next_refresh(a)
+                await next_refresh(c)
+            after = await epochs_and_owners(pg_url)
+    moved = {s for s in before if after[s] != before[s]}
+    assert moved == {s for s in before if desired_owner(s, ["a", "b", "c"]) == "c"}
+    assert moved and all(after[s][0] == before[s][0] + 1 for s in moved)  # one move each
+
+
+async def test_a_graceful_leave_under_load_loses_and_duplicates_nothing(pg_url: str) -> None:
+    per_conversation = 6
+    owners_seen: list[str | None] = []
+    acked: list[str] = []
+    async with Runtime(pg_url, node=node("a", 7001)) as a:
+        b = Runtime(pg_url, node=node("b", 7002))
+        await b.__aenter__()
+        try:
+            _, held_b = await until_split(a, b)
+            cids = [c for c in (f"l{i}" for i in range(200)) if shard_of(c, SHARDS) in held_b][:12]
+            by_address = {"127.0.0.1:7001": a, "127.0.0.1:7002": b}
+            halfway = anyio.Event()
+
+            async def send(cid: str, text: str) -> torpor.Turn:
+                target = b
+                while True:
+                    try:  # keyed: a retry after an ambiguous failure appends nothing
+                        return await target.send(cid, text, key=text)
+                    except torpor.RuntimeClosed:  # b is leaving or gone
+                        target = a
+                        await next_refresh(a)
+                    except torpor.NotOwner as exc:
+                        if target is b:
+                            owners_seen.append(exc.owner)
+                        target = by_address.get(exc.owner or "", a)
+                        if exc.owner is None or not b._open:
+                            target = a  # a's cache is a second behind: wait for it
+                            await next_refresh(a)
+
+            async def drive(cid: str) -> None:
+                for i in range(per_conversation):
+                    turn = await send(cid, f"{cid}-{i}")
+                    acked.append(f"{cid}-{i}")  # in the log now
+                    with contextlib.suppress(torpor.TurnAborted):  # cut by the hand-off
+                        await turn.result()
+                    if len(acked) >= len(cids) * 2:
+                        halfway.set()
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    for cid in cids:
+                        tg.start_soon(drive, cid)
+                    await halfway.wait()
+                    await b.__aexit__(None, None, None)  # leaves with sends in flight
+        finally:
+            await b.__aexit__(None, None, None)
+        assert len(acked) == len(cids) * per_conversation
+        for cid in cids:
+            texts = [e.body.text for e in await a.store.read_since(cid, 0)
+                     if isinstance(e.body, UserMessage)]
+            assert texts == [f"{cid}-{i}" for i in range(per_conversation)]
+    # Requests refused during the leave named the node taking over, not nobody.
+    assert owners_seen and set(owners_seen) == {"127.0.0.1:7001"}, owners_seen

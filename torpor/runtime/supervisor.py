@@ -276,6 +276,9 @@ class Supervisor:
 
 def _fail_waiting(agent: Agent, error: BaseException) -> None:
     """Complete every request and postponed turn waiting on this agent with ``error``."""
+    taken, agent.taken = agent.taken, None
+    if taken is not None:
+        fail(taken, error)  # no-op if it was answered
     mailbox = agent.mailbox
     agent.mailbox = None
     for message in mailbox.drain() if mailbox is not None else ():
