@@ -99,9 +99,13 @@ class FencedError(StoreUnavailable):
     the same request succeeds on the shard's current owner.
     """
 
-    def __init__(self, conversation_id: str, shard: int, epoch: int | None) -> None:
-        held = f"epoch {epoch}" if epoch is not None else "no lease"
-        super().__init__(f"{conversation_id}: shard {shard} fenced ({held} is not current)")
+    def __init__(
+        self, conversation_id: str, shard: int, epoch: int | None, detail: str = ""
+    ) -> None:
+        held = f"epoch {epoch} is not current" if epoch is not None else "no lease held"
+        super().__init__(
+            f"{conversation_id}: shard {shard} fenced ({held}){': ' + detail if detail else ''}"
+        )
         self.conversation_id = conversation_id
         self.shard = shard
         self.epoch = epoch

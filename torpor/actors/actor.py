@@ -79,6 +79,7 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
                 await agent.wait()
                 continue
             agent.hibernate_requested = False
+            agent.taken = message  # left set if cancelled: the canceller answers it
             if isinstance(message, SendRequest):
                 await _handle_send(agent, host, message)
             elif isinstance(message, ResolveRequest):
@@ -89,6 +90,7 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
                 await _handle_card(agent, host, message)
             else:
                 await _handle_cancel(agent, host, message)
+            agent.taken = None
         agent.last_active = time.monotonic()
         host.on_idle(agent)
 

@@ -124,6 +124,7 @@ class Agent:
         "scope",
         "state",
         "store_failures",
+        "taken",
         "task",
         "topic",
         "turn",
@@ -140,6 +141,10 @@ class Agent:
         self.state = AgentState.REVIVING
         self.ws: WorkingSet | None = None
         self.mailbox: Mailbox | None = None
+        # The request the actor took from its mailbox and has not answered yet: whoever
+        # stops the task (shutdown, a shard moving away) must answer it, not only the
+        # mailbox (a cancel breaks through the actor's shields).
+        self.taken: Message | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
         self.hub: StreamHub | None = None

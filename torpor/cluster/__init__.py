@@ -24,6 +24,9 @@ compares its own clock with another's.
   current fails alone with :class:`~torpor.errors.FencedError` (the rest of the
   batch commits). A takeover's UPDATE therefore waits for appends in flight,
   and every later append sees the new epoch. Each event row records its epoch.
+  Checkpoints, model-call rows and artifacts go through the same batch and are
+  fenced the same way; derived-memory writes check the epoch ``FOR SHARE`` in
+  their own transaction (a stale checkpoint would otherwise become the latest).
   Connections set ``idle_in_transaction_session_timeout`` (``lease_ttl / 2``)
   and TCP keepalives, so a stopped node cannot hold a share lock through a
   takeover.

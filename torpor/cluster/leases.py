@@ -37,6 +37,7 @@ class Leases:
         self.epochs: dict[int, int] = {}  # shard -> epoch this node presents when writing
         self.held: set[int] = set()  # shards this node serves
         self.leaving: set[int] = set()  # held, being handed off: no new requests
+        self.departing = False  # graceful leave under way: every shard goes to another node
         self.valid_until = 0.0  # monotonic: serve nothing after this without a renewal
         self.owners: dict[int, Owner] = {}  # routing cache, refreshed about every second
         self.live: dict[str, str] = {}  # live node id -> address, from the same refresh
@@ -82,7 +83,10 @@ class Leases:
             return owner[1]
         # Free, handed off or lost (the cache may not show the new owner yet): the node
         # every node computes as its owner, which acquires it on its next refresh.
-        target = desired_owner(shard, self.live)
+        live = self.live
+        if self.departing:  # still in the table as live, but taking nothing back
+            live = {node: address for node, address in live.items() if node != me}
+        target = desired_owner(shard, live)
         if target is None or target == me:
             return None
         return self.live.get(target)

@@ -123,6 +123,7 @@ class ClusterMember:
         the leases and expire the node row, so other nodes take over at once."""
         renewer, manager = self._tasks or (None, None)
         self._tasks = []
+        self.leases.departing = True  # refused requests point at the nodes that stay
         try:
             if manager is not None:
                 await _cancel(manager)

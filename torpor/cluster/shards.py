@@ -14,28 +14,11 @@ function, says who owns a shard right now.
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable
 
+from torpor.store.fence import routing_key, shard_of
+
 __all__ = ["desired_owner", "routing_key", "shard_of"]
-
-
-def routing_key(conversation_id: str) -> str:
-    """What picks a conversation's shard: the text between its first ``{`` and the
-    next ``}`` when there is some (a hash tag), else the whole id. ``{p}`` and
-    ``{p}/call-1`` share a tag; an id with no tag routes as its own tag would, so
-    ``p`` routes with them too."""
-    start = conversation_id.find("{")
-    if start >= 0:
-        end = conversation_id.find("}", start + 1)
-        if end > start + 1:
-            return conversation_id[start + 1:end]
-    return conversation_id
-
-
-def shard_of(conversation_id: str, shards: int) -> int:
-    key = routing_key(conversation_id)
-    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % shards
 
 
 def _weight(node_id: str, shard: int) -> bytes:

@@ -131,8 +131,10 @@ class ShardGate:
         if rt._admission.queue.pop(agent.id, None) is not None:
             rt._admission.since.pop(agent.id, None)
         mailbox, agent.mailbox = agent.mailbox, None
-        for message in mailbox.drain() if mailbox is not None else ():
-            fail(message, error)
+        taken, agent.taken = agent.taken, None  # taken, unanswered: the cancel below ends it
+        for message in (*(mailbox.drain() if mailbox is not None else ()), taken):
+            if message is not None:
+                fail(message, error)
         postponed, agent.postponed = agent.postponed, None
         for waiting in postponed or ():  # logged: the new owner runs them
             waiting.turn._fail(error)

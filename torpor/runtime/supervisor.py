@@ -34,6 +34,7 @@ from torpor.actors.state import AgentState
 from torpor.errors import (
     AgentParked,
     CorruptEvent,
+    FencedError,
     RuntimeClosed,
     StoreUnavailable,
     TurnAborted,
@@ -101,7 +102,9 @@ class Supervisor:
         if retired:  # its shard moved to another node, which serves it from the log
             return
         try:
-            if isinstance(crash, StoreUnavailable):
+            if isinstance(crash, FencedError):
+                self._fenced(agent, crash)  # before StoreUnavailable: retrying cannot help
+            elif isinstance(crash, StoreUnavailable):
                 self._store_down(agent, crash)
             elif isinstance(crash, CorruptEvent) and agent.ws is None:
                 self._unreadable(agent, crash)  # its revival could not read the log back
@@ -140,12 +143,15 @@ class Supervisor:
         agent.lock = None
         rt._host.forget_bytes(agent)
 
+    def _store_refused(self, agent: Agent, exc: StoreUnavailable, what: str) -> None:
+        """Counted as the store's failure, never as the agent's crash."""
+        self._rt._counters.store_failures += 1
+        agent.last_error = f"{type(exc).__name__}: {exc}"
+        _log(self._rt, "warning", what, conversation_id=agent.id, error=str(exc))
+
     def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
         rt = self._rt
-        rt._counters.store_failures += 1
-        agent.last_error = f"StoreUnavailable: {exc}"
-        _log(rt, "warning", "store unavailable; retrying", conversation_id=agent.id,
-             error=str(exc))
+        self._store_refused(agent, exc, "store unavailable; retrying")
         self._drop_turn(agent, exc)
         # Requests not yet taken could only fail the same way now: tell their callers.
         mailbox = agent.mailbox
@@ -166,6 +172,17 @@ class Supervisor:
         # and postponed turns wait to run.
         self.ensure_running(agent, delay=delay)
 
+    def _fenced(self, agent: Agent, exc: FencedError) -> None:
+        """This node may no longer write the conversation (another node holds its shard,
+        or the store belongs to a cluster and this runtime is no node of it).
+
+        Retrying would be refused the same way forever: every waiting caller gets the
+        error and the agent is forgotten, not restarted. The shard's owner serves it
+        from the log (postponed turns included); a request here meets NotOwner.
+        """
+        self._store_refused(agent, exc, "conversation fenced; dropped")
+        self._forget(agent, exc)
+
     def _unreadable(self, agent: Agent, exc: CorruptEvent) -> None:
         """The log does not read back (a hole, a row that does not decode).
 
@@ -179,6 +196,11 @@ class Supervisor:
         agent.last_error = f"CorruptEvent: {exc}"
         _log(rt, "error", "conversation log unreadable", conversation_id=agent.id,
              error=str(exc))
+        self._forget(agent, exc)
+
+    def _forget(self, agent: Agent, exc: Exception) -> None:
+        """Fail everything waiting on the agent with ``exc`` and drop it from the runtime."""
+        rt = self._rt
         self._drop_turn(agent, exc)
         _fail_waiting(agent, exc)
         postponed, agent.postponed = agent.postponed, None
@@ -256,6 +278,9 @@ class Supervisor:
 
 def _fail_waiting(agent: Agent, error: BaseException) -> None:
     """Complete every request and postponed turn waiting on this agent with ``error``."""
+    taken, agent.taken = agent.taken, None
+    if taken is not None:
+        fail(taken, error)  # no-op if it was answered
     mailbox = agent.mailbox
     agent.mailbox = None
     for message in mailbox.drain() if mailbox is not None else ():

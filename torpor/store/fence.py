@@ -9,9 +9,31 @@ Without a fence (single node) the store writes exactly as before.
 
 from __future__ import annotations
 
+import zlib
 from typing import Protocol
 
-__all__ = ["Fence"]
+__all__ = ["Fence", "routing_key", "shard_of"]
+
+
+def routing_key(conversation_id: str) -> str:
+    """What picks a conversation's shard: the text between its first ``{`` and the
+    next ``}`` when there is some (a hash tag, as in Redis Cluster), else the whole
+    id. ``{p}/call-1`` routes as ``p`` does: a sub-agent lives on its parent's shard."""
+    start = conversation_id.find("{")
+    if start >= 0:
+        end = conversation_id.find("}", start + 1)
+        if end > start + 1:
+            return conversation_id[start + 1:end]
+    return conversation_id
+
+
+def shard_of(conversation_id: str, shards: int) -> int:
+    """The conversation's shard: CRC-32 of its UTF-8 routing key (stable across
+    processes, unlike ``hash()``), modulo the cluster's shard count. Here, not in
+    torpor.cluster, because the store needs it too (to name the shard a node-less write
+    was refused for)."""
+    key = routing_key(conversation_id)
+    return zlib.crc32(key.encode("utf-8", "surrogatepass")) % shards
 
 
 class Fence(Protocol):

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncpg
 
-from torpor.errors import InvalidInput
+from torpor.errors import FencedError, InvalidInput
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite, record
 
 __all__ = ["read_memory", "write_memory"]
 
 _KEY = "SELECT key FROM conversations WHERE external_id = $1"
+# A clustered node's memory write checks its lease epoch in its own transaction (FOR
+# SHARE: a takeover waits for it, and it sees a takeover that committed first).
+_EPOCH = "SELECT epoch FROM shard_leases WHERE shard = $1 FOR SHARE"
 
 _EPISODES = """
 INSERT INTO memory_episodes (conversation_id, position, created_at, body)
@@ -61,8 +64,15 @@ def _columns(rows: tuple[tuple[object, ...], ...], width: int) -> list[list[obje
     return [list(column) for column in zip(*rows, strict=True)]
 
 
-async def write_memory(pool: asyncpg.Pool, write: MemoryWrite) -> None:
+async def write_memory(
+    pool: asyncpg.Pool, write: MemoryWrite, fence: tuple[int, int] | None = None
+) -> None:
+    """``fence``: the (shard, epoch) a clustered node holds; a stale one writes nothing
+    (:class:`~torpor.errors.FencedError`): a ledger decision or a skipped turn from a
+    node that lost the conversation must not land beside the new owner's."""
     async with pool.acquire() as conn, conn.transaction():
+        if fence is not None and await conn.fetchval(_EPOCH, fence[0]) != fence[1]:
+            raise FencedError(write.conversation_id, fence[0], fence[1])
         key = await conn.fetchval(_KEY, write.conversation_id)
         if key is None:
             raise InvalidInput(

@@ -47,6 +47,7 @@ __all__ = [
     "View",
     "WriteOp",
     "Writes",
+    "check_fence",
 ]
 
 
@@ -191,6 +192,23 @@ class View:
         return state.key
 
 
+def check_fence(view: View, name: str, fence: tuple[int, int] | None) -> int | None:
+    """The epoch an op of a clustered node writes under, refused if no longer current.
+
+    Every write of a node is fenced, not only appends: a stale owner's checkpoint
+    would become the latest one (checkpoints are ordered by insertion) and regress
+    revival to an older fold; its model-call and artifact rows would land after
+    another node took the conversation over.
+    """
+    if fence is None:
+        return None
+    shard, epoch = fence
+    if view.epochs.get(shard) != epoch:
+        raise FencedError(name, shard, epoch)
+    view.shards[name] = shard
+    return epoch
+
+
 @dataclass(frozen=True, slots=True)
 class AppendOp:
     """Append events; the result is their positions, or the stored events if ``with_events``."""
@@ -230,12 +248,7 @@ class AppendOp:
     def plan(self, view: View) -> Plan:
         append = self.append
         name = append.conversation_id
-        epoch: int | None = None
-        if self.fence is not None:  # checked first: a fenced node learns nothing more
-            shard, epoch = self.fence
-            if view.epochs.get(shard) != epoch:
-                raise FencedError(name, shard, epoch)
-            view.shards[name] = shard
+        epoch = check_fence(view, name, self.fence)  # first: a fenced node learns nothing more
         state = view.state(name)
         if append.key is not None:
             planned = view.planned_keys.get((name, append.key))
@@ -300,6 +313,7 @@ class AppendOp:
 @dataclass(frozen=True, slots=True)
 class CheckpointOp:
     checkpoint: Checkpoint
+    fence: tuple[int, int] | None = None
 
     @property
     def conversation_id(self) -> str:
@@ -311,6 +325,7 @@ class CheckpointOp:
 
     def plan(self, view: View) -> Plan:
         cp = self.checkpoint
+        check_fence(view, cp.conversation_id, self.fence)
         state = view.state(cp.conversation_id)
         check_checkpoint_reach(cp, state.head)
         writes = Writes()
@@ -326,12 +341,14 @@ class ArtifactOp:
     artifact_id: str
     size: int
     data: bytes  # compressed
+    fence: tuple[int, int] | None = None
 
     @property
     def idempotency_key(self) -> str | None:
         return None
 
     def plan(self, view: View) -> Plan:
+        check_fence(view, self.conversation_id, self.fence)
         writes = Writes()
         writes.artifacts.append(
             (self.artifact_id, self.conversation_id, self.size, view.now, self.data)
@@ -342,6 +359,7 @@ class ArtifactOp:
 @dataclass(frozen=True, slots=True)
 class ModelCallOp:
     call: ModelCall
+    fence: tuple[int, int] | None = None
 
     @property
     def conversation_id(self) -> str:
@@ -353,6 +371,7 @@ class ModelCallOp:
 
     def plan(self, view: View) -> Plan:
         call = self.call
+        check_fence(view, call.conversation_id, self.fence)
         writes = Writes()
         writes.model_calls.append(
             (

@@ -37,7 +37,7 @@ import asyncpg
 from torpor._logging import get_logger
 from torpor.errors import ConfigError, FencedError, StoreError
 from torpor.store.core import StoreCore
-from torpor.store.fence import Fence
+from torpor.store.fence import Fence, shard_of
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite
 from torpor.store.postgres import reads
@@ -70,6 +70,9 @@ _DRIVER_ERRORS = (
     OSError,
     TimeoutError,
 )
+
+
+_CLUSTER = "SELECT shards FROM cluster"
 
 
 class PostgresStore(StoreCore):
@@ -110,6 +113,7 @@ class PostgresStore(StoreCore):
             raise ConfigError("writers", "at least one writer connection is needed")
         self.dsn = dsn
         self._fence = fence
+        self._cluster_shards: int | None = None  # set: a cluster runs here, no fence given
         self._writer_count = writers
         self._writer: GroupCommitWriter | None = None
         self._writer_conns: list[asyncpg.Connection] = []
@@ -124,6 +128,8 @@ class PostgresStore(StoreCore):
         try:
             first = await self._connect_writer()
             version = await migrate(first)
+            if self._fence is None:  # a cluster's database: read-only without a node's fence
+                self._cluster_shards = await first.fetchval(_CLUSTER)
             for _ in range(self._writer_count - 1):
                 await self._connect_writer()
             self._pool = await asyncpg.create_pool(
@@ -222,33 +228,57 @@ class PostgresStore(StoreCore):
         try:
             return await self._write().submit(op)
         except FencedError as exc:
-            if self._fence is not None and exc.epoch is not None:
-                self._fence.fenced(exc.shard, exc.epoch)
+            self._refused(exc)
             raise
+
+    def _refused(self, exc: FencedError) -> None:
+        if self._fence is not None and exc.epoch is not None:
+            self._fence.fenced(exc.shard, exc.epoch)
 
     async def _reading(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self._read(fn, *args)
 
+    def _held(self, conversation_id: str) -> tuple[int, int] | None:
+        """The (shard, epoch) a write of a clustered node presents (every write does).
+
+        A store without a fence on a database where a cluster of nodes runs writes
+        nothing: its writes would carry no epoch, so no takeover could stop them.
+        """
+        if self._fence is not None:
+            return self._fence.hold(conversation_id)
+        if self._cluster_shards is not None:
+            raise FencedError(
+                conversation_id, shard_of(conversation_id, self._cluster_shards), None,
+                "this database serves a cluster of nodes; a store opened without node= "
+                "may read but not write (join as a node: Runtime(url, node=NodeConfig(...)))",
+            )
+        return None
+
     def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
-        fence = None if self._fence is None else self._fence.hold(prepared.conversation_id)
+        fence = self._held(prepared.conversation_id)
         return AppendOp.build(prepared, with_events=with_events, fence=fence)
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
-        return CheckpointOp(checkpoint)
+        return CheckpointOp(checkpoint, self._held(checkpoint.conversation_id))
 
     def _artifact_op(self, conversation_id: str, artifact_id: str, data: bytes) -> ArtifactOp:
-        return ArtifactOp(conversation_id, artifact_id, len(data), compress_artifact(data))
+        return ArtifactOp(conversation_id, artifact_id, len(data), compress_artifact(data),
+                          self._held(conversation_id))
 
     def _model_call_op(self, call: ModelCall) -> ModelCallOp:
-        return ModelCallOp(call)
+        return ModelCallOp(call, self._held(call.conversation_id))
 
     async def _write_memory(self, write: MemoryWrite) -> None:
         # Not retried like a read: a ledger insert twice would be two rows.
         pool = self._pool
         if pool is None:
             raise StoreError("the store is not open")
+        fence = self._held(write.conversation_id)
         try:
-            await write_memory(pool, write)
+            await write_memory(pool, write, fence)
+        except FencedError as exc:
+            self._refused(exc)
+            raise
         except _DRIVER_ERRORS as exc:
             raise store_error(exc, "memory write failed") from exc
 
