@@ -83,7 +83,8 @@ def add_parser(subparsers: Any) -> None:
                    help="idle seconds before an agent is evicted (default: the runtime's)")
     p.add_argument("--node-id", default=None, metavar="ID",
                    help="join a cluster of nodes on the --db PostgreSQL under this node id "
-                        "(requests for conversations another node owns get 421 with its address)")
+                        "(requests for conversations another node owns are proxied to it: see "
+                        "--cluster-routing)")
     p.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="with --node-id, the address other nodes send this node's requests to "
                         "(default: the address it listens on)")
