@@ -105,3 +105,12 @@ async def test_inspect_shows_the_cache_hit_share(tmp_path: Path) -> None:
     assert cache == {"calls": 3, "calls_reporting_cache": 3, "prompt_tokens": 3_500,
                      "cache_read_tokens": 2_050, "cache_write_tokens": 1_150,
                      "hit_share": 2_050 / 3_500}
+
+
+def test_chat_reports_a_failed_turn_once() -> None:
+    """A model that cannot be reached: the turn's logged abort is shown, once."""
+    result = torpor("chat", "--model", "openai:gpt-test", "--base-url", "http://127.0.0.1:9/v1",
+                    stdin="hello\n/quit\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("model_error") == 1, result.stdout
+    assert "[aborted]" in result.stdout and "ModelConnectionError" in result.stdout

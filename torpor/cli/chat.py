@@ -162,6 +162,7 @@ class Chat:
     async def follow(self, turn: Turn) -> None:
         """Print a turn as it happens; answer suspensions from the input."""
         streaming = False
+        logged_abort = False
         try:
             async for item in turn:
                 if isinstance(item, TextDelta):
@@ -174,6 +175,7 @@ class Chat:
                     self.write("\n")
                     streaming = False
                 self.show(item)
+                logged_abort = logged_abort or isinstance(item.body, Aborted)
                 if isinstance(item.body, Suspended):
                     resumed = await self.answer(item.body.call_ids)
                     if resumed is None:
@@ -184,7 +186,8 @@ class Chat:
         except TurnAborted as exc:
             if streaming:
                 self.write("\n")
-            self.write(f"[turn aborted: {exc}]\n")
+            if not logged_abort:  # the logged Aborted was shown already: once is enough
+                self.write(f"[turn aborted: {exc}]\n")
 
     def show(self, event: Event) -> None:
         """One logged event of a turn, as a bracketed line (the final answer was streamed)."""
