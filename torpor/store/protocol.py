@@ -49,6 +49,17 @@ class Marker(msgspec.Struct, frozen=True, gc=False):
     level: int = 0  # how many merges built it (hierarchical merging)
 
 
+class Background(msgspec.Struct, frozen=True, gc=False):
+    """What a conversation's folded events are commonly about: in how many of them (of
+    the ``events`` whose prose words a fold read) each of the most frequent prose words
+    appears, most frequent first. Bounded (torpor.compaction.background), carried by each
+    checkpoint, so a revival scores a span's words against it without reading the log."""
+
+    events: int = 0
+    words: tuple[str, ...] = ()
+    counts: tuple[int, ...] = ()
+
+
 class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     """A fold: covers every position before ``position``. Deletes nothing."""
 
@@ -66,6 +77,10 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     # The memory bundle rendered at this fold (torpor.memory.bundle): the most salient
     # episodic and semantic items, shown before the markers instead of ``summary``.
     memory: str = ""
+    # Document frequencies of prose words over every event this checkpoint covers (None:
+    # none yet, or a checkpoint written before they were kept): the background markers'
+    # prose topics must stand out from.
+    background: Background | None = None
 
 
 class Resume(msgspec.Struct, frozen=True, gc=False):
