@@ -37,6 +37,7 @@ from torpor.store.protocol import EventStore, SearchHit
 __all__ = [
     "EXPAND_PAGE_CHARS",
     "EXPAND_TOOL",
+    "RECALL_ECHOES",
     "RECALL_TOOL",
     "expand",
     "format_events",
@@ -60,6 +61,11 @@ RECALL_TOOL = ToolSpec(
         "properties": {
             "query": {"type": "string", "description": "words or exact strings to find"},
             "k": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+            "include_recall_outputs": {
+                "type": "boolean",
+                "default": False,
+                "description": "also search the outputs of earlier recall/expand calls",
+            },
         },
         "required": ["query"],
         "additionalProperties": False,
@@ -86,6 +92,11 @@ EXPAND_TOOL = ToolSpec(
     },
 )
 
+RECALL_ECHOES = frozenset((RECALL_TOOL.name, EXPAND_TOOL.name))
+"""The built-in tools whose results quote other events of the log: :func:`recall` leaves
+them out unless asked, so a value an earlier recall quoted (maybe since corrected) does
+not come back as if it were evidence; the events quoted are searchable themselves."""
+
 _json = msgspec.json.Encoder(order="deterministic")
 
 
@@ -96,8 +107,13 @@ async def recall(
     k: int = 10,
     *,
     hybrid: HybridRecall | None = None,
+    include_recall_outputs: bool = False,
 ) -> list[SearchHit]:
     """Full-text search over every event of the conversation, best first, scores exposed.
+
+    The results of earlier ``recall``/``expand`` calls (:data:`RECALL_ECHOES`) are left
+    out unless ``include_recall_outputs``: they quote other events, which are found
+    themselves, and a quote of a since-corrected value would otherwise compete with it.
 
     Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
     so a confidence gate set once holds on SQLite and PostgreSQL alike.
@@ -111,9 +127,10 @@ async def recall(
     query = search_query(query)
     if not query.strip():
         return []
+    exclude = frozenset() if include_recall_outputs else RECALL_ECHOES
     if hybrid is not None:
-        return await hybrid.search(store, conversation_id, query, k)
-    return await store.search(conversation_id, query, k)
+        return await hybrid.search(store, conversation_id, query, k, exclude)
+    return await store.search(conversation_id, query, k, exclude_tools=exclude)
 
 
 async def expand(store: EventStore, conversation_id: str, start: int, end: int) -> list[Event]:

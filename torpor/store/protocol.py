@@ -7,7 +7,7 @@ only ever see it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -247,7 +247,11 @@ class EventStore(Protocol):
 
     async def checkpoints(self, conversation_id: str) -> list[Checkpoint]: ...
 
-    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]: ...
+    async def search(
+        self, conversation_id: str, query: str, k: int = 10, *, exclude_tools: Iterable[str] = ()
+    ) -> list[SearchHit]:
+        """Ranked hits, best first; results of the tools in ``exclude_tools`` left out."""
+        ...
 
     async def put_artifact(self, conversation_id: str, data: bytes) -> str: ...
 
