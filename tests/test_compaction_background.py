@@ -118,3 +118,12 @@ def test_a_checkpoint_keeps_its_background_through_the_codec_and_admission() -> 
     bad = Checkpoint("c", 20, 1, 1, background=Background(3, ("a", "b"), (1,)))
     with pytest.raises(InvalidInput, match="background"):
         check_checkpoint(bad)
+
+
+def test_the_audits_topic_label_stands_out_from_the_background_too() -> None:
+    from torpor.compaction.anatomy import topic_label
+
+    background = _background(_events(_chat(40)))
+    turn = _events(["the kubernetes certificates expired, renew the kubernetes certificates"])
+    assert topic_label(turn) == "kubernetes"  # against common English alone
+    assert topic_label(turn, background) == "certificates"
