@@ -92,3 +92,21 @@ async def test_the_model_tool_and_rt_recall_leave_echoes_out_unless_asked() -> N
         assert first in {h.position for h in quoted}
         with pytest.raises(InvalidInput):
             await rt.recall("c", "pool_size", include_recall_outputs=1)  # type: ignore[arg-type]
+
+
+async def test_an_old_value_comes_back_followed_by_its_correction(store: AnyStore) -> None:
+    await store.append("c", [UserMessage("gateway-7.pool_size = 32, agreed at the design review")])
+    for n in range(5):
+        await store.append("c", [UserMessage(f"unrelated chatter {n}")])
+    await store.append("c", [UserMessage("Correction: gateway-7.pool_size = 48.")])
+    await store.append("c", [UserMessage("later: cache-2.ttl = 5 at the design review")])
+    hits = await recall(store, "c", "design review", k=5)
+    positions = [h.position for h in hits]
+    assert positions[:2] == [0, 6] or positions[-2:] == [0, 6]  # the correction follows it
+    corrected = hits[positions.index(6)]
+    assert corrected.score == hits[positions.index(0)].score and "48" in corrected.snippet
+    assert positions.count(6) == 1 and 7 in positions  # nothing earlier, nothing twice
+    plain = await recall(store, "c", "design review", k=5, follow_corrections=False)
+    assert sorted(h.position for h in plain) == [0, 7]
+    scores = [h.score for h in hits]
+    assert scores == sorted(scores, reverse=True)

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from torpor.compaction.fusion import HybridRecall
+from torpor.compaction.push import fact_keys
 from torpor.compaction.task_card import card_lines
 from torpor.errors import InvalidInput
 from torpor.events import (
@@ -97,6 +98,9 @@ RECALL_ECHOES = frozenset((RECALL_TOOL.name, EXPAND_TOOL.name))
 them out unless asked, so a value an earlier recall quoted (maybe since corrected) does
 not come back as if it were evidence; the events quoted are searchable themselves."""
 
+CORRECTION_KEYS = 10
+"""Most keys one recall looks up corrections for (one search each)."""
+
 _json = msgspec.json.Encoder(order="deterministic")
 
 
@@ -108,12 +112,18 @@ async def recall(
     *,
     hybrid: HybridRecall | None = None,
     include_recall_outputs: bool = False,
+    follow_corrections: bool = True,
 ) -> list[SearchHit]:
     """Full-text search over every event of the conversation, best first, scores exposed.
 
     The results of earlier ``recall``/``expand`` calls (:data:`RECALL_ECHOES`) are left
     out unless ``include_recall_outputs``: they quote other events, which are found
     themselves, and a quote of a since-corrected value would otherwise compete with it.
+
+    ``follow_corrections``: a hit that sets a key (``NAME = value``, see
+    :func:`~torpor.compaction.push.fact_keys`) is followed by the latest later event
+    setting the same key, when the hits do not hold it already (scored as the hit it
+    corrects), so an old value never comes back without its correction.
 
     Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
     so a confidence gate set once holds on SQLite and PostgreSQL alike.
@@ -129,8 +139,35 @@ async def recall(
         return []
     exclude = frozenset() if include_recall_outputs else RECALL_ECHOES
     if hybrid is not None:
-        return await hybrid.search(store, conversation_id, query, k, exclude)
-    return await store.search(conversation_id, query, k, exclude_tools=exclude)
+        hits = await hybrid.search(store, conversation_id, query, k, exclude)
+    else:
+        hits = await store.search(conversation_id, query, k, exclude_tools=exclude)
+    if not follow_corrections:
+        return hits
+    return await _with_corrections(store, conversation_id, hits, exclude)
+
+
+async def _with_corrections(
+    store: EventStore, conversation_id: str, hits: list[SearchHit], exclude: frozenset[str]
+) -> list[SearchHit]:
+    """``hits``, each followed by the latest later event that sets a key it sets."""
+    have = {hit.position for hit in hits}
+    latest: dict[str, SearchHit | None] = {}
+    out: list[SearchHit] = []
+    for hit in hits:
+        out.append(hit)
+        for key in sorted(fact_keys(hit.snippet)):
+            if key not in latest:
+                if len(latest) == CORRECTION_KEYS:
+                    continue
+                found = await store.search(conversation_id, key, 10, exclude_tools=exclude)
+                setters = [h for h in found if key in fact_keys(h.snippet)]
+                latest[key] = max(setters, key=lambda h: h.position, default=None)
+            later = latest[key]
+            if later is not None and later.position > hit.position and later.position not in have:
+                have.add(later.position)
+                out.append(msgspec.structs.replace(later, score=hit.score))
+    return out
 
 
 async def expand(store: EventStore, conversation_id: str, start: int, end: int) -> list[Event]:
