@@ -120,3 +120,57 @@ def test_batched_clearing_is_decided_the_same_after_evict_and_revive() -> None:
         assert changes < max(stubs) // 2  # ... more than one result at a time
 
     anyio.run(both)
+
+
+_SUBJECTS = ("scheduler", "autoscaler", "ingress", "volumes", "logging", "metrics", "quotas")
+
+
+def _kubernetes_chat(n: int) -> str:
+    """Every message mentions kubernetes (the background); turns 24-29 are about certificates."""
+    if 24 <= n < 30:
+        return f"user {n}: the kubernetes certificates expired, renew the certificates now"
+    return f"user {n}: the kubernetes {_SUBJECTS[n % len(_SUBJECTS)]} " + "please " * 20
+
+
+async def _checkpoints(evicting: bool) -> tuple[list[bytes], list[torpor.Checkpoint]]:
+    model = ScriptedModel([[Text(f"noted {n}")] for n in range(48)])
+    async with Runtime("sqlite://", model=model, agent=CONFIG) as rt:
+        for n in range(48):
+            await (await rt.send("c", _kubernetes_chat(n))).result()
+            if evicting and n % 5 == 2:
+                await anyio.wait_all_tasks_blocked()
+                assert await (rt.admin.evict if n % 2 else rt.admin.hibernate)("c")
+        return [_normalised(c) for c in model.calls], await rt.store.checkpoints("c")
+
+
+def test_markers_name_what_a_span_is_about_against_the_background_after_revival_too() -> None:
+    """Markers score prose against the conversation's background, which each checkpoint
+    carries: a revived agent folds to the same markers (and contexts) as a live one."""
+
+    async def both() -> None:
+        kept_calls, kept = await _checkpoints(evicting=False)
+        evicted_calls, evicted = await _checkpoints(evicting=True)
+        assert evicted_calls == kept_calls
+        assert [c.background for c in evicted] == [c.background for c in kept]
+        assert [[m.topics for m in c.markers] for c in evicted] == [
+            [m.topics for m in c.markers] for c in kept
+        ]
+        assert len(kept) >= 3
+        background = kept[-1].background
+        assert background is not None and background.words[0] == "kubernetes"
+        assert background.events == kept[-1].position  # every folded event, none twice
+        # Each fold scored against a known background (after the first): its own marker
+        # (the newest, while still of level 0) never names the conversation's word, and
+        # the fold over the certificate turns (events 48-59) names them.
+        own = [
+            checkpoint.markers[-1]
+            for previous, checkpoint in itertools.pairwise(kept)
+            if checkpoint.markers[-1].level == 0
+        ]
+        assert own and all("kubernetes" not in m.topics for m in own)
+        assert any("certificates" in m.topics for m in own if m.start <= 59)
+        first = kept[0].markers[0].topics  # no background yet: common English alone
+        assert "kubernetes" in first and "certificates" not in first
+
+    anyio.run(both)
+

@@ -517,7 +517,12 @@ async def _run_builtin(agent: Agent, host: Host, call: ToolCall) -> ToolResult:
                 raise ValueError("recall needs a non-empty string 'query'")
             if not isinstance(k, int) or not 1 <= k <= 50:
                 raise ValueError("'k' must be an integer from 1 to 50")
-            hits = await recall_hits(host.store, agent.id, query, k, hybrid=host.hybrid)
+            echoes = args.get("include_recall_outputs", False)
+            if not isinstance(echoes, bool):
+                raise ValueError("'include_recall_outputs' must be true or false")
+            hits = await recall_hits(
+                host.store, agent.id, query, k, hybrid=host.hybrid, include_recall_outputs=echoes
+            )
             content = format_hits(hits)
         else:
             start, end = args.get("start"), args.get("end", args.get("start"))

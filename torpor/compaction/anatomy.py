@@ -18,7 +18,7 @@ import msgspec
 from torpor.compaction.markers import hints_of, rank_topics
 from torpor.events import Event, UserMessage
 from torpor.llm.protocol import ContextMessage, SystemMessage
-from torpor.store.protocol import Checkpoint
+from torpor.store.protocol import Background, Checkpoint
 
 __all__ = ["Anatomy", "anatomy", "events_in_context", "topic_label", "turn_id"]
 
@@ -71,15 +71,17 @@ def _current_turn(tail: Sequence[Event]) -> Sequence[Event]:
     return tail
 
 
-def topic_label(tail: Sequence[Event]) -> str | None:
+def topic_label(tail: Sequence[Event], background: Background | None = None) -> str | None:
     """The best topic hint of the current turn's events (None when they have none).
 
     Falls back to the recent tail when the turn alone yields nothing, so a short
     follow-up ("and the other one?") keeps the topic of what it follows. At most
     :data:`LABEL_EVENTS` events are read either way: this runs before every call.
+    Prose words are weighed against the conversation's ``background`` (its latest
+    checkpoint's), as markers' are: a word the whole conversation uses is no label.
     """
     for span in (_current_turn(tail)[:LABEL_EVENTS], tail[-LABEL_EVENTS:]):
-        ranked = rank_topics((hints_of(e) for e in span), 1)
+        ranked = rank_topics((hints_of(e) for e in span), 1, background, len(span))
         if ranked:
             return ranked[0]
     return None
@@ -103,5 +105,5 @@ def anatomy(
         turn_id=turn_id(started, conversation_id, turn),
         events_in_context=events_in_context(messages),
         markers=len(checkpoint.markers) if checkpoint is not None else 0,
-        topic=topic_label(tail),
+        topic=topic_label(tail, checkpoint.background if checkpoint is not None else None),
     )

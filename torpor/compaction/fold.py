@@ -15,7 +15,15 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from torpor.compaction.markers import Hints, handoff_text, make_marker, merge_markers
+from torpor.compaction.background import grow, word_counts
+from torpor.compaction.markers import (
+    PROSE_WEIGHT,
+    Hints,
+    handoff_text,
+    make_marker,
+    merge_markers,
+    prose_read,
+)
 from torpor.compaction.policy import CompactionPolicy
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_text
 from torpor.compaction.working_set import WorkingSet
@@ -166,7 +174,11 @@ def build_checkpoint(
     checkpoint's when none is given.
     """
     policy = plan.policy
-    marker = make_marker(plan.events, policy.max_topics, plan.hints)
+    before = previous.background if previous is not None else None
+    marker = make_marker(plan.events, policy.max_topics, plan.hints, before)
+    # The span joins the background the next span is scored against: from the words the
+    # marker already read (the events' stored hints), so this costs what the marker did.
+    background = grow(before, word_counts(plan.hints, PROSE_WEIGHT), prose_read(len(plan.events)))
     markers = merge_markers(
         previous.markers if previous is not None else (),
         marker,
@@ -188,6 +200,7 @@ def build_checkpoint(
             previous.task_card if previous is not None else None
         ),
         memory=memory,
+        background=background,
     )
     tokens = count_text(handoff_text(checkpoint), policy.encoding) + MESSAGE_OVERHEAD
     return msgspec.structs.replace(checkpoint, tokens=tokens)

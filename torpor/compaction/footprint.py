@@ -149,6 +149,10 @@ def checkpoint_bytes(checkpoint: Checkpoint | None) -> int:
         size += sum(str_bytes(t) for t in marker.topics)
     if checkpoint.task_card is not None:
         size += event_bytes(checkpoint.task_card)
+    background = checkpoint.background
+    if background is not None:  # its counts are small ints: cached objects, not counted
+        size += sys.getsizeof(background) + sys.getsizeof(background.words)
+        size += sys.getsizeof(background.counts) + sum(map(str_bytes, background.words))
     return size
 
 

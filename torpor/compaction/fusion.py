@@ -30,6 +30,7 @@ from torpor.errors import ModelError
 from torpor.events import kind_of, searchable_text
 from torpor.llm.embedding import Embedder, check_vectors, space_of
 from torpor.store.fulltext import snippet
+from torpor.store.hits import left_out
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.vectors import VectorIndex
 
@@ -67,10 +68,16 @@ class HybridRecall:
         self.space = space_of(embedder)
 
     async def search(
-        self, store: EventStore, conversation_id: str, query: str, k: int
+        self,
+        store: EventStore,
+        conversation_id: str,
+        query: str,
+        k: int,
+        exclude_tools: frozenset[str] = frozenset(),
     ) -> list[SearchHit]:
+        """``exclude_tools``: results of these tools are left out, on both sides."""
         depth = max(2 * k, MIN_CANDIDATES)
-        text_hits = await store.search(conversation_id, query, depth)
+        text_hits = await store.search(conversation_id, query, depth, exclude_tools=exclude_tools)
         near = await self._nearest(conversation_id, query, depth)
         if not near:
             return text_hits[:k]
@@ -82,7 +89,9 @@ class HybridRecall:
         for position, rrf in fused:
             hit = by_position.get(position)
             if hit is None:
-                hit = await self._vector_hit(store, conversation_id, position, query)
+                hit = await self._vector_hit(
+                    store, conversation_id, position, query, exclude_tools
+                )
                 if hit is None:
                     continue
             text_score = hit.score if position in by_position else 0.0
@@ -104,10 +113,14 @@ class HybridRecall:
 
     @staticmethod
     async def _vector_hit(
-        store: EventStore, conversation_id: str, position: int, query: str
+        store: EventStore,
+        conversation_id: str,
+        position: int,
+        query: str,
+        exclude_tools: frozenset[str],
     ) -> SearchHit | None:
         events = await store.read_range(conversation_id, position, position)
-        if not events:
+        if not events or left_out(events[0].body, exclude_tools):
             return None
         event = events[0]
         return SearchHit(

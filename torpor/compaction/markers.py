@@ -18,8 +18,9 @@ from typing import TypeAlias
 
 import msgspec
 
+from torpor.compaction.background import salience
 from torpor.events import AssistantMessage, Body, Event, ToolResult, searchable_text
-from torpor.store.protocol import Checkpoint, Marker
+from torpor.store.protocol import Background, Checkpoint, Marker
 
 __all__ = [
     "HANDOFF_HEADER",
@@ -35,6 +36,7 @@ __all__ = [
     "handoff_text",
     "make_marker",
     "merge_markers",
+    "prose_read",
     "rank_topics",
     "span_hints",
     "text_hints",
@@ -318,22 +320,39 @@ def hints_of(event: Event, prose: bool = True) -> Hints:
     return flat
 
 
+def _stride(events: int) -> int:
+    return max(1, -(-events // PROSE_SAMPLE))
+
+
+def prose_read(events: int) -> int:
+    """Of a span of ``events`` events, how many :func:`span_hints` reads the words of."""
+    return len(range(0, events, _stride(events)))
+
+
 def span_hints(events: Sequence[Event]) -> list[Hints]:
     """The candidates a fold ranks for a span, one per event: every event's exact strings,
     and the prose words of at most :data:`PROSE_SAMPLE` events, evenly spread (a function
     of the span alone, so a live and a revived working set fold to the same marker)."""
-    stride = max(1, -(-len(events) // PROSE_SAMPLE))
+    stride = _stride(len(events))
     return [hints_of(e, prose=i % stride == 0) for i, e in enumerate(events)]
 
 
-def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
+def rank_topics(
+    hints: Iterable[Hints],
+    limit: int = 8,
+    background: Background | None = None,
+    events: int = 0,
+) -> tuple[str, ...]:
     """Up to ``limit`` topics of a span, best first: weight x events it appears in.
 
     Exact strings come first: they are what a later query misses. Prose words (the
     salient words of each event, against common English) have ``limit // 4`` places
     when there are exact strings to name, and every place when there are none, so a
-    span of plain conversation still says what it was about. Ties go to the topic
-    seen first, so the result depends only on the span.
+    span of plain conversation still says what it was about. With the conversation's
+    ``background`` (``events``: how many of the span's events had their words read),
+    prose words rank by tf x idf against it, and a word in most of the conversation is
+    no topic (:func:`~torpor.compaction.background.salience`). Ties go to the topic
+    seen first, so the result depends only on the span and the background.
     """
     scores: dict[str, int] = {}
     prose: dict[str, int] = {}
@@ -350,16 +369,18 @@ def rank_topics(hints: Iterable[Hints], limit: int = 8) -> tuple[str, ...]:
             else:
                 scores[topic] = scores.get(topic, 0) + weight
     ranked = _best(scores, limit)
-    if not prose:
+    salient = salience(prose, events, background) if prose else None
+    weighed: dict[str, int] | dict[str, float] = prose if salient is None else salient
+    if not weighed:
         return ranked
     exact = {topic.lower() for topic in ranked}
-    words = [w for w in _best(prose, limit) if w not in exact]
+    words = [w for w in _best(weighed, limit) if w not in exact]
     room = max(limit // 4, limit - len(ranked))
     words = words[:room]
     return (*ranked[: limit - len(words)], *words)
 
 
-def _best(scores: dict[str, int], limit: int) -> tuple[str, ...]:
+def _best(scores: dict[str, int] | dict[str, float], limit: int) -> tuple[str, ...]:
     order = {topic: i for i, topic in enumerate(scores)}
     return tuple(sorted(scores, key=lambda t: (-scores[t], order[t]))[:limit])
 
@@ -375,17 +396,24 @@ def extract_topics(events: Sequence[Event], limit: int = 8) -> tuple[str, ...]:
 
 
 def make_marker(
-    events: Sequence[Event], max_topics: int = 8, hints: Sequence[Hints] | None = None
+    events: Sequence[Event],
+    max_topics: int = 8,
+    hints: Sequence[Hints] | None = None,
+    background: Background | None = None,
 ) -> Marker:
     """A level-0 marker for one folded span (``events`` in log order, non-empty).
 
-    ``hints``: the events' candidates if already extracted (one per event).
+    ``hints``: the events' candidates if already extracted (one per event, as
+    :func:`span_hints` gives them). ``background``: the conversation's before the span.
     """
     if not events:
         raise ValueError("a marker needs at least one event")
     head, tail = events[0], events[-1]
-    topics = (
-        rank_topics(hints, max_topics) if hints is not None else extract_topics(events, max_topics)
+    topics = rank_topics(
+        hints if hints is not None else span_hints(events),
+        max_topics,
+        background,
+        prose_read(len(events)),
     )
     return Marker(
         start=head.position,

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from torpor.compaction.fusion import HybridRecall
+from torpor.compaction.push import fact_keys
 from torpor.compaction.task_card import card_lines
 from torpor.errors import InvalidInput
 from torpor.events import (
@@ -37,6 +38,7 @@ from torpor.store.protocol import EventStore, SearchHit
 __all__ = [
     "EXPAND_PAGE_CHARS",
     "EXPAND_TOOL",
+    "RECALL_ECHOES",
     "RECALL_TOOL",
     "expand",
     "format_events",
@@ -60,6 +62,11 @@ RECALL_TOOL = ToolSpec(
         "properties": {
             "query": {"type": "string", "description": "words or exact strings to find"},
             "k": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+            "include_recall_outputs": {
+                "type": "boolean",
+                "default": False,
+                "description": "also search the outputs of earlier recall/expand calls",
+            },
         },
         "required": ["query"],
         "additionalProperties": False,
@@ -86,6 +93,14 @@ EXPAND_TOOL = ToolSpec(
     },
 )
 
+RECALL_ECHOES = frozenset((RECALL_TOOL.name, EXPAND_TOOL.name))
+"""The built-in tools whose results quote other events of the log: :func:`recall` leaves
+them out unless asked, so a value an earlier recall quoted (maybe since corrected) does
+not come back as if it were evidence; the events quoted are searchable themselves."""
+
+CORRECTION_KEYS = 10
+"""Most keys one recall looks up corrections for (one search each)."""
+
 _json = msgspec.json.Encoder(order="deterministic")
 
 
@@ -96,8 +111,19 @@ async def recall(
     k: int = 10,
     *,
     hybrid: HybridRecall | None = None,
+    include_recall_outputs: bool = False,
+    follow_corrections: bool = True,
 ) -> list[SearchHit]:
     """Full-text search over every event of the conversation, best first, scores exposed.
+
+    The results of earlier ``recall``/``expand`` calls (:data:`RECALL_ECHOES`) are left
+    out unless ``include_recall_outputs``: they quote other events, which are found
+    themselves, and a quote of a since-corrected value would otherwise compete with it.
+
+    ``follow_corrections``: a hit that sets a key (``NAME = value``, see
+    :func:`~torpor.compaction.push.fact_keys`) is followed by the latest later event
+    setting the same key, when the hits do not hold it already (scored as the hit it
+    corrects), so an old value never comes back without its correction.
 
     Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
     so a confidence gate set once holds on SQLite and PostgreSQL alike.
@@ -111,9 +137,37 @@ async def recall(
     query = search_query(query)
     if not query.strip():
         return []
+    exclude = frozenset() if include_recall_outputs else RECALL_ECHOES
     if hybrid is not None:
-        return await hybrid.search(store, conversation_id, query, k)
-    return await store.search(conversation_id, query, k)
+        hits = await hybrid.search(store, conversation_id, query, k, exclude)
+    else:
+        hits = await store.search(conversation_id, query, k, exclude_tools=exclude)
+    if not follow_corrections:
+        return hits
+    return await _with_corrections(store, conversation_id, hits, exclude)
+
+
+async def _with_corrections(
+    store: EventStore, conversation_id: str, hits: list[SearchHit], exclude: frozenset[str]
+) -> list[SearchHit]:
+    """``hits``, each followed by the latest later event that sets a key it sets."""
+    have = {hit.position for hit in hits}
+    latest: dict[str, SearchHit | None] = {}
+    out: list[SearchHit] = []
+    for hit in hits:
+        out.append(hit)
+        for key in sorted(fact_keys(hit.snippet)):
+            if key not in latest:
+                if len(latest) == CORRECTION_KEYS:
+                    continue
+                found = await store.search(conversation_id, key, 10, exclude_tools=exclude)
+                setters = [h for h in found if key in fact_keys(h.snippet)]
+                latest[key] = max(setters, key=lambda h: h.position, default=None)
+            later = latest[key]
+            if later is not None and later.position > hit.position and later.position not in have:
+                have.add(later.position)
+                out.append(msgspec.structs.replace(later, score=hit.score))
+    return out
 
 
 async def expand(store: EventStore, conversation_id: str, start: int, end: int) -> list[Event]:

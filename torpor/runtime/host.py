@@ -497,17 +497,35 @@ class Runtime(MemoryAPI):
         check_id(conversation_id)
         return TaskHandle(self, conversation_id)
 
-    async def recall(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
+    async def recall(
+        self,
+        conversation_id: str,
+        query: str,
+        k: int = 10,
+        *,
+        include_recall_outputs: bool = False,
+    ) -> list[SearchHit]:
         """Full-text search over the whole log, folded parts included; scores exposed.
 
         With ``RuntimeConfig(embedder=...)``, fused with the nearest vectors (hybrid
-        recall; scores on the same 0-1 scale)."""
+        recall; scores on the same 0-1 scale). The outputs of earlier recall/expand
+        tool calls (quotes of other events) are left out unless
+        ``include_recall_outputs``."""
         self._check_open()
         check_id(conversation_id)
         if not isinstance(query, str):  # never stored: the store reads NUL as a word break
             raise InvalidInput("query", f"must be a str, got {type(query).__name__}")
         _count(k, "k", 1_000)
-        return await recall_hits(self.store, conversation_id, query, k, hybrid=self._host.hybrid)
+        if not isinstance(include_recall_outputs, bool):
+            raise InvalidInput("include_recall_outputs", "must be a bool")
+        return await recall_hits(
+            self.store,
+            conversation_id,
+            query,
+            k,
+            hybrid=self._host.hybrid,
+            include_recall_outputs=include_recall_outputs,
+        )
 
     async def expand(self, conversation_id: str, start: int, end: int) -> list[Event]:
         """The exact events of a range, large tool results expanded from their artifacts."""

@@ -37,7 +37,7 @@ from torpor.events import (
     UserMessage,
 )
 from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
-from torpor.store.protocol import Checkpoint, Marker, ModelCall
+from torpor.store.protocol import Background, Checkpoint, Marker, ModelCall
 from torpor.text import check_id, check_text, is_storable, repair_text
 
 __all__ = ["admit_model_call", "check_body", "check_checkpoint", "check_checkpoint_reach"]
@@ -200,6 +200,7 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
             raise InvalidInput("checkpoint.task_card", "must be None or a TaskCard event")
         check_int(card.position, "checkpoint.task_card.position", 0, POSITION_LIMIT)
         check_body(card.body, "checkpoint.task_card.body")
+    _check_background(checkpoint.background)
     if not isinstance(checkpoint.markers, tuple | list):
         raise InvalidInput("checkpoint.markers", "must be a tuple of Marker")
     for index, marker in enumerate(checkpoint.markers):
@@ -213,6 +214,22 @@ def check_checkpoint(checkpoint: object) -> Checkpoint:
         for topic_index, topic in enumerate(marker.topics):
             check_text(topic, f"{at}.topics[{topic_index}]")
     return checkpoint
+
+
+def _check_background(background: object) -> None:
+    if background is None:
+        return
+    if not isinstance(background, Background):
+        raise InvalidInput("checkpoint.background", "must be None or a Background")
+    check_int(background.events, "checkpoint.background.events", 0, _INT_HIGH >> 1)
+    words, counts = background.words, background.counts
+    if not isinstance(words, tuple | list) or not isinstance(counts, tuple | list):
+        raise InvalidInput("checkpoint.background", "words and counts must be tuples")
+    if len(words) != len(counts):
+        raise InvalidInput("checkpoint.background", "needs one count per word")
+    for index, (word, count) in enumerate(zip(words, counts, strict=True)):
+        check_text(word, f"checkpoint.background.words[{index}]")
+        check_int(count, f"checkpoint.background.counts[{index}]", 0, _INT_HIGH >> 1)
 
 
 def check_checkpoint_reach(checkpoint: Checkpoint, head: int) -> None:

@@ -13,6 +13,8 @@ and turns, limits and call indexes fit PostgreSQL's 32-bit ``integer``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torpor.errors import InvalidInput
 from torpor.text import MAX_ID_LENGTH, check_id, check_text, is_storable, repair_text
 
@@ -29,6 +31,7 @@ __all__ = [
     "check_position",
     "check_turn",
     "search_query",
+    "tool_names",
 ]
 
 POSITION_LIMIT = 1 << 32
@@ -77,6 +80,18 @@ def check_count(value: object, what: str) -> int:
 def check_after(after: object) -> str | None:
     """A keyset cursor over conversation ids: None, or any text the log could hold."""
     return None if after is None else check_text(after, "after")
+
+
+def tool_names(names: object) -> frozenset[str]:
+    """Tool names a search leaves out: an iterable of str (not one str, whose letters
+    would be taken for names)."""
+    if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+        raise InvalidInput("exclude_tools", "must be a collection of tool names")
+    out = frozenset(names)
+    for name in out:
+        if not isinstance(name, str):
+            raise InvalidInput("exclude_tools", f"{name!r} is not a tool name")
+    return out
 
 
 def search_query(query: object) -> str:

@@ -12,7 +12,7 @@ signatures after the connection).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, Self, cast
 
@@ -30,6 +30,7 @@ from torpor.store.arguments import (
     check_position,
     check_turn,
     search_query,
+    tool_names,
 )
 from torpor.store.memory import (
     EpisodicItem,
@@ -124,7 +125,9 @@ class StoreCore:
     def _model_call_op(self, call: ModelCall) -> Any:
         raise NotImplementedError
 
-    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+    async def _search(
+        self, conversation_id: str, query: str, k: int, exclude: frozenset[str]
+    ) -> list[SearchHit]:
         """Search with arguments already checked (``query`` through :func:`search_query`)."""
         raise NotImplementedError
 
@@ -310,12 +313,17 @@ class StoreCore:
         found = await self._reading(self.reads.checkpoints, conversation_id)
         return cast("list[Checkpoint]", found)
 
-    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]:
+    async def search(
+        self, conversation_id: str, query: str, k: int = 10, *, exclude_tools: Iterable[str] = ()
+    ) -> list[SearchHit]:
         """Ranked events of one conversation (bm25 on SQLite, ts_rank on PostgreSQL);
-        every term of ``query`` is matched literally, query syntax is never interpreted."""
+        every term of ``query`` is matched literally, query syntax is never interpreted.
+        ``exclude_tools``: results of these tools are left out (the index is unchanged;
+        the filter applies to this query only)."""
         check_conversation_id(conversation_id)
         check_limit(k, "k")
-        return await self._search(conversation_id, search_query(query), k)
+        exclude = tool_names(exclude_tools)
+        return await self._search(conversation_id, search_query(query), k, exclude)
 
     async def get_artifact(self, artifact_id: str) -> bytes:
         """The full bytes of an artifact; UnknownArtifact (a KeyError) if there is none."""

@@ -14,12 +14,36 @@ from collections.abc import Sequence
 import msgspec
 
 from torpor.errors import StoreError, UnknownArtifact
-from torpor.events import Body, kind_of, searchable_text
+from torpor.events import Body, ToolResult, kind_of, searchable_text
 from torpor.store.clip import artifact_of, expanded
 from torpor.store.fulltext import calibrated, coverage, snippet
 from torpor.store.protocol import SearchHit
 
-__all__ = ["artifact_bytes", "beyond_preview", "expanded_text", "scored", "search_hit"]
+__all__ = [
+    "artifact_bytes",
+    "beyond_preview",
+    "deeper",
+    "expanded_text",
+    "left_out",
+    "scored",
+    "search_hit",
+]
+
+
+def left_out(body: Body, exclude: frozenset[str]) -> bool:
+    """Whether a search leaves this row out: the result of a tool named in ``exclude``.
+
+    Filtered when the query runs, not when the row is indexed, so the index stays
+    the same and a caller who wants those rows gets them."""
+    return bool(exclude) and isinstance(body, ToolResult) and body.tool in exclude
+
+
+def deeper(k: int, limit: int, fetched: int, kept: int) -> int | None:
+    """The next ranked-row limit of a search that leaves rows out (None: done): more rows
+    only while fewer than ``k`` were kept and the last query filled its ``limit``."""
+    if kept >= k or fetched < limit:
+        return None
+    return limit * 4
 
 
 def beyond_preview(body: Body, text: str, query: str) -> str | None:

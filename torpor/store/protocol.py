@@ -7,7 +7,7 @@ only ever see it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -49,6 +49,17 @@ class Marker(msgspec.Struct, frozen=True, gc=False):
     level: int = 0  # how many merges built it (hierarchical merging)
 
 
+class Background(msgspec.Struct, frozen=True, gc=False):
+    """What a conversation's folded events are commonly about: in how many of them (of
+    the ``events`` whose prose words a fold read) each of the most frequent prose words
+    appears, most frequent first. Bounded (torpor.compaction.background), carried by each
+    checkpoint, so a revival scores a span's words against it without reading the log."""
+
+    events: int = 0
+    words: tuple[str, ...] = ()
+    counts: tuple[int, ...] = ()
+
+
 class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     """A fold: covers every position before ``position``. Deletes nothing."""
 
@@ -66,6 +77,10 @@ class Checkpoint(msgspec.Struct, frozen=True, gc=False):
     # The memory bundle rendered at this fold (torpor.memory.bundle): the most salient
     # episodic and semantic items, shown before the markers instead of ``summary``.
     memory: str = ""
+    # Document frequencies of prose words over every event this checkpoint covers (None:
+    # none yet, or a checkpoint written before they were kept): the background markers'
+    # prose topics must stand out from.
+    background: Background | None = None
 
 
 class Resume(msgspec.Struct, frozen=True, gc=False):
@@ -232,7 +247,11 @@ class EventStore(Protocol):
 
     async def checkpoints(self, conversation_id: str) -> list[Checkpoint]: ...
 
-    async def search(self, conversation_id: str, query: str, k: int = 10) -> list[SearchHit]: ...
+    async def search(
+        self, conversation_id: str, query: str, k: int = 10, *, exclude_tools: Iterable[str] = ()
+    ) -> list[SearchHit]:
+        """Ranked hits, best first; results of the tools in ``exclude_tools`` left out."""
+        ...
 
     async def put_artifact(self, conversation_id: str, data: bytes) -> str: ...
 

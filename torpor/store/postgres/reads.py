@@ -18,7 +18,9 @@ from torpor.events import Event, decode_body, searchable_text
 from torpor.store.hits import (
     artifact_bytes,
     beyond_preview,
+    deeper,
     expanded_text,
+    left_out,
     scored,
     search_hit,
 )
@@ -196,15 +198,30 @@ async def resume(db: Reader, name: str) -> Resume:
     return Resume(name, None if last < 0 else last, checkpoint, tuple(events))
 
 
-async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
+async def search(
+    db: Reader, name: str, query: str, k: int, exclude: frozenset[str] = frozenset()
+) -> list[SearchHit]:
+    """ts_rank-ranked hits; results of the tools named in ``exclude`` left out (more
+    ranked rows read until ``k`` are kept or there are no more)."""
     terms, identifiers = search_terms(query)
     if not terms:
         return []
+    limit: int | None = k
+    while limit is not None:
+        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit)
+        found = await _hits(db, name, query, rows, exclude)
+        limit = deeper(k, limit, len(rows), len(found))
+    return scored(found[:k])
+
+
+async def _hits(
+    db: Reader, name: str, query: str, rows: list[Any], exclude: frozenset[str]
+) -> list[tuple[SearchHit, float]]:
     found: list[tuple[SearchHit, float]] = []
-    for position, score, turn, created_at, data in await db.fetch(
-        _SEARCH, name, terms, identifiers, k
-    ):
+    for position, score, turn, created_at, data in rows:
         body = decode_body(data, conversation_id=name, position=position)
+        if left_out(body, exclude):
+            continue
         text = searchable_text(body)
         artifact = beyond_preview(body, text, query)
         if artifact is not None:
@@ -220,7 +237,7 @@ async def search(db: Reader, name: str, query: str, k: int) -> list[SearchHit]:
                 rank=float(score),
             )
         )
-    return scored(found)
+    return found
 
 
 async def get_artifact(db: Reader, artifact_id: str) -> bytes:

@@ -285,9 +285,11 @@ class PostgresStore(StoreCore):
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
         return await self._read(read_memory, conversation_id)
 
-    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+    async def _search(
+        self, conversation_id: str, query: str, k: int, exclude: frozenset[str]
+    ) -> list[SearchHit]:
         """ts_rank-scored; see :mod:`.lexemes` for the matching."""
-        return await self._read(reads.search, conversation_id, query, k)
+        return await self._read(reads.search, conversation_id, query, k, exclude)
 
 
 def node_session_settings(idle_timeout: float) -> dict[str, str]:

@@ -22,7 +22,9 @@ from torpor.events import Event, decode_body, searchable_text
 from torpor.store.hits import (
     artifact_bytes,
     beyond_preview,
+    deeper,
     expanded_text,
+    left_out,
     scored,
     search_hit,
 )
@@ -182,7 +184,13 @@ _SCRATCH = (
 
 
 def search(
-    conn: sqlite3.Connection, name: str, expression: str, query: str, k: int, backlog: Backlog
+    conn: sqlite3.Connection,
+    name: str,
+    expression: str,
+    query: str,
+    k: int,
+    backlog: Backlog,
+    exclude: frozenset[str] = frozenset(),
 ) -> list[SearchHit] | None:
     """bm25-ranked hits of one conversation.
 
@@ -192,7 +200,9 @@ def search(
     has them indexed and asks again with ``"ignore"``); ``"scan"`` searches them
     in place, in a scratch index, for when the backlog cannot be indexed (the
     database cannot write): their scores come from that small index, so they
-    rank less well against the others, but they are found.
+    rank less well against the others, but they are found. ``exclude``: tool names
+    whose results are left out (:func:`~torpor.store.hits.left_out`); more ranked rows
+    are read until ``k`` are kept or there are no more.
     """
 
     def read() -> list[SearchHit] | None:
@@ -204,21 +214,33 @@ def search(
         high = low | 0xFFFFFFFF
         if backlog == "ask" and conn.execute(_WAITING, (low, high)).fetchone() is not None:
             return None
-        matches = conn.execute(_MATCHES, (expression, low, high, k)).fetchall()
+        limit: int | None = k
+        while limit is not None:
+            fetched, found_hits = hits(int(found[0]), limit)
+            limit = deeper(k, limit, fetched, len(found_hits))
+        return scored(found_hits[:k])
+
+    def hits(key: int, limit: int) -> tuple[int, list[tuple[SearchHit, float]]]:
+        """(ranked rows read, hits kept of them) for the best ``limit`` rows."""
+        low = key << 32
+        high = low | 0xFFFFFFFF
+        matches = conn.execute(_MATCHES, (expression, low, high, limit)).fetchall()
         if backlog == "scan":
-            matches = sorted(matches + _scan_backlog(conn, expression, low, high, k),
-                             key=lambda match: -_score(match[1]))[:k]
+            matches = sorted(matches + _scan_backlog(conn, expression, low, high, limit),
+                             key=lambda match: -_score(match[1]))[:limit]
         found_hits: list[tuple[SearchHit, float]] = []
         for rowid, bm25 in matches:
             position = rowid & 0xFFFFFFFF
             event = conn.execute(
                 "SELECT turn, created_at, body FROM events "
                 "WHERE conversation_id = ? AND position = ?",
-                (found[0], position),
+                (key, position),
             ).fetchone()
             if event is None:
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
+            if left_out(body, exclude):
+                continue
             text = searchable_text(body)
             artifact = beyond_preview(body, text, query)
             if artifact is not None:
@@ -234,7 +256,7 @@ def search(
                     rank=_score(bm25),
                 )
             )
-        return scored(found_hits)
+        return len(matches), found_hits
 
     return _snapshot(conn, read)
 

@@ -316,19 +316,25 @@ class SQLiteStore(StoreCore):
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
         return await self._read().run(read_memory, conversation_id)
 
-    async def _search(self, conversation_id: str, query: str, k: int) -> list[SearchHit]:
+    async def _search(
+        self, conversation_id: str, query: str, k: int, exclude: frozenset[str]
+    ) -> list[SearchHit]:
         """bm25-ranked: ``query`` becomes an FTS5 expression of literal terms."""
         expression = match_expression(query)
         if expression is None:
             return []
         read = self._read()
-        hits = await read.run(reads.search, conversation_id, expression, query, k, "ask")
+        hits = await read.run(
+            reads.search, conversation_id, expression, query, k, "ask", exclude
+        )
         if hits is None:  # some of its events wait in the search backlog: index them first
             backlog: reads.Backlog = "ignore"
             try:
                 await self._write().submit(FlushSearchIndex())
             except StoreUnavailable:  # reads go on while the database cannot write
                 backlog = "scan"
-            hits = await read.run(reads.search, conversation_id, expression, query, k, backlog)
+            hits = await read.run(
+                reads.search, conversation_id, expression, query, k, backlog, exclude
+            )
             assert hits is not None
         return hits
