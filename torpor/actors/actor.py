@@ -223,6 +223,9 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     agent.current = turn
     if not request.accepted.done():
         request.accepted.set_result(turn)
+    # Not held while the turn runs (its commits may wait seconds behind thousands of
+    # others): each is one more object per turn in flight for the cyclic GC to walk.
+    del request, events, event, turn, hub
     await _run_turn(agent, host)
 
 
