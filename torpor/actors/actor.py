@@ -86,7 +86,12 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
                 continue
             agent.hibernate_requested = False
             if isinstance(message, SendRequest):
-                await _handle_send(agent, host, message)
+                # This frame must not keep the request while the turn runs: the handler
+                # drops it once the turn has started (see _handle_send).
+                send = _handle_send(agent, host, message)
+                message = None
+                await send
+                del send
             elif isinstance(message, ResolveRequest):
                 await _handle_resolve(agent, host, message)
             elif isinstance(message, SpawnRequest):
