@@ -242,13 +242,6 @@ class Agent:
             self.mailbox = None  # an empty deque is ~600 bytes: not kept while idle
         return message
 
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-
     def mailbox_depth(self) -> int:
         return 0 if self.mailbox is None else len(self.mailbox)
 

@@ -315,7 +315,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
     # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
     # every object a waiting turn holds is one more for the cyclic GC to walk.
-    del rendered, stream, parts, calls, conversation
+    del rendered, stream, parts, calls, conversation, watchdog, pushed, clock
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
     with anyio.CancelScope(shield=True):

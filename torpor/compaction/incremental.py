@@ -141,10 +141,12 @@ class TailCache:
         self.unanswered: dict[str, ToolCall] = {}
         self.window: list[tuple[int, int]] = []  # (slot, event index) of results not stubbed
         self.last_user = (-1, -1)  # (slot, event index) of the current ask
-        self.stubbed: list[int] = []  # positions, ascending
+        # stubbed, orphans, synthesized: made on the first append (most tails never need
+        # them, and each empty list is one more object per live agent the cyclic GC walks)
+        self.stubbed: list[int] | None = None  # positions, ascending
         self.clipped: dict[int, int] = {}  # position -> tokens kept
-        self.orphans: list[int] = []  # positions, ascending
-        self.synthesized: list[str] = []  # call ids of closed stand-ins, in slot order
+        self.orphans: list[int] | None = None  # positions, ascending
+        self.synthesized: list[str] | None = None  # call ids of closed stand-ins, in slot order
         self.tail_tokens = 0
         self.results_tokens = 0
         self.owned_bytes = 0  # messages made here (stubs, stand-ins), not shared with events
@@ -192,6 +194,8 @@ class TailCache:
             if self.unanswered.pop(body.call_id, None) is not None:
                 self._result(tail, i)
             else:
+                if self.orphans is None:
+                    self.orphans = []
                 self.orphans.append(event.position)
         elif kind is UserMessage:
             self._close()
@@ -216,6 +220,8 @@ class TailCache:
             self.messages.append(message)
             self.owned_bytes += _owned_size(message)
             self.results_tokens += self.standin_tokens
+            if self.synthesized is None:
+                self.synthesized = []
             self.synthesized.append(call.id)
         self.unanswered.clear()
 
@@ -297,6 +303,8 @@ class TailCache:
         self._put(k, short)
         self.owned_bytes += _owned_size(short)
         self.results_tokens += stub_cost(short, self.encoding) - old
+        if self.stubbed is None:
+            self.stubbed = []
         self.stubbed.append(pos)
 
     def _put(self, k: int, message: ContextMessage) -> None:
@@ -356,7 +364,7 @@ class TailCache:
         messages.extend(self.messages)
         if self.rebuild:
             self._remake(tail, messages, start)
-        synthesized = tuple(self.synthesized)
+        synthesized = tuple(self.synthesized or ())
         if pending:
             messages.extend(synthetic(call) for call in pending.values())
             synthesized += tuple(call.id for call in pending.values())
@@ -367,9 +375,9 @@ class TailCache:
             cycle=checkpoint.cycle if checkpoint is not None else 0,
             tail_start=tail[0].position if tail else None,
             tail_end=self.max_position if tail else None,
-            stubbed=tuple(self.stubbed),
+            stubbed=tuple(self.stubbed or ()),
             clipped=tuple(sorted(self.clipped.items())),
-            dropped=tuple(self.orphans),
+            dropped=tuple(self.orphans or ()),
             synthesized=synthesized,
             ceiling_enforced=False,
             system_hash=text_hash(system_prompt),
