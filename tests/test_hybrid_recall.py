@@ -6,6 +6,7 @@ Real SQLite and the real throwaway PostgreSQL cluster (no pgvector there: the
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import anyio
@@ -36,10 +37,13 @@ class CountingEmbedder(HashingEmbedder):
         super().__init__()
         self.texts: list[str] = []
         self.failing = False
+        self.held: asyncio.Event | None = None  # when set here: embed waits for it
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         if self.failing:
             raise torpor.ModelOverloaded("embedder down", provider="test")
+        if self.held is not None:
+            await self.held.wait()
         self.texts.extend(texts)
         return await super().embed(texts)
 
@@ -127,13 +131,16 @@ async def test_hybrid_recall_finds_a_paraphrase_full_text_cannot(
         scores = [h.score for h in hits]
         assert all(0.0 <= s <= 1.0 for s in scores) and scores == sorted(scores, reverse=True)
 
-        # The tail not embedded yet is covered by full text alone.
+        # The tail not embedded yet is covered by full text alone (the embedder is held,
+        # so the worker woken by this append cannot catch up however slow the machine).
+        embedder.held = asyncio.Event()
         await (await rt.send("c", "the canary hostname is zebra-7")).result()
         assert await vector_index(rt.store).progress("c", stats.space) < 33
         tail = await rt.recall("c", "zebra-7", 1)
         assert tail and tail[0].position >= 32
     # Restart: the marks are in the store, nothing embedded twice.
     embedder.texts.clear()
+    embedder.held = None
     async with Runtime(url_of(backend), config=config) as rt:
         stats = await rt.admin.embed()
         assert stats is not None
