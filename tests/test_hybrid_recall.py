@@ -37,13 +37,13 @@ class CountingEmbedder(HashingEmbedder):
         super().__init__()
         self.texts: list[str] = []
         self.failing = False
-        self.held: asyncio.Event | None = None  # when set here: embed waits for it
+        self.held: asyncio.Event | None = None  # set: texts naming the canary wait for it
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         if self.failing:
             raise torpor.ModelOverloaded("embedder down", provider="test")
-        if self.held is not None:
-            await self.held.wait()
+        if self.held is not None and any("canary" in text for text in texts):
+            await self.held.wait()  # the worker's batch, not a query's
         self.texts.extend(texts)
         return await super().embed(texts)
 
