@@ -58,6 +58,20 @@ def pg_database(pg_cluster: PgCluster) -> str:  # noqa: F811
     return pg_cluster.url(name)
 
 
+@pytest.fixture
+async def pg_url(pg_database: str) -> str:
+    """A fresh schema of the session's test database (``search_path`` in the URL): as
+    empty as a new database for the store, at a millisecond instead of a few hundred."""
+    asyncpg = pytest.importorskip("asyncpg")
+    schema = "t_" + uuid.uuid4().hex[:16]
+    admin = await asyncpg.connect(pg_database)
+    try:
+        await admin.execute(f"CREATE SCHEMA {schema}")
+    finally:
+        await admin.close()
+    return f"{pg_database}?search_path={schema}"
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     """The same test on a real SQLite file and on a fresh schema of the real cluster."""

@@ -28,7 +28,6 @@ import random
 import signal
 import sys
 import time
-import uuid
 from asyncio.subprocess import Process
 from collections import Counter
 from dataclasses import dataclass
@@ -224,14 +223,8 @@ async def bounded(limit: int, jobs: list[Any]) -> list[Any]:
 
 
 @pytest.fixture
-async def cluster_db(pg_database: str) -> str:
-    schema = "chaos_" + uuid.uuid4().hex[:12]
-    conn = await asyncpg.connect(pg_database)
-    try:
-        await conn.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await conn.close()
-    return f"{pg_database}?search_path={schema}"
+async def cluster_db(pg_url: str) -> str:
+    return pg_url
 
 
 async def test_chaos_kill_and_stop_owners_lose_no_acknowledged_send_and_fence_the_stale_one(

@@ -25,12 +25,9 @@ from tests.test_cluster_leases import (  # noqa: E402
     FixedFence,
     ids_in_distinct_shards,
     leases_table,
-    pg_url,
     torpor_cli,
 )
 from torpor.store.postgres import PostgresStore  # noqa: E402
-
-__all__ = ["pg_url"]  # the fixture, re-exported for pytest
 
 
 def checkpoint(cid: str, position: int, cycle: int) -> Checkpoint:

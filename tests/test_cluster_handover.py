@@ -38,11 +38,8 @@ from tests.test_cluster_leases import (  # noqa: E402
     SHARDS,
     next_refresh,
     node,
-    pg_url,
     until_split,
 )
-
-__all__ = ["pg_url"]  # the fixture, re-exported for pytest
 
 
 def conversation_in(shards: set[int] | dict[int, int], prefix: str = "x") -> str:

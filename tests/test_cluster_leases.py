@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-import uuid
 from asyncio.subprocess import Process
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -38,17 +37,6 @@ from torpor.store.postgres.statements import LOCK_FENCED  # noqa: E402
 from torpor.store.postgres.store import node_session_settings  # noqa: E402
 
 SHARDS = 8
-
-
-@pytest.fixture
-async def pg_url(pg_database: str) -> str:
-    schema = "c_" + uuid.uuid4().hex[:16]
-    conn = await asyncpg.connect(pg_database)
-    try:
-        await conn.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await conn.close()
-    return f"{pg_database}?search_path={schema}"
 
 
 class FixedFence:

@@ -31,7 +31,6 @@ from test_cluster_chaos import SHARDS as CHAOS_SHARDS  # noqa: E402
 from test_cluster_chaos import start_node  # noqa: E402
 from test_cluster_leases import (  # noqa: E402
     GateModel,
-    pg_url,  # noqa: F401 - the fixture `db` builds on
 )
 
 from torpor.serve import Server, app, bearer_token, bind  # noqa: E402
@@ -45,7 +44,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def db(pg_url: str) -> str:  # noqa: F811
+def db(pg_url: str) -> str:
     """A fresh schema of the throwaway cluster, as the lease tests make it."""
     return pg_url
 

@@ -472,6 +472,25 @@ def test_the_task_card_and_recalled_section_render_the_same_on_the_cached_and_fu
     assert len({r.hash for r in renders}) == 4
 
 
+def under_ceiling(log: Log, window: int, stubbed: tuple[int, ...]) -> None:
+    """Render ``log`` where only the hard ceiling makes room (results are not retired):
+    it must stub exactly ``stubbed``, drop nothing, and fit."""
+    policy = CompactionPolicy(
+        context_window=window,
+        max_output_tokens=300,
+        safety_margin=50,
+        working_budget=600,
+        clip_tokens=3_000,
+        keep_tool_results=5,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert rendered.recipe.stubbed == stubbed
+    assert rendered.recipe.dropped == ()
+    assert_paired(rendered.messages)
+
+
 def test_ceiling_stubs_the_heaviest_span_not_every_old_result() -> None:
     """The span that frees what is missing with the most eviction weight per token: one
     large old result is enough, so the smaller, older result stays whole (a policy that
@@ -486,20 +505,7 @@ def test_ceiling_stubs_the_heaviest_span_not_every_old_result() -> None:
     log.result("c2", "data " * 600)  # position 6
     log.say("answer " * 50)
     log.user("current " * 50)
-    policy = CompactionPolicy(
-        context_window=1_700,
-        max_output_tokens=300,
-        safety_margin=50,
-        working_budget=600,
-        clip_tokens=3_000,
-        keep_tool_results=5,
-    )
-    rendered = ws_of(log).render("sys", policy)
-    assert rendered.recipe.ceiling_enforced
-    assert rendered.estimated_tokens <= policy.effective_ceiling
-    assert rendered.recipe.stubbed == (6,)
-    assert rendered.recipe.dropped == ()
-    assert_paired(rendered.messages)
+    under_ceiling(log, 1_700, (6,))
 
 
 def test_ceiling_stubs_one_contiguous_span_when_no_single_event_is_enough() -> None:
@@ -516,17 +522,4 @@ def test_ceiling_stubs_one_contiguous_span_when_no_single_event_is_enough() -> N
     log.result("c", "info " * 400)  # 7
     log.say("done " * 20)  # 8
     log.user("current " * 50)  # 9
-    policy = CompactionPolicy(
-        context_window=1_350,
-        max_output_tokens=300,
-        safety_margin=50,
-        working_budget=600,
-        clip_tokens=3_000,
-        keep_tool_results=5,
-    )
-    rendered = ws_of(log).render("sys", policy)
-    assert rendered.recipe.ceiling_enforced
-    assert rendered.estimated_tokens <= policy.effective_ceiling
-    assert rendered.recipe.stubbed == (6, 7)
-    assert rendered.recipe.dropped == ()
-    assert_paired(rendered.messages)
+    under_ceiling(log, 1_350, (6, 7))

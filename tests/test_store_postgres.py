@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import sys
 import textwrap
-import uuid
 from typing import Any
 
 import pytest
@@ -29,19 +28,6 @@ from support import until  # noqa: E402
 
 from torpor.store.postgres import PostgresStore  # noqa: E402
 from torpor.store.postgres.schema import SCHEMA_VERSION  # noqa: E402
-
-
-@pytest.fixture
-async def pg_url(pg_database: str) -> str:
-    """A fresh schema of the session's test database (``search_path`` in the URL): as
-    empty as a new database for the store, at a millisecond instead of a few hundred."""
-    schema = "t_" + uuid.uuid4().hex[:16]
-    admin = await asyncpg.connect(pg_database)
-    try:
-        await admin.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await admin.close()
-    return f"{pg_database}?search_path={schema}"
 
 
 async def sql(url: str, statement: str, *args: Any) -> Any:

@@ -34,6 +34,7 @@ from torpor.cluster.shards import desired_owner
 from torpor.cluster.table import read_table
 from torpor.cluster.view import ClusterView
 from torpor.errors import ConfigError, StoreUnavailable
+from torpor.store.postgres.errors import DRIVER_ERRORS
 from torpor.store.postgres.store import node_session_settings
 
 __all__ = ["ClusterMember", "ShardHost"]
@@ -42,13 +43,7 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-_DB_ERRORS = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.InternalClientError,
-    OSError,
-    TimeoutError,
-)
+_DB_ERRORS = DRIVER_ERRORS
 
 
 class ShardHost(Protocol):

@@ -21,7 +21,16 @@ from asyncpg import exceptions as pg
 
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 
-__all__ = ["is_unavailable", "store_error"]
+__all__ = ["DRIVER_ERRORS", "is_unavailable", "store_error"]
+
+DRIVER_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+"""What talking to PostgreSQL can raise (the server, the driver, the socket)."""
 
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,  # refused, reset, unreachable (ConnectionError is one)

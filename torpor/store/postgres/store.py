@@ -41,7 +41,7 @@ from torpor.store.fence import Fence, shard_of
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite
 from torpor.store.postgres import reads
-from torpor.store.postgres.errors import is_unavailable, store_error
+from torpor.store.postgres.errors import DRIVER_ERRORS, is_unavailable, store_error
 from torpor.store.postgres.memory_ops import read_memory, write_memory
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.schema import migrate
@@ -63,13 +63,6 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-_DRIVER_ERRORS = (
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.InternalClientError,
-    OSError,
-    TimeoutError,
-)
 
 
 _CLUSTER = "SELECT shards FROM cluster"
@@ -138,7 +131,7 @@ class PostgresStore(StoreCore):
                 max_size=self._reader_count,
                 server_settings=self._settings("torpor-reader"),
             )
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             await self._close_connections()
             raise store_error(exc, f"cannot open the PostgreSQL store {_redact(self.dsn)}") from exc
         except BaseException:
@@ -214,7 +207,7 @@ class PostgresStore(StoreCore):
             try:
                 return await fn(pool, *args)
             except Exception as exc:
-                if not isinstance(exc, _DRIVER_ERRORS):
+                if not isinstance(exc, DRIVER_ERRORS):
                     raise
                 if attempt == 1 and is_unavailable(exc):
                     await pool.expire_connections()
@@ -279,7 +272,7 @@ class PostgresStore(StoreCore):
         except FencedError as exc:
             self._refused(exc)
             raise
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             raise store_error(exc, "memory write failed") from exc
 
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
