@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import structlog
-from pg_cluster import PgCluster, pg_cluster  # noqa: F401 - the session fixture
+from pg_cluster import PgCluster, fresh_schema, pg_cluster  # noqa: F401 - the session fixture
 from store_backends import AnyStore, Backend
 
 from torpor.store import SQLiteStore
@@ -60,16 +60,8 @@ def pg_database(pg_cluster: PgCluster) -> str:  # noqa: F811
 
 @pytest.fixture
 async def pg_url(pg_database: str) -> str:
-    """A fresh schema of the session's test database (``search_path`` in the URL): as
-    empty as a new database for the store, at a millisecond instead of a few hundred."""
-    asyncpg = pytest.importorskip("asyncpg")
-    schema = "t_" + uuid.uuid4().hex[:16]
-    admin = await asyncpg.connect(pg_database)
-    try:
-        await admin.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await admin.close()
-    return f"{pg_database}?search_path={schema}"
+    """A fresh schema of the session's test database (see :func:`fresh_schema`)."""
+    return await fresh_schema(pg_database)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -96,12 +88,6 @@ async def store(any_backend: Backend) -> AsyncIterator[AnyStore]:
 async def _backend(request: pytest.FixtureRequest, name: str, tmp_path: Path) -> Backend:
     if name == "sqlite":
         return Backend("sqlite", str(tmp_path / "log.db"))
-    asyncpg = pytest.importorskip("asyncpg")
+    pytest.importorskip("asyncpg")
     database: str = request.getfixturevalue("pg_database")
-    schema = "s_" + uuid.uuid4().hex[:16]
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await conn.close()
-    return Backend("postgres", f"{database}?search_path={schema}")
+    return Backend("postgres", await fresh_schema(database))

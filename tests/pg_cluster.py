@@ -29,7 +29,14 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["ClusterUnavailable", "PgCluster", "find_bindir", "pg_cluster", "running_cluster"]
+__all__ = [
+    "ClusterUnavailable",
+    "PgCluster",
+    "find_bindir",
+    "fresh_schema",
+    "pg_cluster",
+    "running_cluster",
+]
 
 SUPERUSER = "torpor"
 _TOOLS = ("initdb", "pg_ctl", "postgres")
@@ -173,3 +180,18 @@ def pg_cluster() -> Iterator[PgCluster]:
         yield cluster
     finally:
         manager.__exit__(None, None, None)
+
+
+async def fresh_schema(database: str) -> str:
+    """``database``'s URL with a new, empty schema as its ``search_path``: as empty as a
+    new database for a store, at a millisecond instead of a few hundred."""
+    import uuid
+
+    asyncpg = pytest.importorskip("asyncpg")
+    schema = "s_" + uuid.uuid4().hex[:16]
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.execute(f"CREATE SCHEMA {schema}")
+    finally:
+        await conn.close()
+    return f"{database}?search_path={schema}"

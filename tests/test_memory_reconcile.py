@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Sequence
@@ -214,12 +215,21 @@ async def test_idle_conversations_are_swept_on_schedule() -> None:
 
 
 async def test_no_sweep_runs_unless_scheduled() -> None:
+    def sweepers() -> set[str]:
+        return {t.get_name() for t in asyncio.all_tasks()} & {"torpor-consolidator"}
+
     forget = Forget(set())
     async with Runtime("sqlite://", agent=AgentConfig(consolidator=forget)) as rt:
         await (await rt.send("c", "hi")).result()
         assert rt.config.consolidate_interval is None
+        assert sweepers() == set()  # nothing scheduled: no sweeper task at all
+        assert not forget.called.is_set()
         await rt.consolidate("c")
     assert forget.called.is_set()  # on demand only
+    scheduled = RuntimeConfig(consolidate_interval=3600)
+    async with Runtime("sqlite://", config=scheduled, agent=AgentConfig(consolidator=forget)):
+        assert sweepers() == {"torpor-consolidator"}
+    assert sweepers() == set()  # stopped with the runtime
 
 
 # -- the digest ---------------------------------------------------------------------------

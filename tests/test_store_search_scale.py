@@ -8,10 +8,10 @@ each backend's own ranking), and the same hits above a threshold.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
+from pg_cluster import fresh_schema
 
 from torpor.events import AssistantMessage, Body, ToolCall, ToolResult, UserMessage
 from torpor.store import EventStore, SQLiteStore
@@ -70,18 +70,12 @@ QUERIES = (
 
 @pytest.fixture
 async def stores(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[EventStore, EventStore]:
-    asyncpg = pytest.importorskip("asyncpg")
+    pytest.importorskip("asyncpg")
     from torpor.store.postgres import PostgresStore
 
     database: str = request.getfixturevalue("pg_database")
-    schema = "s_" + uuid.uuid4().hex[:16]
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.execute(f"CREATE SCHEMA {schema}")
-    finally:
-        await conn.close()
     sqlite = SQLiteStore(str(tmp_path / "log.db"))
-    postgres = PostgresStore(f"{database}?search_path={schema}")
+    postgres = PostgresStore(await fresh_schema(database))
     await sqlite.open()
     await postgres.open()
     for store in (sqlite, postgres):

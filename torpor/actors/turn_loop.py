@@ -243,7 +243,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     assert ws is not None
     profile = agent.profile
     specs = profile.specs
-    pushed = await pushed_for(agent, host)
+    # Push off (the default): no coroutine per call.
+    pushed = await pushed_for(agent, host) if agent.profile.config.push_recall else NOTHING
     rendered = ws.render(
         profile.config.system_prompt, profile.policy, specs, calibration=agent.calibration,
         recalled=pushed.block, pushed=pushed.kept,

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import msgspec
 
 from torpor.compaction.fusion import HybridRecall
-from torpor.compaction.push import fact_keys
+from torpor.compaction.push import ECHO_TOOLS, fact_keys
 from torpor.compaction.task_card import card_lines
 from torpor.errors import InvalidInput
 from torpor.events import (
@@ -93,10 +93,11 @@ EXPAND_TOOL = ToolSpec(
     },
 )
 
-RECALL_ECHOES = frozenset((RECALL_TOOL.name, EXPAND_TOOL.name))
+RECALL_ECHOES = ECHO_TOOLS  # one set: push leaves the same echoes out
 """The built-in tools whose results quote other events of the log: :func:`recall` leaves
 them out unless asked, so a value an earlier recall quoted (maybe since corrected) does
 not come back as if it were evidence; the events quoted are searchable themselves."""
+assert {RECALL_TOOL.name, EXPAND_TOOL.name} == RECALL_ECHOES
 
 CORRECTION_KEYS = 10
 """Most keys one recall looks up corrections for (one search each)."""

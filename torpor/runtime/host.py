@@ -176,7 +176,9 @@ class Runtime(MemoryAPI):
             stack.push_async_callback(self._stop_agents)
             if self.config.consolidate_interval is not None:  # stopped before the agents
                 sweep = self._consolidate_idle(self.config.consolidate_interval)
-                consolidator = asyncio.get_running_loop().create_task(sweep)
+                consolidator = asyncio.get_running_loop().create_task(
+                    sweep, name="torpor-consolidator"
+                )
                 stack.push_async_callback(_cancel_and_wait, consolidator)
             if gate is not None:  # joins now; on exit hands its shards off before agents stop
                 self._cluster = await stack.enter_async_context(gate)
