@@ -4,6 +4,8 @@ and old audit rows, written before these fields, still decode."""
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from torpor import AgentConfig, Runtime
@@ -23,6 +25,19 @@ def test_turn_ids_sort_by_time_and_name_one_turn() -> None:
     assert sorted([turn_id(ms, "x", ms) for ms in (5, 3_000_000_000_000, 40)]) == [
         turn_id(ms, "x", ms) for ms in (5, 40, 3_000_000_000_000)
     ]
+
+
+def test_turn_id_is_crockford_base32_of_time_turn_and_hash() -> None:
+    crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    for ms, turn in ((0, 0), (1_700_000_000_000, 1), ((1 << 48) - 1, (1 << 32) - 1), (5, 77)):
+        text = turn_id(ms, "conv", turn)
+        value = 0
+        for char in text:
+            value = value * 32 + crockford.index(char)
+        assert value < 1 << 128  # the first character holds the top 3 bits only
+        assert value >> 80 == ms and (value >> 48) & 0xFFFFFFFF == turn
+        digest = hashlib.blake2b(f"conv\0{turn}".encode(), digest_size=6).digest()
+        assert value & ((1 << 48) - 1) == int.from_bytes(digest, "big")
 
 
 def test_topic_label_is_the_current_turns_best_hint() -> None:

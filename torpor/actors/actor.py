@@ -31,6 +31,7 @@ from torpor.actors.mailbox import (
     SpawnRequest,
 )
 from torpor.actors.revive import restore
+from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
 from torpor.actors.task import card_change
@@ -201,7 +202,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         return
     next_turn = agent.turn + 1
     try:
-        with anyio.CancelScope(shield=True):
+        with scope(shield=True):
             events = await logged(
                 agent, host, [UserMessage(request.text)], turn=next_turn, key=request.key
             )
@@ -379,8 +380,8 @@ async def _run_turn(agent: Agent, host: Host) -> None:
     crash: BaseException | None = None
     model_error: BaseException | None = None
     try:
-        with anyio.CancelScope() as scope:
-            agent.scope = scope
+        with scope() as turn_scope:
+            agent.scope = turn_scope
             try:
                 await _take_waiting(agent, host)
                 final = await run_steps(agent, host)
@@ -389,7 +390,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
                 model_error = exc.cause
             except StepLimit as exc:
                 reason, detail = "step_limit", str(exc)
-        if scope.cancelled_caught:
+        if turn_scope.cancelled_caught:
             reason, detail = "cancelled", "cancelled by caller"
     except anyio.get_cancelled_exc_class():
         try:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torpor.actors.stream import Follower, StreamHub
     from torpor.actors.tools import Toolbox
     from torpor.actors.turn import Turn
+    from torpor.actors.watchdog import ModelWatchdog
     from torpor.compaction.fusion import HybridRecall
     from torpor.compaction.policy import CompactionPolicy
     from torpor.compaction.working_set import WorkingSet
@@ -69,6 +70,7 @@ class Host(Protocol):
     model: Model
     log: Any
     hybrid: HybridRecall | None  # recall fused with vectors, when the runtime has an embedder
+    watchdog: ModelWatchdog  # ends model streams that stall (its task is the runtime's)
 
     @property
     def store(self) -> EventStore: ...

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 
 from torpor.actors.json_schema import schema_errors
+from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
@@ -70,7 +71,7 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     Shielded: a cancel that landed mid-append could leave the row written but our
     head stale; a cancel takes effect at the next model or tool await instead.
     """
-    with anyio.CancelScope(shield=True):
+    with scope(shield=True):
         events = await _append(agent, host, bodies)
     return events
 
@@ -257,51 +258,47 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
-    # Moving the deadline reschedules a timer: it is pushed on only when it would move by
-    # more than 1% of ``idle``, so a fast stream does not pay that on every chunk (the
-    # call still ends after between 0.99 and 1 times ``idle`` without a chunk).
-    slack = idle / 100 if idle is not None else 0.0
-    clock = asyncio.get_running_loop().time  # anyio's clock on asyncio
+    # Watched by the runtime's one watchdog task, not a timer per call: a chunk only
+    # stores the clock (see torpor.actors.watchdog).
+    watched = host.watchdog.watch(agent, idle) if idle is not None else None
+    clock = asyncio.get_running_loop().time  # the watchdog's clock
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     stream = _model_of(agent, host).stream(rendered.messages, specs)
     try:
-        with anyio.CancelScope() as watchdog:  # no chunk for `idle` seconds ends the call
-            if idle is not None:
-                watchdog.deadline = clock() + idle
-            agent.cancellable = True
-            if agent.cancels:  # a cancel came while the turn could not be interrupted
-                _cancel_turn(agent)
-            async for item in stream:
-                if idle is not None:
-                    deadline = clock() + idle
-                    if deadline - watchdog.deadline > slack:
-                        watchdog.deadline = deadline
-                if isinstance(item, TextDelta):
-                    if first is None:
-                        first = time.perf_counter()
-                    text = repair_text(item.text)
-                    parts.append(text)
-                    if hub is not None:
-                        hub.text(text)
-                elif isinstance(item, ToolCallDelta):
-                    calls.append(_repaired_call(item.call))
-                elif isinstance(item, Usage):
-                    usage = item
-            agent.cancellable = False
-        if watchdog.cancelled_caught:
-            raise ModelTimeout(f"the model sent nothing for {idle:g} seconds")
+        agent.cancellable = True
+        if agent.cancels:  # a cancel came while the turn could not be interrupted
+            _cancel_turn(agent)
+        async for item in stream:
+            if watched is not None:
+                watched.last = clock()
+            if isinstance(item, TextDelta):
+                if first is None:
+                    first = time.perf_counter()
+                text = repair_text(item.text)
+                parts.append(text)
+                if hub is not None:
+                    hub.text(text)
+            elif isinstance(item, ToolCallDelta):
+                calls.append(_repaired_call(item.call))
+            elif isinstance(item, Usage):
+                usage = item
+        agent.cancellable = False
     except anyio.get_cancelled_exc_class():
         agent.cancellable = False
-        with anyio.CancelScope(shield=True):  # the audit of a call is not lost to a cancel
+        expired = watched is not None and watched.expired
+        error = repr(_timeout(idle)) if expired else "cancelled"
+        with scope(shield=True):  # the audit of a call is not lost to a cancel
             await _close(stream)
             await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error="cancelled",
+                _model_call(agent, host, rendered, started, first, None, error=error,
                             pushed=pushed)
             )
+        if expired:  # the watchdog ended the call: a model error, not a cancel
+            raise ModelFailed(_timeout(idle), "".join(parts)) from None
         raise
     except Exception as exc:
         agent.cancellable = False
-        with anyio.CancelScope(shield=True):
+        with scope(shield=True):
             await _close(stream)
             await host.store.record_model_call(
                 _model_call(agent, host, rendered, started, first, None, error=repr(exc),
@@ -311,17 +308,23 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
             raise
         raise ModelFailed(exc, "".join(parts)) from exc
     finally:
+        if watched is not None:
+            host.watchdog.release(watched)
         CONVERSATION.reset(conversation)
     message = AssistantMessage("".join(parts), tuple(calls))
     audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
     # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
     # every object a waiting turn holds is one more for the cyclic GC to walk.
-    del rendered, stream, parts, calls, conversation, watchdog, pushed, clock
+    del rendered, stream, parts, calls, conversation, watched, pushed, clock
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
-    with anyio.CancelScope(shield=True):
+    with scope(shield=True):
         await _append(agent, host, [message], audit)
     return message
+
+
+def _timeout(idle: float | None) -> ModelTimeout:
+    return ModelTimeout(f"the model sent nothing for {idle:g} seconds")
 
 
 def _model_of(agent: Agent, host: Host) -> Model:

@@ -25,6 +25,8 @@ __all__ = ["Anatomy", "anatomy", "events_in_context", "topic_label", "turn_id"]
 LABEL_EVENTS = 64
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
+_PAIR_SHIFTS = tuple(range(120, -1, -10))  # 13 pairs: the first one's top 2 bits are 0
 
 
 class Anatomy(msgspec.Struct, frozen=True, gc=False):
@@ -45,7 +47,8 @@ def turn_id(started_ms: int, conversation_id: str, turn: int) -> str:
     ms = max(0, started_ms) & ((1 << 48) - 1)
     digest = hashlib.blake2b(f"{conversation_id}\0{turn}".encode(), digest_size=6).digest()
     value = (ms << 80) | ((turn & 0xFFFFFFFF) << 48) | int.from_bytes(digest, "big")
-    return "".join(_CROCKFORD[(value >> shift) & 31] for shift in range(125, -1, -5))
+    # Two characters (10 bits) per lookup: this runs on every model call.
+    return "".join([_PAIRS[(value >> shift) & 1023] for shift in _PAIR_SHIFTS])
 
 
 def events_in_context(messages: Sequence[ContextMessage]) -> int:

@@ -381,6 +381,8 @@ def rank_topics(
 
 
 def _best(scores: dict[str, int] | dict[str, float], limit: int) -> tuple[str, ...]:
+    if limit == 1:  # a call's topic label, every call: no sort (max keeps the first of ties)
+        return (max(scores, key=scores.__getitem__),) if scores else ()
     order = {topic: i for i, topic in enumerate(scores)}
     return tuple(sorted(scores, key=lambda t: (-scores[t], order[t]))[:limit])
 

@@ -166,6 +166,10 @@ class Runtime(MemoryAPI):
             # the block must reach the caller as itself, not wrapped in a group.
             sweeper = asyncio.get_running_loop().create_task(self._lifecycle.run())
             stack.push_async_callback(_cancel_and_wait, sweeper)
+            watchdog = asyncio.get_running_loop().create_task(
+                self._host.watchdog.run(), name="torpor-model-watchdog"
+            )
+            stack.push_async_callback(_cancel_and_wait, watchdog)
             if self.config.embedder is not None:  # hybrid recall: vectors made off the hot path
                 self._embedding, self._host.hybrid = start_embedding(
                     self._store, self.config.embedder, self.config.embed_interval,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower
+from torpor.actors.watchdog import ModelWatchdog
 from torpor.events import Event
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class AgentHost:
 
     __slots__ = (
         "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "poke_embedding",
-        "revivals", "ws_total",
+        "revivals", "watchdog", "ws_total",
     )
 
     def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
@@ -49,6 +50,7 @@ class AgentHost:
         self.ws_total = 0  # estimated bytes of every working set held
         self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
         self.poke_embedding: Callable[[], None] | None = None  # new events to embed
+        self.watchdog = ModelWatchdog()  # its task: Runtime.__aenter__
 
     @property
     def store(self) -> EventStore:
