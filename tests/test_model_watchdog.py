@@ -73,7 +73,7 @@ def test_a_shorter_timeout_wakes_the_task_from_a_long_pause() -> None:
 
 async def _until(condition: Callable[[], object]) -> None:
     """Let the event loop run until ``condition`` holds (the watchdog has no event to await)."""
-    while not condition():  # noqa: ASYNC110  (one loop iteration at a time, no sleeping)
+    while not condition():  # one loop iteration at a time, no sleeping
         await anyio.lowlevel.checkpoint()
 
 
