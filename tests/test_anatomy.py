@@ -7,14 +7,23 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torpor import AgentConfig, Runtime
 from torpor.compaction.anatomy import events_in_context, topic_label, turn_id
+from torpor.compaction.markers import encode_hints, hints_of, rank_topics
 from torpor.events import Event, UserMessage
 from torpor.llm.echo import EchoModel
 from torpor.llm.protocol import SystemMessage
 from torpor.store.protocol import ModelCall
 from torpor.store.rows import decode_model_call
+
+# Words, paths, identifiers, numbers with units, acronyms, quotes: every kind of hint.
+_LABEL_ALPHABET = [
+    "deploy ", "the ", "Kubernetes ", "src/app.py ", "`make` ", "x=3 ", "10ms ", "NASA ",
+    "invoice ", "billing ", "\"quoted\" ", "https://a.io/x ", "ping ", "and ", "API ", "é ",
+]
 
 
 def test_turn_ids_sort_by_time_and_name_one_turn() -> None:
@@ -105,3 +114,19 @@ def test_rows_written_before_the_anatomy_fields_still_decode() -> None:
     assert isinstance(call, ModelCall) and call.sections == {"system": 3}
     assert call.turn_id == "" and call.events_in_context is None and call.markers is None
     assert call.topic is None and call.topic_changed is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_LABEL_ALPHABET), max_size=12).map("".join),
+                min_size=1, max_size=3))
+def test_a_one_event_turn_is_labelled_as_ranking_it_would(texts: list[str]) -> None:
+    """The label's shortcut for a turn of one event (no background) equals the ranking."""
+    tail = [Event("c", i, i + 1, 0, 0, UserMessage(t), encode_hints(UserMessage(t)))
+            for i, t in enumerate(texts)]
+    span = [tail[-1]]
+    ranked = rank_topics((hints_of(e) for e in span), 1, None, 1)
+    if ranked:
+        assert topic_label(tail) == ranked[0]
+    else:  # falls back to the recent tail, as the ranking path does
+        fallback = rank_topics((hints_of(e) for e in tail), 1, None, len(tail))
+        assert topic_label(tail) == (fallback[0] if fallback else None)

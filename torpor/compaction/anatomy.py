@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from torpor.compaction.background import BACKGROUND_MIN_EVENTS
 from torpor.compaction.markers import hints_of, rank_topics
 from torpor.events import Event, UserMessage
 from torpor.llm.protocol import ContextMessage, SystemMessage
@@ -83,7 +84,17 @@ def topic_label(tail: Sequence[Event], background: Background | None = None) -> 
     Prose words are weighed against the conversation's ``background`` (its latest
     checkpoint's), as markers' are: a word the whole conversation uses is no label.
     """
+    untrusted = background is None or background.events < BACKGROUND_MIN_EVENTS
     for span in (_current_turn(tail)[:LABEL_EVENTS], tail[-LABEL_EVENTS:]):
+        if len(span) == 1 and untrusted:
+            # The first call of a turn: one event, ranked by itself, is its own hints'
+            # order (best exact string first, else its first word): no ranking to run.
+            flat = hints_of(span[0])
+            if flat:
+                label = flat[1]
+                assert isinstance(label, str)
+                return label
+            continue
         ranked = rank_topics((hints_of(e) for e in span), 1, background, len(span))
         if ranked:
             return ranked[0]
