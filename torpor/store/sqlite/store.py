@@ -175,7 +175,7 @@ class SQLiteStore(StoreCore):
             raise StoreError("the store is already open")
         checkpointer: aiosqlite.Connection | None = None
         try:
-            writer = await self._connect()
+            writer = await self._connect(shared=True)
             version, backlog = await hop(
                 writer,
                 _setup_writer,
@@ -204,6 +204,9 @@ class SQLiteStore(StoreCore):
             max_batch=self._max_batch,
             wal_path=None if self.path is None else self.path + "-wal",
             search_backlog=backlog,
+            # Small batches on the loop's thread when a commit syncs nothing; an in-memory
+            # store's one connection also serves reads on its thread, so it never does.
+            inline=self.path is not None and self.durability == "normal",
         )
         self._writer.start()
         if checkpointer is not None:
@@ -212,9 +215,11 @@ class SQLiteStore(StoreCore):
             self._checkpointer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
 
-    async def _connect(self) -> aiosqlite.Connection:
+    async def _connect(self, *, shared: bool = False) -> aiosqlite.Connection:
+        """``shared``: the writer's, usable from the loop's thread too (inline batches)."""
         conn = aiosqlite.connect(
-            self.path or ":memory:", isolation_level=None, cached_statements=256
+            self.path or ":memory:", isolation_level=None, cached_statements=256,
+            check_same_thread=not shared,
         )
         self._conns.append(conn)
         await conn
@@ -227,7 +232,7 @@ class SQLiteStore(StoreCore):
         (one opened while the file was read-only stays read-only). The old one is
         closed only once the new one works, so a failed attempt changes nothing.
         """
-        conn = await self._connect()
+        conn = await self._connect(shared=True)
         try:
             keep = self._checkpoints.soft_limit
             await hop(conn, _configure_writer, self.durability, self._busy_ms, keep)
@@ -286,9 +291,11 @@ class SQLiteStore(StoreCore):
         """Run ``fn(sqlite3_connection, *args)`` on the writer connection's thread.
 
         For tests and maintenance only (e.g. ``PRAGMA max_page_count`` to make
-        the database fill up): it bypasses the queue, so it must not write.
+        the database fill up): it bypasses the queue, so the writer is held
+        meanwhile (no batch runs beside it on the loop's thread).
         """
-        return await hop(self._write().connection, fn, *args)
+        async with self._write().exclusive() as conn:
+            return await hop(conn, fn, *args)
 
     # what StoreCore asks of a backend ----------------------------------------------
 

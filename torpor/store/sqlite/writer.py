@@ -21,6 +21,20 @@ usual, so writes resume by themselves once the condition clears. After the
 errors that can leave the connection itself unable to write (read-only, I/O),
 the store's ``reconnect`` replaces it before the next batch.
 
+**Inline batches.** With ``inline`` (a file store at ``synchronous=NORMAL``, where
+a commit writes to the WAL and syncs nothing), a batch of at most
+:data:`INLINE_OPS` operations runs on the event loop's own thread instead: a
+small transaction costs tens of microseconds, while the two cross-thread
+wake-ups of a hand-off cost more than that on a virtual machine and make the
+slowest turns slower still. The writer connection is then shared by two
+threads, never at once: a batch runs whole inside one call on either side, and
+anything else that uses the connection holds the writer first
+(:meth:`GroupCommitWriter.exclusive`). An inline batch that takes longer than
+:data:`SLOW_INLINE` seconds (a stalled disk) sends the next
+:data:`AFTER_SLOW` batches to the thread, so the loop is not blocked again at
+once; larger batches, under load, always go to the thread, where SQLite's own
+work runs beside the loop's instead of inside it.
+
 The writer can be *held* (:meth:`GroupCommitWriter.hold`): it finishes the
 batch in flight and takes no new one until released. The WAL checkpointer
 (:mod:`.checkpoint`) holds it for the rare checkpoint that needs the database
@@ -34,7 +48,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiosqlite
@@ -50,6 +64,13 @@ from torpor.store.sqlite.hop import post
 __all__ = ["GroupCommitWriter"]
 
 log = get_logger(__name__)
+
+INLINE_OPS = 8
+"""The largest batch committed on the event loop's thread (``inline`` writers)."""
+SLOW_INLINE = 0.005
+"""An inline batch slower than this (seconds) sends the next ones to the thread."""
+AFTER_SLOW = 200
+"""How many batches go to the thread after a slow inline one."""
 
 _Pending = Pending[WriteOp]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
@@ -78,8 +99,11 @@ class GroupCommitWriter:
         cache_size: int = 65536,
         wal_path: str | None = None,
         search_backlog: tuple[int, int] = (0, 0),
+        inline: bool = False,
     ) -> None:
         self._conn = conn
+        self._inline = inline  # small batches on the loop's thread (see the module docstring)
+        self._threaded = 0  # batches still to send to the thread after a slow inline one
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._cache = HeadCache(cache_size)
@@ -92,6 +116,7 @@ class GroupCommitWriter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # committed batches, for stats and tests
+        self.inline_batches = 0  # of which run on the loop's thread
         self.largest_batch = 0
 
     def start(self) -> None:
@@ -137,6 +162,16 @@ class GroupCommitWriter:
         self._holds -= 1
         if self._holds == 0:
             self._queue.wake()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[aiosqlite.Connection]:
+        """The writer connection, with no batch in flight or starting until the block ends."""
+        self.hold()
+        try:
+            await self.quiesce()
+            yield self._conn
+        finally:
+            self.release()
 
     async def quiesce(self) -> None:
         """Return once no batch is on the writer thread (call after :meth:`hold`)."""
@@ -184,7 +219,12 @@ class GroupCommitWriter:
                     self._conn = await self._reconnect(self._conn)
                     self._stale = False
                     log.info("writer_reconnected")
+                if self._inline and len(ops) <= INLINE_OPS and not self._threaded:
+                    self._run_inline(ops, futures, done, started)
+                    return
                 job, lost = self._job(loop, ops, futures, done, started)
+                if self._threaded:
+                    self._threaded -= 1
                 post(self._conn, job, lost)
             except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
                 if isinstance(exc, Exception):
@@ -206,6 +246,44 @@ class GroupCommitWriter:
             if self._current is done:
                 self._current = None
 
+    def _run_inline(
+        self,
+        ops: list[WriteOp],
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[None],
+        started: float,
+    ) -> None:
+        """Run the batch here, on the loop's thread, and resolve its callers at once."""
+        try:
+            raw: sqlite3.Connection = self._conn._conn
+        except BaseException as exc:  # the connection is gone: as post's ``lost``
+            results: list[object] = [Failed(_unavailable(exc)) for _ in ops]
+            self._finish(futures, done, results, exc, -1, started)
+            return
+        results, error, size = self._execute(raw, ops)
+        self.inline_batches += 1
+        if time.perf_counter() - started > SLOW_INLINE:
+            self._threaded = AFTER_SLOW
+            log.info("inline_commit_slow", seconds=time.perf_counter() - started)
+        self._finish(futures, done, results, error, size, started)
+
+    def _execute(
+        self, conn: sqlite3.Connection, ops: list[WriteOp]
+    ) -> tuple[list[object], BaseException | None, int]:
+        """One batch on ``conn`` (whichever thread): results, the batch's error, WAL bytes."""
+        try:
+            results, error = run_batch(conn, self._cache, self._backlog, ops, now_ms())
+        except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
+            results, error = [Failed(_unavailable(exc)) for _ in ops], exc
+        size = -1
+        wal = self._wal_path
+        if wal is not None and error is None:
+            try:
+                size = os.stat(wal).st_size
+            except OSError:
+                size = 0  # unknown: the checkpointer still learns that a commit was made
+        return results, error, size
+
     def _job(
         self,
         loop: asyncio.AbstractEventLoop,
@@ -215,26 +293,15 @@ class GroupCommitWriter:
         started: float,
     ) -> tuple[Callable[[sqlite3.Connection], None], Callable[[BaseException], None]]:
         """The batch as it runs on the writer thread, and what it does if the connection is gone."""
-        cache, backlog = self._cache, self._backlog
-        wal = self._wal_path
         finish = self._finish
+        execute = self._execute
 
         def report(results: list[object], error: BaseException | None, size: int) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(finish, futures, done, results, error, size, started)
 
         def job(conn: sqlite3.Connection) -> None:
-            try:
-                results, error = run_batch(conn, cache, backlog, ops, now_ms())
-            except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
-                results, error = [Failed(_unavailable(exc)) for _ in ops], exc
-            size = -1
-            if wal is not None and error is None:
-                try:
-                    size = os.stat(wal).st_size
-                except OSError:
-                    size = 0  # unknown: the checkpointer still learns that a commit was made
-            report(results, error, size)
+            report(*execute(conn, ops))
 
         def lost(exc: BaseException) -> None:
             report([Failed(_unavailable(exc)) for _ in ops], exc, -1)

@@ -1,0 +1,88 @@
+"""Inline group commits (torpor.store.sqlite.writer): a small batch of a file store at
+synchronous=NORMAL commits on the event loop's thread; larger batches, a slow disk, a
+``full`` store and an in-memory store use the writer thread; maintenance on the writer
+connection holds the writer so no batch runs beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import torpor.store.sqlite.writer as writer_module
+from torpor.events import UserMessage
+from torpor.store import SQLiteStore
+
+
+def _writer(store: SQLiteStore) -> Any:
+    return store._writer
+
+
+async def test_small_batches_of_a_normal_file_store_commit_inline(tmp_path: Path) -> None:
+    async with SQLiteStore(str(tmp_path / "a.db")) as store:
+        for i in range(5):
+            await store.append_events("c", [UserMessage(f"m{i}")], expect_head=i - 1)
+        writer = _writer(store)
+        assert writer.inline_batches == writer.batches == 5
+        assert [e.body.text for e in await store.read_since("c", 0)] == [  # type: ignore[attr-defined]
+            f"m{i}" for i in range(5)
+        ]
+    # What an inline batch committed is in the file for the next process.
+    with sqlite3.connect(tmp_path / "a.db") as raw:
+        assert raw.execute("SELECT count(*) FROM events").fetchone()[0] == 5
+
+
+@pytest.mark.parametrize("path, durability", [(True, "full"), (False, "normal")])
+async def test_full_durability_and_memory_stores_commit_on_the_thread(
+    tmp_path: Path, path: bool, durability: str
+) -> None:
+    location = str(tmp_path / "b.db") if path else None
+    async with SQLiteStore(location, durability=durability) as store:  # type: ignore[arg-type]
+        await store.append_events("c", [UserMessage("x")], expect_head=-1)
+        writer = _writer(store)
+        assert writer.batches == 1 and writer.inline_batches == 0
+
+
+async def test_a_large_batch_goes_to_the_thread(tmp_path: Path) -> None:
+    async with SQLiteStore(str(tmp_path / "c.db")) as store:
+        writer = _writer(store)
+        writer.hold()  # let a batch larger than INLINE_OPS build up
+        appends = [
+            asyncio.ensure_future(store.append_events(f"c{i}", [UserMessage("x")], expect_head=-1))
+            for i in range(writer_module.INLINE_OPS + 1)
+        ]
+        await asyncio.sleep(0)  # one loop turn: every append has queued its op
+        assert len(writer._queue) == len(appends)
+        writer.release()
+        await asyncio.gather(*appends)
+        assert writer.batches == 1 and writer.inline_batches == 0
+
+
+async def test_a_slow_inline_batch_sends_the_next_ones_to_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "SLOW_INLINE", 0.0)  # every inline batch is "slow"
+    monkeypatch.setattr(writer_module, "AFTER_SLOW", 3)
+    async with SQLiteStore(str(tmp_path / "d.db")) as store:
+        for i in range(6):
+            await store.append_events("c", [UserMessage(f"m{i}")], expect_head=i - 1)
+        writer = _writer(store)
+        # inline, then 3 on the thread, inline (slow again), then the thread again
+        assert writer.batches == 6 and writer.inline_batches == 2
+
+
+async def test_maintenance_on_the_writer_connection_holds_the_writer(tmp_path: Path) -> None:
+    async with SQLiteStore(str(tmp_path / "e.db")) as store:
+        writer = _writer(store)
+        seen: list[int] = []
+
+        def probe(conn: sqlite3.Connection) -> None:
+            seen.append(writer._holds)
+
+        await store._on_writer(probe)
+        assert seen == [1] and writer._holds == 0
+        await store.append_events("c", [UserMessage("after")], expect_head=-1)
+        assert writer.batches == 1
