@@ -72,30 +72,7 @@ async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event
     head stale; a cancel takes effect at the next model or tool await instead.
     """
     with scope(shield=True):
-        events = await _append(agent, host, bodies)
-    return events
-
-
-async def _append(
-    agent: Agent, host: Host, bodies: Sequence[Body], audit: ModelCall | None = None
-) -> list[Event]:
-    """:func:`append` for a caller that holds a shield already (one scope less per turn).
-
-    ``audit``: the model call that produced ``bodies``, recorded in the same group
-    commit (one round trip, and the call and its answer commit or fail together).
-    """
-    events, recording = await _logged(agent, host, bodies, agent.turn, None, audit)
-    ws = agent.ws
-    assert ws is not None
-    ws.append(events)
-    hub = agent.hub
-    if hub is not None:
-        for event in events:
-            hub.logged(event)
-    # Only now, with the working set and the stream up to date (a follower arriving in
-    # between must not see the answer in the log and its text still in flight).
-    if recording is not None:
-        await recording
+        events = await logged(agent, host, bodies, turn=agent.turn, apply=True)
     return events
 
 
@@ -106,6 +83,8 @@ async def logged(
     *,
     turn: int | Callable[[], int],
     key: str | None = None,
+    audit: ModelCall | None = None,
+    apply: bool = False,
 ) -> list[Event]:
     """Append at our head, one writer at a time, and tell the followers.
 
@@ -114,34 +93,26 @@ async def logged(
     a function, read once the lock is held (a postponed message's number);
     ``bodies`` too (a task card change, merged with the card in effect under the
     lock, so two changes never overwrite each other).
+
+    ``apply``: the events join the working set and the turn's stream here (the
+    actor's own writes for its current turn). ``audit``: the model call that
+    produced ``bodies``, queued right behind them with no await between, so on
+    SQLite they share one group commit (the call and its answer commit or fail
+    together); it is awaited once the working set and the stream are up to date,
+    so a follower arriving in between never sees the answer in the log and its
+    text still in flight. One coroutine for all of it: each frame a waiting
+    write holds is one more object per turn in flight for the cyclic GC to walk.
     """
-    events, _ = await _logged(agent, host, bodies, turn, key, None)
-    return events
-
-
-async def _logged(
-    agent: Agent,
-    host: Host,
-    bodies: Sequence[Body] | Callable[[], Sequence[Body]],
-    turn: int | Callable[[], int],
-    key: str | None,
-    audit: ModelCall | None,
-) -> tuple[list[Event], asyncio.Future[None] | None]:
-    """:func:`logged`, recording ``audit`` too, for the caller to await once it has
-    applied the events. Both are queued back to back once the lock is held, with no
-    await between them, so on SQLite they share one group commit: the call and its
-    answer commit or fail together (a store that queues later gets a task instead)."""
     lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
     if lock is not None:
         await lock.acquire()
+    recording: asyncio.Future[None] | None = None
     try:
         number = turn if isinstance(turn, int) else turn()
         if callable(bodies):
             bodies = bodies()
-        recording = (
-            None if audit is None
-            else asyncio.ensure_future(host.store.record_model_call(audit))  # a future: as is
-        )
+        if audit is not None:
+            recording = asyncio.ensure_future(host.store.record_model_call(audit))
         try:
             events = await host.store.append_events(
                 agent.id, bodies, turn=number, expect_head=agent.head, key=key
@@ -163,10 +134,20 @@ async def _logged(
             reconciler = agent.profile.config.reconciler
             if reconciler is not None:  # the hot-path reconciler, once per finished turn
                 await reconcile_logged(host.store, reconciler, agent.id, number, ws, events)
+        if apply:
+            ws = agent.ws
+            assert ws is not None
+            ws.append(events)
+            hub = agent.hub
+            if hub is not None:
+                for event in events:
+                    hub.logged(event)
     finally:
         if lock is not None:
             lock.release()
-    return events, recording
+    if recording is not None:
+        await recording
+    return events
 
 
 async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
@@ -319,7 +300,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     # Both writes join the same group commit: one round trip to the store, not two. The
     # commit is one piece: a cancel arriving now finds the message logged (too late).
     with scope(shield=True):
-        await _append(agent, host, [message], audit)
+        await logged(agent, host, [message], turn=agent.turn, audit=audit, apply=True)
     return message
 
 
