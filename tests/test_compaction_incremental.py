@@ -34,6 +34,7 @@ from torpor.compaction import (
     render,
     turn_starts,
 )
+from torpor.compaction.context_view import MessageView
 from torpor.compaction.markers import encode_hints
 from torpor.errors import ConfigError
 from torpor.events import (
@@ -210,6 +211,8 @@ def assert_same(one: Rendered | None, two: Rendered | None) -> None:
     assert (one is None) == (two is None)
     if one is not None and two is not None:
         assert one == two
+        # A view of the render cache's list encodes as the list it reads as.
+        one, two = (msgspec.structs.replace(r, messages=list(r.messages)) for r in (one, two))
         assert msgspec.msgpack.encode(one) == msgspec.msgpack.encode(two)
 
 
@@ -425,3 +428,41 @@ def test_tool_specs_changed_in_place_between_calls_are_seen() -> None:
     second = ws.render(PROMPTS[0], POLICIES[0], specs)
     assert second == ws.render_from_scratch(PROMPTS[0], POLICIES[0], specs)
     assert second.sections["tools"] > first.sections["tools"] and second.hash != first.hash
+
+
+def test_a_rendered_context_shares_the_cache_and_never_changes_after() -> None:
+    """The context of a call reads the render cache's own list (no copy per call), and a
+    later render that turns an old result into a stub changes a copy, not that context."""
+    log = Log()
+    ws = WorkingSet("c", None, chat(log, 5))
+    policy = CompactionPolicy(keep_tool_results=1, clear_at_least=0)
+    first = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    assert isinstance(first.messages, MessageView)
+    cache = ws._cache
+    assert cache is not None and first.messages._body is cache.messages  # shared
+    snapshot = list(first.messages)
+    ws.append(chat(log, 2))  # two more results: the older ones leave the window as stubs
+    second = ws.render(PROMPTS[0], policy, TOOLSETS[1])
+    assert len(second.recipe.stubbed) > len(first.recipe.stubbed)
+    assert list(first.messages) == snapshot  # the earlier context is as it was sent
+    assert first.messages[-1] is snapshot[-1] and first.messages[0] == snapshot[0]
+    assert second == ws.render_from_scratch(PROMPTS[0], policy, TOOLSETS[1])
+    with pytest.raises(IndexError):
+        first.messages[len(snapshot)]
+    assert first.messages[1:3] == snapshot[1:3] and first.messages == snapshot
+
+
+@given(st.integers(0, 3), st.integers(0, 6), st.integers(0, 3), st.integers(-12, 12),
+       st.integers(-12, 12), st.sampled_from([None, 1, 2, -1]))
+def test_a_context_view_slices_and_indexes_as_its_list(
+    h: int, n: int, a: int, start: int, stop: int, step: int | None
+) -> None:
+    head = [UserMessage(f"h{i}") for i in range(h)]
+    body = [UserMessage(f"b{i}") for i in range(n + 2)]  # two past n: never read
+    after = [UserMessage(f"a{i}") for i in range(a)]
+    view = MessageView(head, body, n, after)
+    whole = head + body[:n] + after
+    assert list(view) == whole and len(view) == len(whole)
+    assert view[start:stop:step] == whole[start:stop:step]
+    if -len(whole) <= start < len(whole):
+        assert view[start] is whole[start]

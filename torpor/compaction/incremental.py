@@ -37,6 +37,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from torpor.compaction.context_view import MessageView
 from torpor.compaction.footprint import str_bytes
 from torpor.compaction.recipe import (
     CHAIN_SEED,
@@ -103,6 +104,7 @@ class TailCache:
         "hashed",
         "keep_results",
         "last_user",
+        "lent",
         "limit",
         "marks",
         "max_position",
@@ -137,6 +139,7 @@ class TailCache:
         self.done = 0
         self.max_position = -1  # the tail's highest position (not its last: see compaction.order)
         self.messages: list[ContextMessage] = []
+        self.lent = False  # a MessageView shares ``messages``: copy it before changing a slot
         self.rebuild: dict[int, Rebuild] = {}  # slot -> how its message is made per call
         self.unanswered: dict[str, ToolCall] = {}
         self.window: list[tuple[int, int]] = []  # (slot, event index) of results not stubbed
@@ -311,6 +314,9 @@ class TailCache:
         if k == len(self.messages):
             self.messages.append(message)
         else:
+            if self.lent:  # a rendered context may still read this list: change a copy
+                self.messages = list(self.messages)
+                self.lent = False
             self.messages[k] = message
             if k < self.dirty:
                 self.dirty = k  # the hash chain from here on is stale
@@ -358,18 +364,25 @@ class TailCache:
         total = sum(sections.values())
         if total > ceiling:
             return None
-        messages: list[ContextMessage] = [SystemMessage(system_prompt)]
-        messages.extend(SystemMessage(block.text) for block in head)
-        start = len(messages)
-        messages.extend(self.messages)
-        if self.rebuild:
-            self._remake(tail, messages, start)
+        lead: list[ContextMessage] = [SystemMessage(system_prompt)]
+        lead.extend(SystemMessage(block.text) for block in head)
+        after: list[ContextMessage] = []
         synthesized = tuple(self.synthesized or ())
         if pending:
-            messages.extend(synthetic(call) for call in pending.values())
+            after.extend(synthetic(call) for call in pending.values())
             synthesized += tuple(call.id for call in pending.values())
         if recalled is not None:  # after the tail: chosen per call, so hashed per call
-            messages.append(SystemMessage(recalled.text))
+            after.append(SystemMessage(recalled.text))
+        body = self.messages
+        messages: Sequence[ContextMessage]
+        if self.rebuild:  # slots made per call (clips, previews): a copy with them filled in
+            copy = [*lead, *body]
+            self._remake(tail, copy, len(lead))
+            body = copy[len(lead):]
+            messages = copy + after
+        else:  # the cache's own list, shared until it changes a slot (see _put)
+            messages = MessageView(lead, body, len(body), after)
+            self.lent = True
         recipe = Recipe(
             checkpoint_position=checkpoint.position if checkpoint is not None else None,
             cycle=checkpoint.cycle if checkpoint is not None else 0,
@@ -390,26 +403,27 @@ class TailCache:
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=self._hash(messages, start, system_prompt, tuple(b.text for b in head), tools),
+            hash=self._hash(lead, body, after, system_prompt, tuple(b.text for b in head)),
             sections=sections,
             estimated_tokens=total,
         )
 
     def _hash(
         self,
-        messages: list[ContextMessage],
-        start: int,
+        lead: list[ContextMessage],
+        body: list[ContextMessage],
+        after: list[ContextMessage],
         system_prompt: str,
         head: tuple[str, ...],
-        tools: Sequence[ToolSpec],
     ) -> str:
-        """:func:`~torpor.compaction.recipe.payload_hash` of ``messages``, carried over from
-        the last call: only slots new or changed since are hashed."""
+        """:func:`~torpor.compaction.recipe.payload_hash` of ``lead + body + after``
+        (``body``: the slots, as rendered), carried over from the last call: only slots
+        new or changed since are hashed."""
         n = len(self.messages)
         key = (system_prompt, head)
         if self.prefix != key:  # a new prompt (or the first call): every slot again
             state = CHAIN_SEED
-            for message in messages[:start]:
+            for message in lead:
                 state = chain(state, message)
             self.prefix = key
             self.prefix_state = self.state = state
@@ -423,12 +437,12 @@ class TailCache:
         self.dirty = _CLEAN
         state = self.state
         for k in range(self.hashed, n):
-            state = chain(state, messages[start + k])
+            state = chain(state, body[k])
             if (k + 1) % STRIDE == 0:
                 self.marks += state
         self.hashed = n
         self.state = state
-        for message in messages[start + n :]:  # stand-ins for open calls, recalled: per call
+        for message in after:  # stand-ins for open calls, recalled: per call
             state = chain(state, message)
         return chain_end(state, self.tools_digest)
 

@@ -85,7 +85,7 @@ class Recipe(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 class Rendered(msgspec.Struct, frozen=True, gc=False):
     """A context ready to send: the messages, how they were made, and what they cost."""
 
-    messages: list[ContextMessage]
+    messages: Sequence[ContextMessage]  # a list, or a MessageView sharing the render cache
     recipe: Recipe
     hash: str  # the payload hash (hex) of (messages, tool specs), per the recipe's version
     # tokens: system, markers, tools, tail, tool_results, user (and task_card, recalled
