@@ -371,6 +371,33 @@ def test_node_config_is_validated() -> None:
     assert time.monotonic() > 0
 
 
+async def test_a_node_without_a_shard_count_adopts_the_clusters_and_a_different_one_is_refused(
+    pg_url: str,
+) -> None:
+    async with Runtime(pg_url, node=node("a", 7001)) as a:  # creates the cluster with SHARDS
+        joiner = NodeConfig(node_id="b", address="127.0.0.1:7002", lease_ttl=1.0)
+        assert joiner.shards is None
+        async with Runtime(pg_url, node=joiner) as b:
+            view = await b.admin.cluster()
+            assert view is not None and view.shard_count == SHARDS
+            _, held_b = await until_split(a, b)
+            mine = next(c for c in (f"x{i}" for i in range(99)) if shard_of(c, SHARDS) in held_b)
+            assert (await (await b.send(mine, "hi")).result()).text == "echo: hi"
+        wrong = NodeConfig(node_id="c", address="127.0.0.1:7003", lease_ttl=1.0, shards=16)
+        with pytest.raises(torpor.ConfigError, match=f"created with {SHARDS} shards, not 16"):
+            async with Runtime(pg_url, node=wrong):
+                pass
+
+
+async def test_the_first_node_without_a_shard_count_creates_the_cluster_with_512(
+    pg_url: str,
+) -> None:
+    first = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=1.0)
+    async with Runtime(pg_url, node=first) as rt:
+        view = await rt.admin.cluster()
+        assert view is not None and view.shard_count == 512 == len(view.shards)
+
+
 async def torpor_cli(*args: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TORPOR_DB"}
     env["COLUMNS"] = "120"
