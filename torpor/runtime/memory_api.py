@@ -61,6 +61,8 @@ class MemoryAPI:
 
         def _check_open(self) -> None: ...
 
+        def _check_owner(self, conversation_id: str) -> None: ...
+
         def _profile_for(self, conversation_id: str) -> Profile: ...
 
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
@@ -78,10 +80,12 @@ class MemoryAPI:
         """Run the consolidation sweep now: UPDATE/DELETE decisions for the conversation's
         semantic items go to the ledger (the log is never touched); returns them and the
         regenerated digest. The sweep is the conversation's ``AgentConfig.consolidator``
-        (default :class:`~torpor.memory.KeyedConsolidator`)."""
+        (default :class:`~torpor.memory.KeyedConsolidator`). On a cluster node:
+        ``NotOwner`` for a conversation another node serves (its writes are fenced)."""
         self._check_open()
         check_id(conversation_id)
         _lines(max_lines)
+        self._check_owner(conversation_id)
         consolidator = self._profile_for(conversation_id).config.consolidator
         if consolidator is None:
             consolidator = KeyedConsolidator()
