@@ -364,21 +364,26 @@ async def test_a_lost_lease_fails_the_turn_with_shard_moved_fences_its_abort_and
 async def test_consolidate_on_a_node_that_does_not_own_the_conversation_raises_not_owner(
     pg_url: str,
 ) -> None:
+    a_node, b_node = node("a", 7001), node("b", 7002)
+    async with Runtime(pg_url, node=a_node) as a, Runtime(pg_url, node=b_node) as b:
+        await consolidate_elsewhere(a, b)
+
+
+async def consolidate_elsewhere(a: Runtime, b: Runtime) -> None:
+    """``a`` consolidates a conversation of ``b``'s, with facts its sweep would update."""
     from torpor.store.memory import SemanticItem
 
-    async with Runtime(pg_url, node=node("a", 7001)) as a, \
-            Runtime(pg_url, node=node("b", 7002)) as b:
-        _, held_b = await until_split(a, b)
-        cid = next(c for c in (f"x{i}" for i in range(99)) if shard_of(c, SHARDS) in held_b)
-        await (await b.send(cid, "hello")).result()
-        facts = [SemanticItem(2, 0, "db", "fact", "postgres 14", confidence=0.8),
-                 SemanticItem(6, 0, "db", "fact", "postgres 16", confidence=0.8)]
-        await b.store.put_memory(cid, facts=facts)
-        with pytest.raises(torpor.NotOwner) as refused:  # not FencedError from its write
-            await a.consolidate(cid)
-        assert refused.value.owner == "127.0.0.1:7002"
-        assert (await b.store.memory(cid)).ledger == ()  # a wrote nothing
-        assert [d.action for d in (await b.consolidate(cid)).decisions] == ["update"]
+    held_b = (await until_split(a, b))[1]
+    cid = next(c for c in (f"x{i}" for i in range(99)) if shard_of(c, SHARDS) in held_b)
+    await (await b.send(cid, "hello")).result()
+    facts = [SemanticItem(2, 0, "db", "fact", "postgres 14", confidence=0.8),
+             SemanticItem(6, 0, "db", "fact", "postgres 16", confidence=0.8)]
+    await b.store.put_memory(cid, facts=facts)
+    with pytest.raises(torpor.NotOwner) as refused:  # not FencedError from its write
+        await a.consolidate(cid)
+    assert refused.value.owner == "127.0.0.1:7002"
+    assert (await b.store.memory(cid)).ledger == ()  # a wrote nothing
+    assert [d.action for d in (await b.consolidate(cid)).decisions] == ["update"]
 
 
 @pytest.mark.parametrize("request_name", ["resolve", "cancel"])
