@@ -164,6 +164,21 @@ async def test_consolidate_supersedes_by_key_in_the_ledger_and_never_touches_the
     assert "postgres 16" in done.digest.text and "postgres 14" not in done.digest.text
 
 
+async def test_consolidate_returns_the_decisions_as_stored_with_their_seq_and_time() -> None:
+    async with Runtime("sqlite://") as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"),
+                                              fact(2, "os", "linux", ordinal=1)])
+        await rt.store.put_memory("c", facts=[fact(6, "db", "postgres 16"),
+                                              fact(6, "os", "bsd", ordinal=1)])
+        done = await rt.consolidate("c")
+        stored = (await rt.store.memory("c")).ledger
+    assert [d.key for d in done.decisions] == ["db", "os"]
+    assert done.decisions == stored  # the same seq and created_at the store gave them
+    assert all(d.seq > 0 and d.created_at > 0 for d in done.decisions)
+    assert done.decisions[0].seq < done.decisions[1].seq
+
+
 class Forget:
     """Tombstones every key it is told to."""
 
