@@ -140,3 +140,23 @@ def test_inspect_of_a_missing_conversation_is_one_line(tmp_path: Path) -> None:
     result = torpor("inspect", "--db", db, "nobody")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["torpor: error: unknown conversation: nobody"]
+
+
+async def test_inspect_lists_the_anatomy_in_the_order_the_context_is_sent(
+    tmp_path: Path,
+) -> None:
+    from torpor import Runtime
+
+    db = db_url(tmp_path / "card.db")
+    async with Runtime(db) as rt:  # a task card: a head block besides the markers
+        await rt.task("c").update(goal="ship the fix")
+        await (await rt.send("c", "hello")).result()
+        recorded = list((await rt.store.model_calls("c", limit=1))[-1].sections)
+    sent = ["system", "task_card", "markers", "tools", "tail", "tool_results", "user"]
+    assert sorted(recorded) == sorted(sent) and recorded != sent  # recorded in another order
+    data = json.loads(torpor("inspect", "--db", db, "c", "--json", "-").stdout)
+    assert list(data["anatomy"]["sections"]) == sent
+    table = torpor("inspect", "--db", db, "c").stdout
+    rows = [line.split()[1] for line in table.splitlines()
+            if len(line.split()) > 2 and line.split()[1] in sent]
+    assert rows == sent

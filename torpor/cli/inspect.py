@@ -37,6 +37,7 @@ from torpor.cli.common import (
 )
 from torpor.cli.inspect_memory import memory_json, print_memory
 from torpor.cli.render import clip, event_json, event_line
+from torpor.compaction.sections import HEAD_ORDER
 from torpor.errors import UnknownConversation
 from torpor.runtime.spawn import branch_tree
 from torpor.store import open_store
@@ -126,12 +127,25 @@ def _print_listing(console: Console, data: dict[str, Any]) -> None:
 # -- one conversation ------------------------------------------------------------------
 
 
+# The order a context is sent in (torpor.compaction.sections): the system prompt, the head
+# blocks, the tool specs, the tail (its tool results and its last user message counted
+# apart), the recalled section. A call records its sections in another order.
+_SEND_ORDER = {name: i for i, name in
+               enumerate(("system", *HEAD_ORDER, "tools", "tail", "tool_results", "user",
+                          "recalled"))}
+
+
+def _in_send_order(sections: dict[str, int]) -> dict[str, int]:
+    """``sections`` in send order; names not known here last, in their recorded order."""
+    return dict(sorted(sections.items(), key=lambda kv: _SEND_ORDER.get(kv[0], len(_SEND_ORDER))))
+
+
 def _anatomy(call: ModelCall) -> dict[str, Any]:
     return {
         "turn": call.turn,
         "call_index": call.call_index,
         "compaction_cycle": call.compaction_cycle,
-        "sections": dict(call.sections),
+        "sections": _in_send_order(call.sections),
         "estimated_prompt_tokens": call.estimated_prompt_tokens,
         "reported_prompt_tokens": call.reported_prompt_tokens,
         "utilization": call.utilization,
