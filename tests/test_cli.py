@@ -54,6 +54,13 @@ def test_loadtest_small_run_writes_every_figure_as_json(tmp_path: Path) -> None:
     assert timeline and {"activate", "run"} <= {s["phase"] for s in timeline}
     assert all(s["with_working_set"] + s["hibernated"] + s["evicted"] >= 0 for s in timeline)
     assert "torpor loadtest" in result.stderr  # the summary table, for people
+    # Revival rows say they include queueing; the end-of-run one only when it differs.
+    assert "revival slots included" in " ".join(result.stderr.split())  # however wrapped
+    assert report["activation"]["revivals"] <= report["lifecycle"]["revivals"]
+    same = all(report["activation"][k] == report["lifecycle"][k]
+               for k in ("revival_p50_ms", "revival_p99_ms"))
+    assert ("revival p50/p99 (end of run)" in result.stderr) is not same
+    assert "last 4,096" not in result.stderr
     if plot.exists():
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
