@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torpor(
-    *args: str, stdin: str | None = None, timeout: float = 60
+    *args: str, stdin: str | None = None, timeout: float = 60, columns: int = 120
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_DB": "sqlite://", "COLUMNS": "120"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_DB": "sqlite://",
+           "COLUMNS": str(columns)}
     env.pop("TORPOR_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "torpor", *args],
@@ -167,3 +168,29 @@ async def test_inspect_lists_the_anatomy_in_the_order_the_context_is_sent(
     rows = [line.split()[1] for line in table.splitlines()
             if len(line.split()) > 2 and line.split()[1] in sent]
     assert rows == sent
+
+
+async def test_inspect_shows_every_table_header_whole_at_80_columns(tmp_path: Path) -> None:
+    from torpor import AgentConfig, ModelSummarizer, Runtime, ScriptedModel
+
+    db = db_url(tmp_path / "fold.db")
+    summarizer = ModelSummarizer(ScriptedModel.replies("EPISODE:\nearlier\nITEMS:\n[]",
+                                                       loop=True))
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), summarizer=summarizer,
+                        working_budget=150, tail_turns=1, context_window=4_000,
+                        max_output_tokens=500, safety_margin=100, recall_tools=False)
+    async with Runtime(db, agent=agent) as rt:  # folds: a summary call among the turn calls
+        for i in range(6):
+            await (await rt.send("c", f"message {i} " + "words " * 30)).result()
+    out = torpor("inspect", "--db", db, "c", "--calls", "20", columns=80).stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    starts = [i for i, line in enumerate(lines) if line.startswith("┏")]
+    headers = [lines[i + 1:lines.index(lines[i].replace("┏", "┡").replace("┳", "╇")
+                                       .replace("┓", "┩"), i)] for i in starts]
+    assert headers and not any("…" in line for header in headers for line in header)
+    calls = next(h for h in headers if any("budget" in line for line in h))
+    assert calls[0].replace("┃", " ").split() == [
+        "turn", "call", "cycle", "prompt", "cached", "budget", "ms", "error"
+    ]  # one line of whole words
+    assert any("1 summary" in line for line in lines)  # the purpose is not cut either
