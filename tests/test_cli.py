@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torpor(
-    *args: str, stdin: str | None = None, timeout: float = 60
+    *args: str, stdin: str | None = None, timeout: float = 60, columns: int = 120
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_DB": "sqlite://", "COLUMNS": "120"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORPOR_DB": "sqlite://",
+           "COLUMNS": str(columns)}
     env.pop("TORPOR_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "torpor", *args],
@@ -54,6 +55,13 @@ def test_loadtest_small_run_writes_every_figure_as_json(tmp_path: Path) -> None:
     assert timeline and {"activate", "run"} <= {s["phase"] for s in timeline}
     assert all(s["with_working_set"] + s["hibernated"] + s["evicted"] >= 0 for s in timeline)
     assert "torpor loadtest" in result.stderr  # the summary table, for people
+    # Revival rows say they include queueing; the end-of-run one only when it differs.
+    assert "revival slots included" in " ".join(result.stderr.split())  # however wrapped
+    assert report["activation"]["revivals"] <= report["lifecycle"]["revivals"]
+    same = all(report["activation"][k] == report["lifecycle"][k]
+               for k in ("revival_p50_ms", "revival_p99_ms"))
+    assert ("revival p50/p99 (end of run)" in result.stderr) is not same
+    assert "last 4,096" not in result.stderr
     if plot.exists():
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -140,3 +148,49 @@ def test_inspect_of_a_missing_conversation_is_one_line(tmp_path: Path) -> None:
     result = torpor("inspect", "--db", db, "nobody")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["torpor: error: unknown conversation: nobody"]
+
+
+async def test_inspect_lists_the_anatomy_in_the_order_the_context_is_sent(
+    tmp_path: Path,
+) -> None:
+    from torpor import Runtime
+
+    db = db_url(tmp_path / "card.db")
+    async with Runtime(db) as rt:  # a task card: a head block besides the markers
+        await rt.task("c").update(goal="ship the fix")
+        await (await rt.send("c", "hello")).result()
+        recorded = list((await rt.store.model_calls("c", limit=1))[-1].sections)
+    sent = ["system", "task_card", "markers", "tools", "tail", "tool_results", "user"]
+    assert sorted(recorded) == sorted(sent) and recorded != sent  # recorded in another order
+    data = json.loads(torpor("inspect", "--db", db, "c", "--json", "-").stdout)
+    assert list(data["anatomy"]["sections"]) == sent
+    table = torpor("inspect", "--db", db, "c").stdout
+    rows = [line.split()[1] for line in table.splitlines()
+            if len(line.split()) > 2 and line.split()[1] in sent]
+    assert rows == sent
+
+
+async def test_inspect_shows_every_table_header_whole_at_80_columns(tmp_path: Path) -> None:
+    from torpor import AgentConfig, ModelSummarizer, Runtime, ScriptedModel
+
+    db = db_url(tmp_path / "fold.db")
+    summarizer = ModelSummarizer(ScriptedModel.replies("EPISODE:\nearlier\nITEMS:\n[]",
+                                                       loop=True))
+    agent = AgentConfig(model=ScriptedModel.replies("ok", loop=True), summarizer=summarizer,
+                        working_budget=150, tail_turns=1, context_window=4_000,
+                        max_output_tokens=500, safety_margin=100, recall_tools=False)
+    async with Runtime(db, agent=agent) as rt:  # folds: a summary call among the turn calls
+        for i in range(6):
+            await (await rt.send("c", f"message {i} " + "words " * 30)).result()
+    out = torpor("inspect", "--db", db, "c", "--calls", "20", columns=80).stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    starts = [i for i, line in enumerate(lines) if line.startswith("┏")]
+    headers = [lines[i + 1:lines.index(lines[i].replace("┏", "┡").replace("┳", "╇")
+                                       .replace("┓", "┩"), i)] for i in starts]
+    assert headers and not any("…" in line for header in headers for line in header)
+    calls = next(h for h in headers if any("budget" in line for line in h))
+    assert calls[0].replace("┃", " ").split() == [
+        "turn", "call", "cycle", "prompt", "cached", "budget", "ms", "error"
+    ]  # one line of whole words
+    assert any("1 summary" in line for line in lines)  # the purpose is not cut either

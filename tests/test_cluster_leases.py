@@ -361,6 +361,69 @@ async def test_a_lost_lease_fails_the_turn_with_shard_moved_fences_its_abort_and
     assert len(bodies) == 4  # nothing of the fenced turn's own abort landed
 
 
+async def test_consolidate_on_a_node_that_does_not_own_the_conversation_raises_not_owner(
+    pg_url: str,
+) -> None:
+    a_node, b_node = node("a", 7001), node("b", 7002)
+    async with Runtime(pg_url, node=a_node) as a, Runtime(pg_url, node=b_node) as b:
+        await consolidate_elsewhere(a, b)
+
+
+async def consolidate_elsewhere(a: Runtime, b: Runtime) -> None:
+    """``a`` consolidates a conversation of ``b``'s, with facts its sweep would update."""
+    from torpor.store.memory import SemanticItem
+
+    held_b = (await until_split(a, b))[1]
+    cid = next(c for c in (f"x{i}" for i in range(99)) if shard_of(c, SHARDS) in held_b)
+    await (await b.send(cid, "hello")).result()
+    facts = [SemanticItem(2, 0, "db", "fact", "postgres 14", confidence=0.8),
+             SemanticItem(6, 0, "db", "fact", "postgres 16", confidence=0.8)]
+    await b.store.put_memory(cid, facts=facts)
+    with pytest.raises(torpor.NotOwner) as refused:  # not FencedError from its write
+        await a.consolidate(cid)
+    assert refused.value.owner == "127.0.0.1:7002"
+    assert (await b.store.memory(cid)).ledger == ()  # a wrote nothing
+    assert [d.action for d in (await b.consolidate(cid)).decisions] == ["update"]
+
+
+@pytest.mark.parametrize("request_name", ["resolve", "cancel"])
+async def test_a_shard_lost_while_resolve_or_cancel_reads_the_store_gives_not_owner(
+    pg_url: str, request_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ownership check passes, then the store read (the conversation is not in memory)
+    yields and the shard moves meanwhile: the request must not revive an agent here."""
+    cid = "moving"
+    async with Runtime(pg_url, node=node("a", 7001)) as a:
+        await (await a.send(cid, "hello")).result()
+    async with Runtime(pg_url, node=node("a", 7001)) as a:  # its leases back, nothing in memory
+        assert a._registry.get(cid) is None
+        read = a.store.head
+
+        async def head_then_lose_the_shard(conversation_id: str) -> Any:
+            answer = await read(conversation_id)
+            conn = await asyncpg.connect(pg_url)
+            try:  # another node takes the shard over, with a lease that stays live
+                await conn.execute(
+                    "UPDATE shard_leases SET owner = 'ghost', owner_incarnation = 1, "
+                    "epoch = epoch + 1, lease_until = now() + interval '1 hour' "
+                    "WHERE shard = $1", shard_of(cid, SHARDS)
+                )
+            finally:
+                await conn.close()
+            with anyio.fail_after(10):
+                while a._cluster is not None and a._cluster.serves(cid):
+                    await next_refresh(a)
+            return answer
+
+        monkeypatch.setattr(a.store, "head", head_then_lose_the_shard)
+        with pytest.raises(torpor.NotOwner):
+            if request_name == "resolve":
+                await a.resolve(cid, "call-1", "result")
+            else:
+                await a.cancel(cid)
+        assert a._registry.get(cid) is None  # no agent revived for a shard it lost
+
+
 def test_node_config_is_validated() -> None:
     with pytest.raises(torpor.ConfigError, match="address"):
         NodeConfig(node_id="a", address="nohost")
@@ -369,6 +432,33 @@ def test_node_config_is_validated() -> None:
     with pytest.raises(torpor.ConfigError, match="node"):
         Runtime("sqlite://", node=NodeConfig(node_id="a", address="h:1"))
     assert time.monotonic() > 0
+
+
+async def test_a_node_without_a_shard_count_adopts_the_clusters_and_a_different_one_is_refused(
+    pg_url: str,
+) -> None:
+    async with Runtime(pg_url, node=node("a", 7001)) as a:  # creates the cluster with SHARDS
+        joiner = NodeConfig(node_id="b", address="127.0.0.1:7002", lease_ttl=1.0)
+        assert joiner.shards is None
+        async with Runtime(pg_url, node=joiner) as b:
+            view = await b.admin.cluster()
+            assert view is not None and view.shard_count == SHARDS
+            _, held_b = await until_split(a, b)
+            mine = next(c for c in (f"x{i}" for i in range(99)) if shard_of(c, SHARDS) in held_b)
+            assert (await (await b.send(mine, "hi")).result()).text == "echo: hi"
+        wrong = NodeConfig(node_id="c", address="127.0.0.1:7003", lease_ttl=1.0, shards=16)
+        with pytest.raises(torpor.ConfigError, match=f"created with {SHARDS} shards, not 16"):
+            async with Runtime(pg_url, node=wrong):
+                pass
+
+
+async def test_the_first_node_without_a_shard_count_creates_the_cluster_with_512(
+    pg_url: str,
+) -> None:
+    first = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=1.0)
+    async with Runtime(pg_url, node=first) as rt:
+        view = await rt.admin.cluster()
+        assert view is not None and view.shard_count == 512 == len(view.shards)
 
 
 async def torpor_cli(*args: str) -> tuple[int, str, str]:

@@ -164,6 +164,21 @@ async def test_consolidate_supersedes_by_key_in_the_ledger_and_never_touches_the
     assert "postgres 16" in done.digest.text and "postgres 14" not in done.digest.text
 
 
+async def test_consolidate_returns_the_decisions_as_stored_with_their_seq_and_time() -> None:
+    async with Runtime("sqlite://") as rt:
+        await (await rt.send("c", "hello")).result()
+        await rt.store.put_memory("c", facts=[fact(2, "db", "postgres 14"),
+                                              fact(2, "os", "linux", ordinal=1)])
+        await rt.store.put_memory("c", facts=[fact(6, "db", "postgres 16"),
+                                              fact(6, "os", "bsd", ordinal=1)])
+        done = await rt.consolidate("c")
+        stored = (await rt.store.memory("c")).ledger
+    assert [d.key for d in done.decisions] == ["db", "os"]
+    assert done.decisions == stored  # the same seq and created_at the store gave them
+    assert all(d.seq > 0 and d.created_at > 0 for d in done.decisions)
+    assert done.decisions[0].seq < done.decisions[1].seq
+
+
 class Forget:
     """Tombstones every key it is told to."""
 
@@ -212,6 +227,42 @@ async def test_idle_conversations_are_swept_on_schedule() -> None:
             await (await rt.send("c", words(f"m{i}"))).result()
         with anyio.fail_after(10):
             await forget.called.wait()
+
+
+class Hangs:
+    """A sweep that never answers (a consolidator model call that hangs)."""
+
+    def __init__(self) -> None:
+        self.called = anyio.Event()
+
+    async def sweep(self, conversation_id: str, memory: MemoryRecord) -> list[LedgerEntry]:
+        self.called.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_hung_consolidation_is_bounded_counted_and_the_sweep_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hangs, forget = Hangs(), Forget({"none"})
+    summarizer = ModelSummarizer(ScriptedModel.replies("EPISODE:\ns\nITEMS:\n[]", loop=True))
+    configs = {
+        name: AgentConfig(model=ScriptedModel.replies("ok", loop=True), consolidator=sweep,
+                          summarizer=summarizer, model_idle_timeout=0.2, **SMALL)
+        for name, sweep in (("stuck", hangs), ("fine", forget))
+    }
+    config = RuntimeConfig(consolidate_interval=0.01)
+    with caplog.at_level(logging.WARNING, logger="torpor"):
+        async with Runtime("sqlite://", agent_for=configs.__getitem__, config=config) as rt:
+            for name in configs:  # "stuck" first: the sweep reaches it before "fine"
+                for i in range(4):  # enough to fold: only a conversation that folded is swept
+                    await (await rt.send(name, words(f"m{i}"))).result()
+            with anyio.fail_after(10):
+                await forget.called.wait()  # swept after the hung one was given up
+            assert hangs.called.is_set()
+            assert (await rt.admin.stats()).consolidation_failures >= 1
+    assert any("consolidation_failed" in r.getMessage() and "stuck" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_no_sweep_runs_unless_scheduled() -> None:

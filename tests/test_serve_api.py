@@ -77,7 +77,7 @@ async def test_errors_are_problem_json() -> None:
             ("POST", "/v1/conversations/c/calls/nope", {"result": "x"}, 404,
              "UnknownConversation"),
             ("GET", "/v1/conversations/c/history?limit=zero", None, 422, "InvalidInput"),
-            ("GET", "/nowhere", None, 404, None),
+            ("GET", "/nowhere", None, 404, "NotFound"),
         ]
         for method, path, body, status, error in cases:
             with pytest.raises(HTTPStatusError) as info:
@@ -85,6 +85,7 @@ async def test_errors_are_problem_json() -> None:
                                   headers={"Accept": "application/json"})
             assert info.value.status == status, path
             assert info.value.problem.get("error") == error, path
+            assert info.value.problem["type"] == f"urn:torpor:error:{error}"
             assert info.value.problem["status"] == status
             assert info.value.problem["instance"] == path.split("?")[0]
         # 429 Busy with Retry-After: one turn streams, one message waits, the next is refused
@@ -266,6 +267,32 @@ async def test_one_user_never_reads_another_users_conversation() -> None:
             assert info.value.status == 401, path
         assert (await alice.call("GET", "/v1/conversations/alice:1/history"))["events"]
         assert (await bob.call("GET", "/v1/conversations/alice:1/history", token="tok-a"))
+
+
+async def test_every_problem_the_http_layer_makes_names_its_error() -> None:
+    """Problems raised by the HTTP layer itself (not by a torpor error) name theirs too."""
+    httpx = pytest.importorskip("httpx")
+    async with Runtime("sqlite://", model=EchoModel()) as rt, served(rt) as (url, _, _app):
+        cases = [
+            ("GET", "/admin/cluster", ADMIN, None, 404, "NotClusterNode"),
+            ("POST", "/v1/conversations/c/messages", TOKEN, b"{not json", 400, "MalformedBody"),
+            ("POST", "/v1/conversations/c/messages", TOKEN, b"x" * 5_000_000, 413,
+             "BodyTooLarge"),
+            ("DELETE", "/v1/conversations/c/messages", TOKEN, None, 405, "MethodNotAllowed"),
+        ]
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            for method, path, token, body, status, error in cases:
+                response = await client.request(
+                    method, path, content=body,
+                    headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+                )
+                assert response.status_code == status, path
+                assert response.headers["content-type"] == "application/problem+json"
+                problem = response.json()
+                assert (problem["error"], problem["type"]) == (
+                    error, f"urn:torpor:error:{error}"
+                ), path
+                assert problem["status"] == status and problem["instance"] == path
 
 
 async def test_the_admin_over_http() -> None:

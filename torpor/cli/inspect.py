@@ -37,6 +37,7 @@ from torpor.cli.common import (
 )
 from torpor.cli.inspect_memory import memory_json, print_memory
 from torpor.cli.render import clip, event_json, event_line
+from torpor.compaction.sections import HEAD_ORDER
 from torpor.errors import UnknownConversation
 from torpor.runtime.spawn import branch_tree
 from torpor.store import open_store
@@ -126,12 +127,25 @@ def _print_listing(console: Console, data: dict[str, Any]) -> None:
 # -- one conversation ------------------------------------------------------------------
 
 
+# The order a context is sent in (torpor.compaction.sections): the system prompt, the head
+# blocks, the tool specs, the tail (its tool results and its last user message counted
+# apart), the recalled section. A call records its sections in another order.
+_SEND_ORDER = {name: i for i, name in
+               enumerate(("system", *HEAD_ORDER, "tools", "tail", "tool_results", "user",
+                          "recalled"))}
+
+
+def _in_send_order(sections: dict[str, int]) -> dict[str, int]:
+    """``sections`` in send order; names not known here last, in their recorded order."""
+    return dict(sorted(sections.items(), key=lambda kv: _SEND_ORDER.get(kv[0], len(_SEND_ORDER))))
+
+
 def _anatomy(call: ModelCall) -> dict[str, Any]:
     return {
         "turn": call.turn,
         "call_index": call.call_index,
         "compaction_cycle": call.compaction_cycle,
-        "sections": dict(call.sections),
+        "sections": _in_send_order(call.sections),
         "estimated_prompt_tokens": call.estimated_prompt_tokens,
         "reported_prompt_tokens": call.reported_prompt_tokens,
         "utilization": call.utilization,
@@ -252,23 +266,13 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
     for line in data["_lines"]:
         console.print(line, markup=False)
     if data["model_calls"]:
-        table = Table(title="model calls (most recent last)")
-        for name in ("turn", "call", "cycle", "prompt tokens", "cache read", "utilization",
-                     "latency ms", "error"):
-            table.add_column(name, justify="right")
-        for c in data["model_calls"]:
-            latency = c.get("latency_ms")
-            cached = c.get("cache_read_tokens")
-            purpose = "" if c.get("purpose", "turn") == "turn" else f" ({c['purpose']})"
-            table.add_row(str(c["turn"]), f"{c['call_index']}{purpose}",
-                          str(c["compaction_cycle"]), f"{c['estimated_prompt_tokens']:,}",
-                          "-" if cached is None else f"{cached:,}", f"{c['utilization']:.1%}",
-                          "-" if latency is None else f"{latency:.1f}", c.get("error") or "")
-        console.print(table)
+        _print_calls(console, data["model_calls"])
     anatomy = data["anatomy"]
     if anatomy is not None:
-        table = Table(title=f"anatomy of the last call (turn {anatomy['turn']}, "
-                            f"{anatomy['utilization']:.1%} of the input budget)")
+        # The title on a line of its own: over a two-column table it would wrap to its width.
+        console.print(f"[bold]anatomy of the last call[/] (turn {anatomy['turn']}, "
+                      f"{anatomy['utilization']:.1%} of the input budget)")
+        table = Table()
         table.add_column("section")
         table.add_column("tokens", justify="right")
         for section, tokens in anatomy["sections"].items():
@@ -276,6 +280,26 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
         console.print(table)
         console.print(_anatomy_line(anatomy))
     print_memory(console, data["memory"])
+
+
+def _print_calls(console: Console, calls: list[dict[str, Any]]) -> None:
+    """One row per model call. Headers are one short word each and only the error column
+    wraps, so an 80-column terminal shows every header whole (the caption spells them out)."""
+    table = Table(title="model calls (most recent last)",
+                  caption="prompt: estimated prompt tokens; cached: read from the provider's "
+                          "prompt cache; budget: share of the input budget; ms: latency")
+    for name in ("turn", "call", "cycle", "prompt", "cached", "budget", "ms"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("error", overflow="fold")
+    for c in calls:
+        latency = c.get("latency_ms")
+        cached = c.get("cache_read_tokens")
+        purpose = "" if c.get("purpose", "turn") == "turn" else f" {c['purpose']}"
+        table.add_row(str(c["turn"]), f"{c['call_index']}{purpose}",
+                      str(c["compaction_cycle"]), f"{c['estimated_prompt_tokens']:,}",
+                      "-" if cached is None else f"{cached:,}", f"{c['utilization']:.1%}",
+                      "-" if latency is None else f"{latency:.1f}", c.get("error") or "")
+    console.print(table)
 
 
 def _tree_lines(tree: dict[str, Any], indent: str = "  ") -> list[str]:

@@ -341,6 +341,7 @@ async def run_phases(plan: RunPlan, progress: Progress) -> RunResult:
         "agents_per_second": round(n / activation_seconds, 1) if activation_seconds > 0 else None,
         "revival_p50_ms": activated.revival_p50_ms,
         "revival_p99_ms": activated.revival_p99_ms,
+        "revivals": activated.revivals,  # so far: the window above covers the last 4,096
         "errors": sum(tally.errors.values()),
     }
     memory: dict[str, float | int | None] = {

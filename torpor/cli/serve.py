@@ -90,9 +90,9 @@ def add_parser(subparsers: Any) -> None:
                         "(default: the address it listens on)")
     p.add_argument("--lease-ttl", type=positive_float, default=10.0, metavar="SEC",
                    help="with --node-id, seconds a silent node keeps its shards (default 10)")
-    p.add_argument("--shards", type=int, default=512, metavar="N",
+    p.add_argument("--shards", type=int, default=None, metavar="N",
                    help="with --node-id, the cluster's shard count, fixed when the first node "
-                        "creates it (default 512)")
+                        "creates it (default: the cluster's count; 512 for a new cluster)")
     p.add_argument("--cluster-routing", choices=("proxy", "redirect"), default="proxy",
                    help="with --node-id, a request for a conversation another node owns is "
                         "proxied to it (default) or answered 421 with its address")

@@ -7,11 +7,22 @@ from typing import ClassVar
 
 import msgspec
 
-from torpor.validation import Relation, Rule, check_fields, custom, integer, seconds, text
+from torpor.validation import (
+    Relation,
+    Rule,
+    check_fields,
+    custom,
+    integer,
+    optional,
+    seconds,
+    text,
+)
 
-__all__ = ["NodeConfig"]
+__all__ = ["DEFAULT_SHARDS", "NodeConfig"]
 
 MAX_SHARDS = 65_536
+DEFAULT_SHARDS = 512
+"""The count the first node creates the cluster with when its ``shards`` is None."""
 
 
 def _address_problem(value: object) -> str | None:
@@ -32,23 +43,25 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     requests (``NotOwner.owner``). ``lease_ttl``: a node not heard from for this
     long loses its shards to the others; it renews every quarter of it, and
     stops serving on its own once it has not renewed for three quarters of it.
-    ``shards`` is fixed when the first node creates the cluster; a node asking
-    for another count is refused. ``handoff_deadline``: on a graceful leave or a
-    rebalance, how long in-flight turns of a shard may run before they are cut
-    off (and logged ``Aborted``) so the shard can move.
+    ``shards`` is fixed when the first node creates the cluster (None, the
+    default: :data:`DEFAULT_SHARDS`); a node with ``shards=None`` adopts the
+    cluster's count, and one asking for another count is refused.
+    ``handoff_deadline``: on a graceful leave or a rebalance, how long in-flight
+    turns of a shard may run before they are cut off (and logged ``Aborted``)
+    so the shard can move.
     """
 
     node_id: str
     address: str
     lease_ttl: float = 10.0
-    shards: int = 512
+    shards: int | None = None
     handoff_deadline: float = 5.0
 
     RULES: ClassVar[Mapping[str, Rule]] = {
         "node_id": text(empty=False),
         "address": custom('a "host:port" string', _address_problem),
         "lease_ttl": seconds(),
-        "shards": integer(1, MAX_SHARDS),
+        "shards": optional(integer(1, MAX_SHARDS)),
         "handoff_deadline": seconds(zero=True),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = (

@@ -15,7 +15,7 @@ import asyncio
 import time
 
 from torpor._logging import get_logger
-from torpor.cluster.config import NodeConfig
+from torpor.cluster.config import DEFAULT_SHARDS, NodeConfig
 from torpor.cluster.shards import desired_owner, shard_of
 from torpor.errors import FencedError
 
@@ -32,7 +32,8 @@ class Leases:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.shards = config.shards
+        # The cluster's count; the member sets it from the cluster row when it joins.
+        self.shards = config.shards or DEFAULT_SHARDS
         self.incarnation = 0
         self.epochs: dict[int, int] = {}  # shard -> epoch this node presents when writing
         self.held: set[int] = set()  # shards this node serves

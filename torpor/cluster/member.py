@@ -28,7 +28,7 @@ import asyncpg
 
 from torpor._logging import get_logger
 from torpor.cluster import sql
-from torpor.cluster.config import NodeConfig
+from torpor.cluster.config import DEFAULT_SHARDS, NodeConfig
 from torpor.cluster.leases import Leases
 from torpor.cluster.shards import desired_owner
 from torpor.cluster.table import read_table
@@ -79,11 +79,14 @@ class ClusterMember:
         try:
             self._conn = await self._connect("torpor-node")
             self._renew_conn = await self._connect("torpor-node-renew")
-            shards = await self._conn.fetchval(sql.CREATE_CLUSTER, config.shards)
-            if shards != config.shards:
+            shards = await self._conn.fetchval(
+                sql.CREATE_CLUSTER, config.shards or DEFAULT_SHARDS
+            )
+            if config.shards is not None and shards != config.shards:
                 raise ConfigError(
                     "shards", f"the cluster was created with {shards} shards, not {config.shards}"
                 )
+            self.leases.shards = shards  # shards=None adopts the cluster's count
             await self._conn.execute(sql.CREATE_LEASES, shards)
             started = time.monotonic()
             self.leases.incarnation = await self._conn.fetchval(

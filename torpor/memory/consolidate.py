@@ -117,7 +117,30 @@ async def consolidate(
     decisions = _checked(memory, await consolidator.sweep(conversation_id, memory))
     if decisions:
         await store.put_ledger(conversation_id, decisions)
+        decisions = await _as_stored(store, conversation_id, memory.ledger, decisions)
     ledger = (*memory.ledger, *decisions)
     digest = write_digest(surviving(memory.facts, ledger), memory.episodes, max_lines,
                           link=f"memory:{conversation_id}")
     return Consolidation(conversation_id, decisions, digest)
+
+
+async def _as_stored(
+    store: EventStore,
+    conversation_id: str,
+    before: tuple[LedgerEntry, ...],
+    decisions: tuple[LedgerEntry, ...],
+) -> tuple[LedgerEntry, ...]:
+    """The decisions as the store holds them (their ``seq`` and ``created_at`` are set
+    when stored), matched among the entries newer than ``before``; a decision not found
+    (a concurrent sweep's pruning) is returned as it was."""
+    last = max((e.seq for e in before), default=0)
+    fresh = [e for e in (await store.memory(conversation_id)).ledger if e.seq > last]
+    stored: list[LedgerEntry] = []
+    for decision in decisions:
+        unstamped = msgspec.structs.replace(decision, created_at=0, seq=0)
+        match = next((e for e in fresh if
+                      msgspec.structs.replace(e, created_at=0, seq=0) == unstamped), None)
+        if match is not None:
+            fresh.remove(match)
+        stored.append(match or decision)
+    return tuple(stored)

@@ -75,6 +75,7 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
     abandoned: int  # tasks that ignored cancellation past their deadline
     revival_p50_ms: float | None
     revival_p99_ms: float | None
+    consolidation_failures: int = 0  # idle-sweep consolidations that failed or timed out
 
 
 class RenderedCall(msgspec.Struct, frozen=True):
@@ -204,6 +205,7 @@ class Admin:
             abandoned=c.abandoned,
             revival_p50_ms=None if p50 is None else p50 * 1000,
             revival_p99_ms=None if p99 is None else p99 * 1000,
+            consolidation_failures=c.consolidation_failures,
         )
 
     def watch(self, bound: int = 10_000) -> Watcher:

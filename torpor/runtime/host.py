@@ -286,9 +286,9 @@ class Runtime(MemoryAPI):
         agent = self._registry.get(conversation_id) or self._admission.take(conversation_id)
         if agent is not None:
             return agent
-        if await self.store.head(conversation_id) is None:
-            return None
-        return self._agent(conversation_id)
+        exists = await self.store.head(conversation_id) is not None
+        self._check_owner(conversation_id)  # the shard may have moved during the read
+        return self._agent(conversation_id) if exists else None
 
     # -- public API ---------------------------------------------------------------
     async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Turn:

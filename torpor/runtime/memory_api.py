@@ -28,11 +28,17 @@ if TYPE_CHECKING:
     from torpor.actors.agent import Profile
     from torpor.runtime.config import RuntimeConfig
     from torpor.runtime.registry import Registry
+    from torpor.runtime.stats import Counters
     from torpor.store.protocol import EventStore
 
-__all__ = ["MemoryAPI", "MemoryView"]
+__all__ = ["IDLE_CONSOLIDATION_TIMEOUT", "MemoryAPI", "MemoryView"]
 
 log = get_logger(__name__)
+
+IDLE_CONSOLIDATION_TIMEOUT = 300.0
+"""Seconds one idle-sweep consolidation may take when the conversation's
+``AgentConfig.model_idle_timeout`` is None (otherwise that bounds it): a hung
+consolidator must not hold up every later sweep."""
 
 
 class MemoryView(msgspec.Struct, frozen=True, gc=False):
@@ -55,11 +61,14 @@ class MemoryAPI:
     if TYPE_CHECKING:
         config: RuntimeConfig
         _registry: Registry
+        _counters: Counters
 
         @property
         def store(self) -> EventStore: ...
 
         def _check_open(self) -> None: ...
+
+        def _check_owner(self, conversation_id: str) -> None: ...
 
         def _profile_for(self, conversation_id: str) -> Profile: ...
 
@@ -78,10 +87,12 @@ class MemoryAPI:
         """Run the consolidation sweep now: UPDATE/DELETE decisions for the conversation's
         semantic items go to the ledger (the log is never touched); returns them and the
         regenerated digest. The sweep is the conversation's ``AgentConfig.consolidator``
-        (default :class:`~torpor.memory.KeyedConsolidator`)."""
+        (default :class:`~torpor.memory.KeyedConsolidator`). On a cluster node:
+        ``NotOwner`` for a conversation another node serves (its writes are fenced)."""
         self._check_open()
         check_id(conversation_id)
         _lines(max_lines)
+        self._check_owner(conversation_id)
         consolidator = self._profile_for(conversation_id).config.consolidator
         if consolidator is None:
             consolidator = KeyedConsolidator()
@@ -96,8 +107,9 @@ class MemoryAPI:
 
     async def _consolidate_idle(self, interval: float) -> None:
         """Every ``interval`` seconds, sweep the idle conversations that folded since their
-        last sweep (``RuntimeConfig.consolidate_interval``). One at a time; a failure is
-        logged and retried at the next round."""
+        last sweep (``RuntimeConfig.consolidate_interval``). One at a time, each bounded
+        (:data:`IDLE_CONSOLIDATION_TIMEOUT`); a failure or a timeout is logged, counted
+        (``consolidation_failures``) and retried at the next round."""
         swept: dict[str, int] = {}  # conversation -> compaction cycle at its last sweep
         while True:
             await anyio.sleep(interval)
@@ -112,9 +124,13 @@ class MemoryAPI:
             for name, cycle in due:
                 started = time.perf_counter()
                 try:
-                    done = await self.consolidate(name)
-                except Exception as exc:
-                    log.warning("consolidation_failed", conversation_id=name, error=repr(exc))
+                    bound = self._profile_for(name).config.model_idle_timeout
+                    with anyio.fail_after(bound or IDLE_CONSOLIDATION_TIMEOUT):
+                        done = await self.consolidate(name)
+                except Exception as exc:  # TimeoutError included: the sweep goes on
+                    self._counters.consolidation_failures += 1
+                    log.warning("consolidation_failed", conversation_id=name, error=repr(exc),
+                                seconds=time.perf_counter() - started)
                     continue
                 swept[name] = cycle
                 log.debug("consolidated", conversation_id=name, decisions=len(done.decisions),

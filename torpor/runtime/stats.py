@@ -35,6 +35,7 @@ class Counters:
     __slots__ = (
         "abandoned",
         "activations",
+        "consolidation_failures",
         "crashes",
         "evictions",
         "hibernations",
@@ -55,6 +56,7 @@ class Counters:
         self.parks = 0
         self.store_failures = 0  # turns or revivals stopped by StoreUnavailable (not crashes)
         self.abandoned = 0  # tasks that ignored cancellation past their deadline
+        self.consolidation_failures = 0  # idle-sweep consolidations that failed or timed out
         self.revival_seconds: deque[float] = deque(maxlen=4096)
 
 

@@ -84,7 +84,7 @@ class AdminAPI:
         view = await self.rt.admin.cluster()
         if view is None:
             raise HTTPProblem("this server is not a node of a cluster (torpor serve --node-id)",
-                              status=404, title="Not a Cluster Node")
+                              status=404, title="Not a Cluster Node", error="NotClusterNode")
         return json_response(msgspec.to_builtins(view))
 
     async def pending(self, request: Request) -> Response:

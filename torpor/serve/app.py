@@ -170,7 +170,7 @@ def _health(service: Service) -> Any:
     async def health(request: Request) -> Response:
         if service.draining or service.stopped:
             return problem(503, "Service Unavailable", "shutting down", request=request,
-                           headers={"Retry-After": "5"})
+                           error="Draining", headers={"Retry-After": "5"})
         return Response(b'{"ok":true}', media_type="application/json")
 
     return health

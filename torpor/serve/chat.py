@@ -48,13 +48,13 @@ async def json_body(request: Request) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
-                          title="Content Too Large")
+                          title="Content Too Large", error="BodyTooLarge")
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > MAX_BODY_BYTES:
             raise HTTPProblem(f"the body is larger than {MAX_BODY_BYTES} bytes", status=413,
-                              title="Content Too Large")
+                              title="Content Too Large", error="BodyTooLarge")
     request.state.raw_body = bytes(raw)
     return _object(request.state.raw_body)
 
@@ -65,7 +65,8 @@ def _object(raw: bytes) -> dict[str, Any]:
     try:
         value = _decode.decode(raw)
     except msgspec.DecodeError as exc:
-        raise HTTPProblem(f"the body is not JSON: {exc}", status=400) from None
+        raise HTTPProblem(f"the body is not JSON: {exc}", status=400,
+                          error="MalformedBody") from None
     if not isinstance(value, dict):
         raise InvalidInput("body", "must be a JSON object")
     return value

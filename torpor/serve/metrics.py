@@ -62,6 +62,7 @@ _COUNTERS = (
     ("parks", "Agents parked after crashing too often"),
     ("store_failures", "Turns or revivals stopped by an unavailable store"),
     ("abandoned", "Tasks abandoned after ignoring cancellation"),
+    ("consolidation_failures", "Idle-sweep consolidations that failed or timed out"),
 )
 _BUSY = frozenset({"streaming", "running_tools"})
 _RESTING = frozenset({"awaiting_input", "suspended"})

@@ -1,10 +1,11 @@
 """Errors as RFC 9457 ``application/problem+json``, named by their torpor type.
 
 Every failure the HTTP face reports has the same shape: ``type`` (a URN that
-names the torpor error, ``about:blank`` for plain HTTP ones), ``title``,
-``status``, ``detail``, ``instance`` (the request path) and two extension
-members a client can switch on without parsing prose: ``error`` (the torpor
-error class, ``Busy``, ``UnknownConversation``…) and ``request_id``.
+names the torpor error), ``title``, ``status``, ``detail``, ``instance`` (the
+request path) and two extension members a client can switch on without parsing
+prose: ``error`` (the torpor error class, ``Busy``, ``UnknownConversation``…, or
+the HTTP layer's own name: ``NotClusterNode``, ``BodyTooLarge``, ``NotFound``…)
+and ``request_id``. No problem goes out without an ``error``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "HTTPProblem",
     "OwnerUnreachable",
     "Unauthorized",
+    "error_name",
     "problem",
     "problem_for",
     "status_for",
@@ -52,13 +54,16 @@ RETRY_AFTER_OWNER = 1  # a dead owner's shards move within its lease TTL
 
 
 class HTTPProblem(Exception):
-    """A problem the HTTP layer raises itself (authentication, a malformed body, a route)."""
+    """A problem the HTTP layer raises itself (authentication, a malformed body, a route).
+
+    ``error`` names it in the body: a subclass's name by default, else its title
+    without spaces (``"Bad Request"``: ``BadRequest``)."""
 
     status = 400
     title = "Bad Request"
 
     def __init__(self, detail: str, *, status: int | None = None, title: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, error: str | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
         if status is not None:
@@ -66,6 +71,14 @@ class HTTPProblem(Exception):
         if title is not None:
             self.title = title
         self.headers = headers or {}
+        self.error = error or (
+            type(self).__name__ if type(self) is not HTTPProblem else error_name(self.title)
+        )
+
+
+def error_name(title: str) -> str:
+    """The ``error`` of a plain HTTP problem: its title in one word (``NotFound``)."""
+    return "".join(word[:1].upper() + word[1:] for word in title.split())
 
 
 class Unauthorized(HTTPProblem):
@@ -152,16 +165,17 @@ def problem(
     headers: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Response:
+    """The problem response; ``error`` names it (default: the title in one word)."""
+    error = error or error_name(title)
     body: dict[str, Any] = {
-        "type": f"urn:torpor:error:{error}" if error else "about:blank",
+        "type": f"urn:torpor:error:{error}",
         "title": title,
         "status": status,
         "detail": detail,
     }
     if request is not None:
         body["instance"] = request.url.path
-    if error:
-        body["error"] = error
+    body["error"] = error
     request_id = _request_id(request)
     if request_id:
         body["request_id"] = request_id
@@ -175,8 +189,7 @@ def problem_for(error: BaseException, request: Request | None = None) -> Respons
     """The problem response for an error raised while handling ``request``."""
     if isinstance(error, HTTPProblem):
         return problem(error.status, error.title, error.detail, request=request,
-                       error=type(error).__name__ if type(error) is not HTTPProblem else None,
-                       headers=error.headers)
+                       error=error.error, headers=error.headers)
     status, title = status_for(error)
     headers: dict[str, str] = {}
     if isinstance(error, Busy):
@@ -187,7 +200,7 @@ def problem_for(error: BaseException, request: Request | None = None) -> Respons
         detail = "an unexpected error; the server log has the details"
     else:
         detail = str(error)
-    name = type(error).__name__ if isinstance(error, TorporError) else None
+    name = type(error).__name__ if isinstance(error, TorporError) else "InternalError"
     # Another node of the cluster serves this conversation: where (None: not known yet).
     extra = {"owner": error.owner} if isinstance(error, NotOwner) else None
     return problem(status, title, detail, request=request, error=name, headers=headers,
