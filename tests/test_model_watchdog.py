@@ -48,6 +48,12 @@ def test_check_ends_only_the_stalled_calls_and_paces_by_the_shortest_timeout() -
         assert pause == pytest.approx(3.0)  # only the 300 s call is left
         dog.release(long_call)
         assert len(dog) == 0 and dog.check(start + 2) is None
+        # A call whose turn a cancel already stopped is dropped, not timed out: the cancel
+        # came first and the turn ends as cancelled.
+        cancelled = _Agent()
+        cancelled.scope.cancel()
+        late = dog.watch(cancelled, 0.2)  # type: ignore[arg-type]
+        assert dog.check(late.last + 1.0) is None and not late.expired and len(dog) == 0
 
     anyio.run(main)
 

@@ -77,9 +77,9 @@ class ModelWatchdog:
         for key, call in list(self._calls.items()):
             if now - call.last >= call.idle:
                 del self._calls[key]
-                call.expired = True
                 scope = call.agent.scope
-                if scope is not None:
+                if scope is not None and not scope.cancel_called:  # else: a cancel came first
+                    call.expired = True
                     scope.cancel()
             elif shortest is None or call.idle < shortest:
                 shortest = call.idle
