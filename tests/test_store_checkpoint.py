@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -317,3 +318,92 @@ async def test_idle_truncate_blocked_by_a_reader_does_not_spin(tmp_path: Path) -
                 break
             await asyncio.sleep(0.02)
         assert wal_bytes(path) == 0
+
+
+class Calls:
+    """Every checkpoint as it runs: mode, connection, its busy timeout, its thread's policy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, starve_passive: bool = False) -> None:
+        self.seen: list[tuple[str, sqlite3.Connection, int, int | None]] = []
+        real = checkpoint_module._wal_checkpoint
+
+        def recorded(
+            conn: sqlite3.Connection, mode: checkpoint_module.Mode
+        ) -> tuple[int, int, int]:
+            busy = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+            policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+            self.seen.append((mode, conn, busy, policy))
+            if starve_passive and mode == "PASSIVE":
+                # A passive checkpoint that never finishes unless interrupted (as one on a
+                # starved thread): an endless query, which sqlite3_interrupt stops.
+                conn.execute(
+                    "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) "
+                    "SELECT count(*) FROM n"
+                ).fetchone()
+            return real(conn, mode)
+
+        monkeypatch.setattr(checkpoint_module, "_wal_checkpoint", recorded)
+
+    def modes(self, conn: sqlite3.Connection) -> set[str]:
+        return {mode for mode, c, _, _ in self.seen if c is conn}
+
+
+async def test_only_passive_checkpoints_run_on_the_checkpointers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RESTART and TRUNCATE (the writer waits for them) run on the held writer's own
+    connection, with the checkpointer's short busy timeout, which is then put back."""
+    calls = Calls(monkeypatch)
+    path = tmp_path / "log.db"
+    async with SQLiteStore(
+        str(path), wal_limit=LIMIT, checkpoint_interval=0.01, idle_checkpoint=0.05
+    ) as store:
+        writer = await store._on_writer(lambda conn: conn)
+        await write_steadily(store, path, writers=4, appends=150)
+        for _ in range(750):  # wait for the idle TRUNCATE (up to ~15 s on a slow machine)
+            if checkpointer(store).checkpoints["TRUNCATE"]:
+                break
+            await asyncio.sleep(0.02)
+        assert await store._on_writer(lambda c: c.execute("PRAGMA busy_timeout").fetchone()) == (
+            10_000,
+        )
+    assert calls.modes(writer) == {"RESTART", "TRUNCATE"}
+    others = {c for _, c, _, _ in calls.seen if c is not writer}
+    assert len(others) == 1 and calls.modes(others.pop()) == {"PASSIVE"}
+    assert {busy for mode, _, busy, _ in calls.seen if mode != "PASSIVE"} == {100}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE is Linux's")
+async def test_passive_checkpoints_run_at_idle_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpointer's thread is SCHED_IDLE; the writer's (blocking checkpoints) is not."""
+    calls = Calls(monkeypatch)
+    path = tmp_path / "log.db"
+    async with SQLiteStore(str(path), wal_limit=LIMIT, checkpoint_interval=0.01) as store:
+        await write_steadily(store, path, writers=4, appends=150)
+        assert checkpointer(store).rewinds >= 1
+    policies = {(mode == "PASSIVE", policy) for mode, _, _, policy in calls.seen}
+    assert policies == {(True, os.SCHED_IDLE), (False, os.SCHED_OTHER)}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's thread: untouched
+
+
+async def test_hard_bound_interrupts_a_starved_passive_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A passive checkpoint that cannot finish (its thread starved) does not keep the held
+    writer waiting: the hard bound interrupts it and rewinds on the writer's thread."""
+    Calls(monkeypatch, starve_passive=True)
+    path = tmp_path / "log.db"
+    store = SQLiteStore(str(path), wal_limit=LIMIT, checkpoint_interval=3600)
+    async with store:
+        gauge = Gauge(store)
+        # Without the interrupt the writer would stay held for ever: bounded here.
+        await asyncio.wait_for(write_steadily(store, path, writers=8, appends=100), 120)
+        assert checkpointer(store).interrupted >= 2
+        assert checkpointer(store).rewinds >= 2
+        heads = [await store.head(f"conv-{n}") for n in range(8)]
+        # The store closes with a starved passive checkpoint running: not waited for.
+        await store.append("c", [UserMessage("last")])
+    assert heads == [99] * 8
+    gauge.check_bound(LIMIT)

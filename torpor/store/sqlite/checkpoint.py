@@ -4,7 +4,9 @@ SQLite's automatic checkpoint runs inside the COMMIT that pushes the WAL past
 1,000 pages, so every few hundred commits one caller waits for a checkpoint
 (two fsyncs and the page copy): that was most of a turn's p99. The writer
 connection therefore runs with ``wal_autocheckpoint=0`` and this module keeps
-the WAL in check from a separate connection, on that connection's own thread:
+the WAL in check from a separate connection, on that connection's own thread
+(passive checkpoints), and on the writer's connection while the writer is
+held (the checkpoints that rewind the WAL):
 
 * **Passive** checkpoints (``PRAGMA wal_checkpoint(PASSIVE)``) while there are
   writes, at most every ``interval`` seconds. They copy what they can without
@@ -40,17 +42,42 @@ errors are logged and retried later, never raised. When readers keep an old
 snapshot open for longer than ``busy``, a RESTART cannot rewind the WAL; the
 writer is released anyway, and the hard bound is re-armed after ``interval``.
 
-Durability is unchanged: commits reach the WAL exactly as before, and the
-checkpointer's connection uses the store's ``synchronous`` level, so a
-checkpoint syncs the WAL before copying it and the database after, as
-SQLite's own does.
+**Priorities** (Linux). A passive checkpoint is mostly the kernel writing the
+WAL back (fsync: tens of MB under sustained writes) in the calling thread, for
+tens of milliseconds. At normal priority that thread holds a core the event
+loop or the writer thread is woken onto, and the wake-up waits for the
+scheduler to take it back: ``bench/turns.py --trace`` found about 40% of the
+slowest 1% of turns at one conversation overlapping a passive checkpoint,
+nearly all of them waiting 1-4 ms for a thread hand-off. The checkpointer's
+thread therefore runs as ``SCHED_IDLE`` (that thread only): it gets the cores
+nobody else wants, and any woken thread of normal priority preempts it at
+once. Only passive checkpoints run there, and nobody waits for them (but see
+below). The checkpoints the writer waits for (RESTART, TRUNCATE) run on the
+writer's own connection and thread, at the writer's priority, while it is
+held; the writer's next batch queues behind the checkpoint on that thread.
+(An unprivileged thread cannot leave ``SCHED_IDLE`` again, hence two threads
+rather than one switching.)
+
+On a machine whose cores are all busy, a ``SCHED_IDLE`` thread can starve:
+its passive checkpoint falls behind and the WAL reaches the hard bound. The
+hold that follows interrupts the passive checkpoint in flight
+(``sqlite3_interrupt``; pages already copied stay copied) and the RESTART runs
+on the writer's thread at once, so the writer never waits for a starved
+thread.
+
+Durability is unchanged: commits reach the WAL exactly as before, and both
+connections use the store's ``synchronous`` level, so a checkpoint syncs the
+WAL before copying it and the database after, as SQLite's own does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -59,7 +86,7 @@ import aiosqlite
 
 from torpor._logging import get_logger
 from torpor.errors import ConfigError
-from torpor.store.sqlite.hop import hop
+from torpor.store.sqlite.hop import hop, interrupt
 from torpor.store.sqlite.writer import GroupCommitWriter
 
 __all__ = ["CheckpointPolicy", "Checkpointer", "Mode"]
@@ -67,6 +94,8 @@ __all__ = ["CheckpointPolicy", "Checkpointer", "Mode"]
 log = get_logger(__name__)
 
 Mode = Literal["PASSIVE", "RESTART", "TRUNCATE"]
+
+RETRY = 0.01  # seconds between interrupts of a passive checkpoint that must stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +133,10 @@ class Checkpointer:
         writer: GroupCommitWriter,
         policy: CheckpointPolicy,
     ) -> None:
-        self._conn = conn
-        self._writer = writer
+        self._conn = conn  # passive checkpoints only (a low-priority thread)
+        self._writer = writer  # its connection runs the blocking ones, while held
         self._policy = policy
+        self._busy_ms = int(policy.busy * 1000)
         self._soft = policy.soft_limit
         self._hard = policy.wal_limit
         self._size = 0  # WAL file bytes after the last commit (0: rewound since)
@@ -116,6 +146,8 @@ class Checkpointer:
         self._last_passive = 0.0
         self._hard_armed_at = 0.0  # a failed rewind re-arms the hard bound after `interval`
         self._holding = False  # the hard bound holds the writer until a rewind
+        self._passive_running = False  # a passive checkpoint is on the checkpointer's thread
+        self._retry: asyncio.TimerHandle | None = None  # interrupting it, until it returns
         self._rewinding = False  # a rewind (writer held) is under way
         self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -124,6 +156,7 @@ class Checkpointer:
         self.checkpoints: dict[str, int] = {"PASSIVE": 0, "RESTART": 0, "TRUNCATE": 0}
         self.rewinds = 0  # RESTART/TRUNCATE checkpoints that rewound the WAL
         self.max_wal_bytes = 0  # the largest WAL file size a commit reported
+        self.interrupted = 0  # passive checkpoints cut short by the hard bound
 
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -139,9 +172,14 @@ class Checkpointer:
                 await task
         # A checkpoint that was running when the task was cancelled goes on on its
         # thread; the next call on the connection runs after it. Wait for that, so a
-        # writer committing at close never meets the checkpoint's lock.
+        # writer committing at close never meets the checkpoint's lock. Only passive
+        # ones run there, which nobody needs any more: cut it short (it may be starved).
+        waiting = asyncio.ensure_future(hop(self._conn, _nothing))
+        while not waiting.done():
+            interrupt(self._conn)  # again and again: one sent before it started is lost
+            await asyncio.wait((waiting,), timeout=RETRY)
         with contextlib.suppress(ValueError, sqlite3.Error):
-            await asyncio.shield(hop(self._conn, _nothing))
+            waiting.result()
 
     # called by the writer, on the loop ---------------------------------------------
 
@@ -168,7 +206,17 @@ class Checkpointer:
             ):
                 self._holding = True
                 self._writer.hold()  # before the writer can take its next batch
+                if self._passive_running:  # it may be starved: the rewind will not wait for it
+                    self._interrupt_passive()
             self._wake()
+
+    def _interrupt_passive(self) -> None:
+        """Cut the passive checkpoint in flight short; again every ``RETRY`` seconds until
+        it has returned, as an interrupt that lands before its statement starts is lost."""
+        self._retry = None
+        if self._passive_running and self._loop is not None:
+            interrupt(self._conn)
+            self._retry = self._loop.call_later(RETRY, self._interrupt_passive)
 
     # the task ----------------------------------------------------------------------
 
@@ -245,7 +293,18 @@ class Checkpointer:
     async def _passive(self, loop: asyncio.AbstractEventLoop) -> None:
         self._dirty = False
         self._last_passive = loop.time()
-        await self._checkpoint("PASSIVE")
+        self._passive_running = True
+        try:
+            await self._checkpoint("PASSIVE")
+        except sqlite3.OperationalError:
+            if not self._holding:  # not interrupted by the hard bound: a real failure
+                raise
+            self.interrupted += 1  # the rewind that follows copies the rest
+        finally:
+            self._passive_running = False
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
 
     async def _rewind(
         self, loop: asyncio.AbstractEventLoop, mode: Mode, *, held: bool = False
@@ -287,8 +346,17 @@ class Checkpointer:
         return rewound
 
     async def _checkpoint(self, mode: Mode) -> bool:
-        """Run one checkpoint; whether it copied the whole WAL (and, unless PASSIVE, rewound it)."""
-        busy, frames, copied = await hop(self._conn, _wal_checkpoint, mode)
+        """Run one checkpoint; whether it copied the whole WAL (and, unless PASSIVE, rewound it).
+
+        PASSIVE on the checkpointer's (low-priority) thread; the others on the
+        writer's connection, which the caller holds (see the module docstring).
+        """
+        if mode == "PASSIVE":
+            busy, frames, copied = await hop(self._conn, _wal_checkpoint, mode)
+        else:
+            busy, frames, copied = await hop(
+                self._writer.connection, _blocking_checkpoint, mode, self._busy_ms
+            )
         self.checkpoints[mode] += 1
         return busy == 0 and frames == copied
 
@@ -316,8 +384,37 @@ def _wal_checkpoint(conn: sqlite3.Connection, mode: Mode) -> tuple[int, int, int
     return int(row[0]), int(row[1]), int(row[2])
 
 
+def _blocking_checkpoint(
+    conn: sqlite3.Connection, mode: Mode, busy_ms: int
+) -> tuple[int, int, int]:
+    """On the (held) writer's connection: wait at most ``busy_ms`` for readers, not the
+    writer's own busy timeout (seconds), then put that back."""
+    saved = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
+    try:
+        return _wal_checkpoint(conn, mode)
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {saved}")
+
+
 def configure_checkpointer(conn: sqlite3.Connection, synchronous: str, busy_ms: int) -> None:
-    """The checkpointer's connection: its sync level is what makes a checkpoint durable."""
+    """The checkpointer's connection (run on its thread): its sync level is what makes a
+    checkpoint durable; its thread becomes SCHED_IDLE (Linux; see the module docstring)."""
     conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     conn.execute(f"PRAGMA synchronous = {synchronous}")
     conn.execute("PRAGMA wal_autocheckpoint = 0")
+    lower_priority()
+
+
+def lower_priority() -> bool:
+    """Make the calling thread SCHED_IDLE (Linux: a thread id is a process id to the
+    scheduler calls); whether it is. Elsewhere, or where forbidden, it stays as it is:
+    only the turns' tail suffers, nothing else."""
+    if not sys.platform.startswith("linux"):
+        return False
+    thread = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return os.sched_getscheduler(thread) == os.SCHED_IDLE
+    except OSError:
+        return False
