@@ -58,12 +58,14 @@ held; the writer's next batch queues behind the checkpoint on that thread.
 (An unprivileged thread cannot leave ``SCHED_IDLE`` again, hence two threads
 rather than one switching.)
 
-On a machine whose cores are all busy, a ``SCHED_IDLE`` thread can starve:
-its passive checkpoint falls behind and the WAL reaches the hard bound. The
-hold that follows interrupts the passive checkpoint in flight
-(``sqlite3_interrupt``; pages already copied stay copied) and the RESTART runs
-on the writer's thread at once, so the writer never waits for a starved
-thread.
+On a machine whose cores are all busy, a ``SCHED_IDLE`` thread can starve.
+A passive checkpoint still running after ``patience`` seconds is therefore
+interrupted (``sqlite3_interrupt``; pages already copied stay copied) and run
+again, from where the WAL is, on a second connection whose thread has the
+normal priority: on a busy machine checkpoints cost what they did before,
+only later. When the hard bound holds the writer, a passive checkpoint on the
+idle thread is interrupted at once and the RESTART runs on the writer's
+thread, so the writer never waits for a starved thread.
 
 Durability is unchanged: commits reach the WAL exactly as before, and both
 connections use the store's ``synchronous`` level, so a checkpoint syncs the
@@ -106,9 +108,10 @@ class CheckpointPolicy:
     wal_limit: int = 64 * 1024 * 1024  # hard bound on the WAL file, bytes
     idle_after: float = 5.0  # seconds without writes before the WAL is truncated
     busy: float = 0.1  # how long a blocking checkpoint waits for readers
+    patience: float = 0.05  # seconds for a passive checkpoint at idle priority, then normal
 
     def __post_init__(self) -> None:
-        for name in ("interval", "idle_after", "busy"):
+        for name in ("interval", "idle_after", "busy", "patience"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value <= 3600:
                 raise ConfigError(f"checkpoint {name}", "must be more than 0, at most 3600 seconds")
@@ -132,8 +135,10 @@ class Checkpointer:
         conn: aiosqlite.Connection,
         writer: GroupCommitWriter,
         policy: CheckpointPolicy,
+        fallback: aiosqlite.Connection,
     ) -> None:
-        self._conn = conn  # passive checkpoints only (a low-priority thread)
+        self._conn = conn  # passive checkpoints (a SCHED_IDLE thread)
+        self._fallback = fallback  # passive checkpoints the idle thread did not finish
         self._writer = writer  # its connection runs the blocking ones, while held
         self._policy = policy
         self._busy_ms = int(policy.busy * 1000)
@@ -146,7 +151,8 @@ class Checkpointer:
         self._last_passive = 0.0
         self._hard_armed_at = 0.0  # a failed rewind re-arms the hard bound after `interval`
         self._holding = False  # the hard bound holds the writer until a rewind
-        self._passive_running = False  # a passive checkpoint is on the checkpointer's thread
+        self._idle_run: asyncio.Future[tuple[int, int, int]] | None = None  # on the idle thread
+        self._interrupting = False  # we interrupted it (its error is ours, not a failure)
         self._retry: asyncio.TimerHandle | None = None  # interrupting it, until it returns
         self._rewinding = False  # a rewind (writer held) is under way
         self._wakeup: asyncio.Future[None] | None = None
@@ -156,7 +162,8 @@ class Checkpointer:
         self.checkpoints: dict[str, int] = {"PASSIVE": 0, "RESTART": 0, "TRUNCATE": 0}
         self.rewinds = 0  # RESTART/TRUNCATE checkpoints that rewound the WAL
         self.max_wal_bytes = 0  # the largest WAL file size a commit reported
-        self.interrupted = 0  # passive checkpoints cut short by the hard bound
+        self.interrupted = 0  # passive checkpoints on the idle thread cut short by the hard bound
+        self.starved = 0  # passive checkpoints redone at normal priority after `patience`
 
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
@@ -174,12 +181,13 @@ class Checkpointer:
         # thread; the next call on the connection runs after it. Wait for that, so a
         # writer committing at close never meets the checkpoint's lock. Only passive
         # ones run there, which nobody needs any more: cut it short (it may be starved).
-        waiting = asyncio.ensure_future(hop(self._conn, _nothing))
-        while not waiting.done():
-            interrupt(self._conn)  # again and again: one sent before it started is lost
-            await asyncio.wait((waiting,), timeout=RETRY)
-        with contextlib.suppress(ValueError, sqlite3.Error):
-            waiting.result()
+        for conn in (self._conn, self._fallback):
+            waiting = asyncio.ensure_future(hop(conn, _nothing))
+            while not waiting.done():
+                interrupt(conn)  # again and again: one sent before it started is lost
+                await asyncio.wait((waiting,), timeout=RETRY)
+            with contextlib.suppress(ValueError, sqlite3.Error):
+                waiting.result()
 
     # called by the writer, on the loop ---------------------------------------------
 
@@ -206,17 +214,19 @@ class Checkpointer:
             ):
                 self._holding = True
                 self._writer.hold()  # before the writer can take its next batch
-                if self._passive_running:  # it may be starved: the rewind will not wait for it
-                    self._interrupt_passive()
+                if self._idle_run is not None:  # it may be starved: the rewind does not wait
+                    self._interrupt_idle()
             self._wake()
 
-    def _interrupt_passive(self) -> None:
-        """Cut the passive checkpoint in flight short; again every ``RETRY`` seconds until
-        it has returned, as an interrupt that lands before its statement starts is lost."""
+    def _interrupt_idle(self) -> None:
+        """Cut the passive checkpoint on the idle thread short; again every ``RETRY`` seconds
+        until it has returned, as an interrupt that lands before its statement starts is lost."""
         self._retry = None
-        if self._passive_running and self._loop is not None:
+        run = self._idle_run
+        if run is not None and not run.done() and self._loop is not None:
+            self._interrupting = True
             interrupt(self._conn)
-            self._retry = self._loop.call_later(RETRY, self._interrupt_passive)
+            self._retry = self._loop.call_later(RETRY, self._interrupt_idle)
 
     # the task ----------------------------------------------------------------------
 
@@ -291,20 +301,34 @@ class Checkpointer:
             await self._passive(loop)
 
     async def _passive(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A passive checkpoint on the idle thread; after ``patience``, on the fallback's."""
         self._dirty = False
         self._last_passive = loop.time()
-        self._passive_running = True
+        run = self._idle_run = asyncio.ensure_future(hop(self._conn, _wal_checkpoint, "PASSIVE"))
+        run.add_done_callback(_retrieve)  # if this task is cancelled, nobody else will
+        self._interrupting = False
         try:
-            await self._checkpoint("PASSIVE")
-        except sqlite3.OperationalError:
-            if not self._holding:  # not interrupted by the hard bound: a real failure
-                raise
-            self.interrupted += 1  # the rewind that follows copies the rest
+            await asyncio.wait((run,), timeout=self._policy.patience)
+            if not run.done() and not self._holding:  # starved: the rest at normal priority
+                self._interrupt_idle()
+            await asyncio.wait((run,))
         finally:
-            self._passive_running = False
+            self._idle_run = None
             if self._retry is not None:
                 self._retry.cancel()
                 self._retry = None
+        error = run.exception()
+        if error is None:
+            self.checkpoints["PASSIVE"] += 1
+            return
+        if not (self._interrupting and isinstance(error, sqlite3.OperationalError)):
+            raise error  # a real failure: logged by the task, retried later
+        if self._holding:
+            self.interrupted += 1  # the rewind that follows copies the rest
+            return
+        self.starved += 1
+        await hop(self._fallback, _wal_checkpoint, "PASSIVE")
+        self.checkpoints["PASSIVE"] += 1
 
     async def _rewind(
         self, loop: asyncio.AbstractEventLoop, mode: Mode, *, held: bool = False
@@ -346,17 +370,11 @@ class Checkpointer:
         return rewound
 
     async def _checkpoint(self, mode: Mode) -> bool:
-        """Run one checkpoint; whether it copied the whole WAL (and, unless PASSIVE, rewound it).
-
-        PASSIVE on the checkpointer's (low-priority) thread; the others on the
-        writer's connection, which the caller holds (see the module docstring).
-        """
-        if mode == "PASSIVE":
-            busy, frames, copied = await hop(self._conn, _wal_checkpoint, mode)
-        else:
-            busy, frames, copied = await hop(
-                self._writer.connection, _blocking_checkpoint, mode, self._busy_ms
-            )
+        """Run one RESTART or TRUNCATE on the writer's connection, which the caller holds
+        (see the module docstring); whether it copied the whole WAL and rewound it."""
+        busy, frames, copied = await hop(
+            self._writer.connection, _blocking_checkpoint, mode, self._busy_ms
+        )
         self.checkpoints[mode] += 1
         return busy == 0 and frames == copied
 
@@ -373,6 +391,11 @@ def _releaser(writer: GroupCommitWriter) -> Callable[[asyncio.Future[bool]], Non
         writer.release()
 
     return release
+
+
+def _retrieve(run: asyncio.Future[tuple[int, int, int]]) -> None:
+    if not run.cancelled():
+        run.exception()  # retrieved: the task raises it, unless it was cancelled meanwhile
 
 
 def _nothing(conn: sqlite3.Connection) -> None:
@@ -397,13 +420,17 @@ def _blocking_checkpoint(
         conn.execute(f"PRAGMA busy_timeout = {saved}")
 
 
-def configure_checkpointer(conn: sqlite3.Connection, synchronous: str, busy_ms: int) -> None:
-    """The checkpointer's connection (run on its thread): its sync level is what makes a
-    checkpoint durable; its thread becomes SCHED_IDLE (Linux; see the module docstring)."""
+def configure_checkpointer(
+    conn: sqlite3.Connection, synchronous: str, busy_ms: int, idle: bool
+) -> None:
+    """A checkpointer's connection (run on its thread): its sync level is what makes a
+    checkpoint durable; ``idle``: its thread becomes SCHED_IDLE (Linux; see the module
+    docstring)."""
     conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     conn.execute(f"PRAGMA synchronous = {synchronous}")
     conn.execute("PRAGMA wal_autocheckpoint = 0")
-    lower_priority()
+    if idle:
+        lower_priority()
 
 
 def lower_priority() -> bool:

@@ -173,7 +173,7 @@ class SQLiteStore(StoreCore):
     async def open(self) -> None:
         if self._conns:
             raise StoreError("the store is already open")
-        checkpointer: aiosqlite.Connection | None = None
+        checkpointers: list[aiosqlite.Connection] = []
         try:
             writer = await self._connect()
             version, backlog = await hop(
@@ -189,9 +189,12 @@ class SQLiteStore(StoreCore):
                 readers = [await self._connect() for _ in range(self._reader_count)]
                 for reader in readers:
                     await hop(reader, configure_reader, self._busy_ms)
-                checkpointer = await self._connect()
+                # Two: passive checkpoints at idle priority, and at normal priority when
+                # that thread is starved (see torpor.store.sqlite.checkpoint).
+                checkpointers = [await self._connect() for _ in range(2)]
                 busy_ms = int(self._checkpoints.busy * 1000)
-                await hop(checkpointer, configure_checkpointer, self.durability.upper(), busy_ms)
+                for idle, conn in zip((True, False), checkpointers, strict=True):
+                    await hop(conn, configure_checkpointer, self.durability.upper(), busy_ms, idle)
         except BaseException as exc:
             await self._close_connections()
             if isinstance(exc, sqlite3.Error):
@@ -206,8 +209,9 @@ class SQLiteStore(StoreCore):
             search_backlog=backlog,
         )
         self._writer.start()
-        if checkpointer is not None:
-            self._checkpointer = Checkpointer(checkpointer, self._writer, self._checkpoints)
+        if checkpointers:
+            idle_conn, fallback = checkpointers
+            self._checkpointer = Checkpointer(idle_conn, self._writer, self._checkpoints, fallback)
             self._writer.on_commit = self._checkpointer.committed
             self._checkpointer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
