@@ -25,14 +25,13 @@ single-thread executor per connection; nothing else in torpor needs to change.
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import aiosqlite
 
-__all__ = ["hop", "interrupt", "post"]
+__all__ = ["hop", "post"]
 
 T = TypeVar("T")
 
@@ -73,16 +72,3 @@ def post(
         fn(raw)
 
     conn._tx.put_nowait((None, call))
-
-
-def interrupt(conn: aiosqlite.Connection) -> None:
-    """Interrupt what runs on ``conn``'s thread now, from any thread (``sqlite3_interrupt``).
-
-    The statement running (if any) fails with ``sqlite3.OperationalError``; a
-    statement started later is not affected (SQLite clears the flag when none
-    runs). A closed connection has nothing to interrupt.
-    """
-    raw: sqlite3.Connection | None = conn._connection
-    if raw is not None:
-        with contextlib.suppress(sqlite3.ProgrammingError):  # closed meanwhile
-            raw.interrupt()

@@ -173,7 +173,7 @@ class SQLiteStore(StoreCore):
     async def open(self) -> None:
         if self._conns:
             raise StoreError("the store is already open")
-        checkpointers: list[aiosqlite.Connection] = []
+        checkpointer: aiosqlite.Connection | None = None
         try:
             writer = await self._connect()
             version, backlog = await hop(
@@ -189,12 +189,9 @@ class SQLiteStore(StoreCore):
                 readers = [await self._connect() for _ in range(self._reader_count)]
                 for reader in readers:
                     await hop(reader, configure_reader, self._busy_ms)
-                # Two: passive checkpoints at idle priority, and at normal priority when
-                # that thread is starved (see torpor.store.sqlite.checkpoint).
-                checkpointers = [await self._connect() for _ in range(2)]
+                checkpointer = await self._connect()
                 busy_ms = int(self._checkpoints.busy * 1000)
-                for idle, conn in zip((True, False), checkpointers, strict=True):
-                    await hop(conn, configure_checkpointer, self.durability.upper(), busy_ms, idle)
+                await hop(checkpointer, configure_checkpointer, self.durability.upper(), busy_ms)
         except BaseException as exc:
             await self._close_connections()
             if isinstance(exc, sqlite3.Error):
@@ -209,9 +206,8 @@ class SQLiteStore(StoreCore):
             search_backlog=backlog,
         )
         self._writer.start()
-        if checkpointers:
-            idle_conn, fallback = checkpointers
-            self._checkpointer = Checkpointer(idle_conn, self._writer, self._checkpoints, fallback)
+        if checkpointer is not None:
+            self._checkpointer = Checkpointer(checkpointer, self._writer, self._checkpoints)
             self._writer.on_commit = self._checkpointer.committed
             self._checkpointer.start()
         self._log.info("store_opened", schema_version=version, durability=self.durability)
