@@ -279,6 +279,19 @@ class Tracer:
             }
             for key, group in sorted(groups.items(), key=lambda kv: -len(kv[1]))
         }
+        # Noise control: turns over 2x the median inside checkpoint runs, against the same
+        # count in windows as long, 100-200 ms later, that overlap no checkpoint. On a busy
+        # machine slow turns happen anyway; the difference is what checkpoints add.
+        p50 = percentile([t.end - t.start for t in turns], 50) or 0.0
+        spans = [(s_, e_) for s_, e_, *_ in self.checkpoints]
+
+        def over_2x(a: float, b: float) -> int:
+            return sum(1 for t in turns
+                       if t.start < b and t.end > a and t.end - t.start > 2 * p50)
+
+        inside = sum(over_2x(s_, e_) for s_, e_ in spans)
+        control = [over_2x(s_ + d, e_ + d) for s_, e_ in spans for d in (0.1, 0.15, 0.2)
+                   if not any(a < e_ + d and b > s_ + d for a, b in spans)]
         cpu_all = percentile([t.cpu for t in turns], 50)
         cpu_slow = percentile([t.cpu for t in slow], 50)
         return {
@@ -292,6 +305,15 @@ class Tracer:
                                 default=0.0) * 1000, 3)
                 for mode in {m for _, _, m, _, _ in self.checkpoints}
             },
+            "checkpoint_ms_median": {
+                mode: _ms(percentile([e - s for s, e, m, _, _ in self.checkpoints if m == mode],
+                                     50))
+                for mode in {m for _, _, m, _, _ in self.checkpoints}
+            },
+            "checkpoint_ms_total": round(sum(e - s for s, e in spans) * 1000, 1),
+            "over_2x_p50_in_checkpoints": inside,
+            "over_2x_p50_in_control_windows": (round(sum(control) / len(control) * len(spans), 1)
+                                               if control else None),
             "folds": len(self.folds),
             "fold_ms_max": round(max((e - s for s, e, _ in self.folds), default=0.0) * 1000, 3),
             "gc": _tally(f"gen{g}" for _, _, g in self.gcs),

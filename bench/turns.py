@@ -407,6 +407,12 @@ def trace(args: argparse.Namespace) -> None:
                                                "slow turns: max"), segments),
         table(f"what overlapped the slowest {report['slow_turns']} turns",
               ("overlap", "turns"), overlaps),
+        table("checkpoints", ("mode", "runs", "median ms", "max ms"),
+              [(mode, n, report["checkpoint_ms_median"][mode], report["checkpoint_ms_max"][mode])
+               for mode, n in report["checkpoints"].items()]
+              + [("turns > 2x p50 during them / in as long control windows", "-",
+                  report["over_2x_p50_in_checkpoints"],
+                  report["over_2x_p50_in_control_windows"])]),
         table("every turn by what overlapped it", ("overlap", "turns", "slow", "p50 ms",
                                                    "p99 ms", "loop CPU p50 ms"),
               [(k, v["turns"], v["slow"], v["p50_ms"], v["p99_ms"], v["loop_cpu_p50_ms"])
