@@ -42,6 +42,7 @@ class Batch:
     run_start: float = 0.0
     run_end: float = 0.0
     finished: float = 0.0
+    indexed: bool = False  # this commit indexed the full-text backlog in bulk
 
 
 @dataclass
@@ -119,11 +120,14 @@ class Tracer:
 
         def traced_run_batch(*args: Any) -> Any:
             record = current[-1] if current else Batch(0.0)
+            backlog = args[2]  # the search backlog: emptied by a batch that indexes it
+            waiting = backlog.size[0]
             record.run_start = clock()
             try:
                 return run_batch(*args)
             finally:
                 record.run_end = clock()
+                record.indexed = waiting > 0 and backlog.size[0] == 0
 
         def traced_finish(self: Any, *args: Any) -> None:
             if current:
@@ -350,6 +354,8 @@ class Tracer:
         for s, e, g in self.gcs:
             if over(s, e):
                 tags.append(f"gc gen{g}")
+        if any(b.indexed for b in t.batches):
+            tags.append("full-text backlog indexed")
         if t.ivcsw > 2:
             tags.append("preempted (ivcsw)")
         return sorted(set(tags))
