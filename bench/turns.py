@@ -33,6 +33,11 @@ by hand: neither CI nor ``run_all.py`` passes it.)
 Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
 [--gc-off] [--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
 
+``--trace`` (a diagnostic) runs one conversation for ``--duration`` seconds with
+timestamps on every step of every turn, every group-commit batch, checkpoint,
+fold and GC run (see ``_turn_trace.py``), and prints what the slowest 1% of
+turns were made of and what overlapped them.
+
 Each level also reports the cyclic GC's collections per generation and their seconds
 (``gc_collections``, ``gc_seconds``, timed part only); ``--gc-off`` runs every level
 again with the GC disabled (``cpu_us_per_turn_gc_off``): the difference is what
@@ -53,6 +58,7 @@ from typing import Any
 
 import aiosqlite
 from _common import emit, fresh_db, quiet, ratio, table
+from _turn_trace import Tracer
 
 import torpor
 from torpor.llm.protocol import ContextMessage, StreamEvent, ToolSpec
@@ -62,14 +68,17 @@ from torpor.runtime.stats import percentile
 class TimedModel:
     """EchoModel with a stopwatch around every step of its stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | None = None) -> None:
         self._echo = torpor.EchoModel(delay=0)
         self.name = "echo"
         self.seconds = 0.0
+        self._tracer = tracer
 
     async def stream(
         self, context: Sequence[ContextMessage], tools: Sequence[ToolSpec]
     ) -> AsyncIterator[StreamEvent]:
+        if self._tracer is not None:
+            self._tracer.model_called()
         inner = self._echo.stream(context, tools).__aiter__()
         while True:
             t0 = time.perf_counter()
@@ -134,10 +143,14 @@ class GcGauge:
 
 
 async def level(
-    db: Path, conversations: int, duration: float, *, window: float | None = None
+    db: Path, conversations: int, duration: float, *, window: float | None = None,
+    tracer: Tracer | None = None,
 ) -> dict[str, Any]:
-    """Turns back to back for ``duration`` seconds; with ``window``, figures per window too."""
-    model = TimedModel()
+    """Turns back to back for ``duration`` seconds; with ``window``, figures per window too.
+
+    ``tracer``: record what every turn was made of (one conversation only: see --trace).
+    """
+    model = TimedModel(tracer)
     config = torpor.RuntimeConfig(hibernate_after=3600, evict_after=7200, sweep_interval=3600)
     names = [f"turns-{i:06d}" for i in range(conversations)]
     latencies: list[float] = []
@@ -152,6 +165,8 @@ async def level(
         async def loop(c: str) -> None:
             nonlocal errors
             while time.perf_counter() < deadline:
+                if tracer is not None:
+                    tracer.turn_start()
                 t0 = time.perf_counter()
                 try:
                     await _turn(rt, c)
@@ -159,6 +174,8 @@ async def level(
                     errors += 1
                 else:
                     latencies.append(time.perf_counter() - t0)
+                    if tracer is not None:
+                        tracer.turn_end()
 
         async def report(every: float) -> None:
             start = 0
@@ -291,12 +308,18 @@ def main() -> None:
     p.add_argument("--gc-off", action="store_true",
                    help="run each level a second time with the cyclic GC disabled and report "
                         "its CPU per turn (what the GC costs at that level)")
+    p.add_argument("--trace", action="store_true",
+                   help="instead: one conversation for --duration seconds, printing what the "
+                        "slowest 1%% of turns were made of and what overlapped them")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
     quiet()
     if args.soak is not None:
         soak(args)
+        return
+    if args.trace:
+        trace(args)
         return
     rows = []
     naive: dict[int, dict[str, Any]] = {}
@@ -359,6 +382,42 @@ def main() -> None:
         [(r["conversations"], r["cpu_us_per_turn"], r.get("cpu_us_per_turn_gc_off", "-"),
           "/".join(str(n) for n in r["gc_collections"]), r["gc_seconds"][2]) for r in rows]))
     emit(result, tables, args.json)
+
+
+def trace(args: argparse.Namespace) -> None:
+    """``--trace``: the slowest 1% of turns at one conversation, taken apart (a diagnostic)."""
+    tracer = Tracer()
+    with tempfile.TemporaryDirectory(prefix="torpor-trace-", dir=args.dir) as tmp:
+        db = Path(fresh_db(Path(tmp), "trace.db").removeprefix("sqlite:///"))
+        tracer.install()
+        try:
+            row = asyncio.run(level(db, 1, args.duration, tracer=tracer))
+        finally:
+            tracer.uninstall()
+    row["p99_over_p50"] = ratio(row["latency_p99_ms"], row["latency_p50_ms"])
+    report = tracer.report()
+    result = {"benchmark": "turns_trace", "params": {"seconds": args.duration},
+              "level": row, "trace": report}
+    segments = [(name, s["median_turn_us"], s["slow_turn_median_us"], s["slow_turn_max_us"])
+                for name, s in report["segments"].items()]
+    overlaps = list(report["overlap_counts"].items())
+    emit(result, [
+        table(f"turn segments, µs (p50 {row['latency_p50_ms']} ms, p99 "
+              f"{row['latency_p99_ms']} ms)", ("segment", "median turn", "slow turns: median",
+                                               "slow turns: max"), segments),
+        table(f"what overlapped the slowest {report['slow_turns']} turns",
+              ("overlap", "turns"), overlaps),
+        table("checkpoints", ("mode", "runs", "median ms", "max ms"),
+              [(mode, n, report["checkpoint_ms_median"][mode], report["checkpoint_ms_max"][mode])
+               for mode, n in report["checkpoints"].items()]
+              + [("turns > 2x p50 during them / in as long control windows", "-",
+                  report["over_2x_p50_in_checkpoints"],
+                  report["over_2x_p50_in_control_windows"])]),
+        table("every turn by what overlapped it", ("overlap", "turns", "slow", "p50 ms",
+                                                   "p99 ms", "loop CPU p50 ms"),
+              [(k, v["turns"], v["slow"], v["p50_ms"], v["p99_ms"], v["loop_cpu_p50_ms"])
+               for k, v in report["by_overlap"].items()]),
+    ], args.json)
 
 
 def soak(args: argparse.Namespace) -> None:
