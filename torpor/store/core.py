@@ -162,13 +162,7 @@ class StoreCore:
         expect_head: int | None = None,
         key: str | None = None,
     ) -> Awaitable[list[int]]:
-        try:
-            prepared = self._policy.prepare(
-                conversation_id, events, turn=turn, expect_head=expect_head, key=key
-            )
-            return cast("Awaitable[list[int]]", self._submit(self._append_op(prepared, False)))
-        except Exception as exc:  # raised where it is awaited, as from a coroutine
-            return _raising(exc)
+        return self._queue_append(conversation_id, events, turn, expect_head, key, False)
 
     def append_events(
         self,
@@ -179,18 +173,26 @@ class StoreCore:
         expect_head: int | None = None,
         key: str | None = None,
     ) -> Awaitable[list[Event]]:
-        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts).
+        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
+        return self._queue_append(conversation_id, events, turn, expect_head, key, True)
 
-        Both are checked and queued when called, like :meth:`record_model_call`:
-        on SQLite the caller then awaits the commit's future itself, with no
-        coroutine of ours around it (one frame and one object less per append
-        waiting for its batch).
-        """
+    def _queue_append(
+        self,
+        conversation_id: str,
+        events: Sequence[Body],
+        turn: int,
+        expect_head: int | None,
+        key: str | None,
+        with_events: bool,
+    ) -> Awaitable[Any]:
+        """Checked and queued when called, like :meth:`record_model_call`: on SQLite the
+        caller then awaits the commit's future itself, with no coroutine of ours around
+        it (one frame and one object less per append waiting for its batch)."""
         try:
             prepared = self._policy.prepare(
                 conversation_id, events, turn=turn, expect_head=expect_head, key=key
             )
-            return cast("Awaitable[list[Event]]", self._submit(self._append_op(prepared, True)))
+            return self._submit(self._append_op(prepared, with_events))
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
 
