@@ -177,21 +177,14 @@ class StoreCore:
         return self._queue_append(conversation_id, events, turn, expect_head, key, True)
 
     def _queue_append(
-        self,
-        conversation_id: str,
-        events: Sequence[Body],
-        turn: int,
-        expect_head: int | None,
-        key: str | None,
+        self, name: str, events: Sequence[Body], turn: int, head: int | None, key: str | None,
         with_events: bool,
     ) -> Awaitable[Any]:
         """Checked and queued when called, like :meth:`record_model_call`: on SQLite the
         caller then awaits the commit's future itself, with no coroutine of ours around
         it (one frame and one object less per append waiting for its batch)."""
         try:
-            prepared = self._policy.prepare(
-                conversation_id, events, turn=turn, expect_head=expect_head, key=key
-            )
+            prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=key)
             return self._submit(self._append_op(prepared, with_events))
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
