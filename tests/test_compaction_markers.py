@@ -25,6 +25,7 @@ from torpor.errors import ConfigError
 from torpor.events import (
     Aborted,
     AssistantMessage,
+    Body,
     Event,
     Parked,
     Resolved,
@@ -297,3 +298,38 @@ def test_stored_hints_keep_exact_strings_and_prose_words_apart() -> None:
     assert sum(1 for h in hints if len(h) > 2) == PROSE_SAMPLE
     topics = extract_topics(span, 8)
     assert topics[-2:] == ("invoice", "totals")
+
+
+@pytest.mark.parametrize(
+    ("body", "stored"),
+    [
+        (UserMessage("ping"), b"\x02\x00\x00\x92\x01\xa4ping"),
+        (UserMessage("ok, see you"), b"\x02"),
+        (
+            UserMessage("zeta alpha zeta beta alpha gamma Delta"),
+            b"\x02\x00\x08\x92\x02\xa5Delta\x96\x01\xa4zeta\x01\xa5alpha\x01\xa4beta",
+        ),
+        (
+            UserMessage(
+                "set max_retries=7 in settings.py and deploy.yaml, ask Postgres on AWS "
+                "about RAID, then retry retry"
+            ),
+            b"\x02\x004\x98\x05\xadmax_retries=7\x05\xabsettings.py\x05\xabdeploy.yaml"
+            b"\x02\xa8Postgres\x92\x01\xa5retry",
+        ),
+        (
+            AssistantMessage("", (ToolCall("1", "read", {"path": "/etc/nginx/nginx.conf"}),)),
+            b"\x02\x00\x18\x92\x05\xb5/etc/nginx/nginx.conf",
+        ),
+        (
+            ToolResult("1", "grep", "no matches found in src/app.py"),
+            b"\x02\x00\r\x92\x05\xaasrc/app.py\x94\x01\xa7matches\x01\xa5found",
+        ),
+    ],
+)
+def test_stored_hints_are_byte_for_byte_those_of_their_format(body: Body, stored: bytes) -> None:
+    """Hints stored by format 2 are trusted as they are: extraction made faster must store
+    the same bytes (ties broken by first appearance), or bump HINTS_FORMAT."""
+    from torpor.compaction.markers import encode_hints
+
+    assert encode_hints(body) == stored

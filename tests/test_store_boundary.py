@@ -295,3 +295,29 @@ async def test_concurrent_bad_and_good_appends_share_nothing(backend: Backend) -
         assert outcomes[0] == [0] and outcomes[2] == [1]
         assert isinstance(outcomes[1], InvalidInput)
         assert [c.conversation_id for c in await store.conversations()] == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("text", "index"),
+    [
+        ("plain ascii", None),
+        ("accents é and emoji \U0001f600", None),
+        ("ascii\x00nul", 5),
+        ("é\x00 nul after non-ascii", 1),
+        (f"é{SURROGATE}", 1),
+        (f"{SURROGATE}\udc00", 0),  # two halves are two lone surrogates, not a pair
+    ],
+)
+def test_text_checks_agree_on_ascii_and_wider_text(text: str, index: int | None) -> None:
+    """ASCII text is settled without the pattern (no surrogate can be in it); the rest by it:
+    both ways find the same characters, and joined texts hold what their parts hold."""
+    from torpor.text import check_text, is_storable, repair_text
+
+    assert is_storable(text) is (index is None)
+    assert is_storable("".join(("ok", text, "ok"))) is (index is None)
+    if index is None:
+        assert check_text(text, "t") is text and repair_text(text) is text
+    else:
+        with pytest.raises(InvalidInput, match=f"at index {index}"):
+            check_text(text, "t")
+        assert is_storable(repair_text(text)) and repair_text(text)[index] == "\ufffd"

@@ -25,6 +25,8 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 def is_storable(text: str) -> bool:
     """True when every backend can hold ``text`` as it is."""
+    if text.isascii():  # a flag CPython keeps on the string: no surrogate, only NUL to find
+        return "\x00" not in text
     return _UNSTORABLE.search(text) is None
 
 
@@ -32,6 +34,8 @@ def check_text(value: object, what: str) -> str:
     """``value`` itself when it is a storable str; else :class:`InvalidInput` naming ``what``."""
     if not isinstance(value, str):
         raise InvalidInput(what, f"must be a str, got {type(value).__name__}")
+    if value.isascii() and "\x00" not in value:  # most text: no scan by the pattern
+        return value
     match = _UNSTORABLE.search(value)
     if match is not None:
         char = "NUL" if match.group() == "\x00" else f"a lone surrogate U+{ord(match.group()):04X}"
@@ -51,6 +55,6 @@ def check_id(value: object, what: str = "conversation_id") -> str:
 
 def repair_text(text: str) -> str:
     """Replace what the log cannot hold with U+FFFD, visibly. Free when nothing needs it."""
-    if _UNSTORABLE.search(text) is None:
+    if is_storable(text):
         return text
     return _UNSTORABLE.sub("\ufffd", text)

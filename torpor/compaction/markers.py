@@ -87,6 +87,7 @@ _COMMON_TEXT = """
     without wont work works would wrong year years yes yet your yours yourself yourselves
 """
 _COMMON_WORDS = frozenset(_COMMON_TEXT.split())
+_NO_WORDS: frozenset[str] = frozenset()
 
 
 def common_word(word: str) -> bool:
@@ -151,25 +152,24 @@ def _prose_words(text: str, taken: dict[str, int], limit: int) -> list[str]:
     """The text's salient words, lowercased: not common English, not already a candidate;
     the most repeated first, then by first appearance."""
     counts: dict[str, int] = {}
-    seen = {topic.lower() for topic in taken}
-    for match in _PROSE_RE.finditer(text):
-        word = match.group().lower()
-        if word in _COMMON_WORDS or word in seen:
+    seen = {topic.lower() for topic in taken} if taken else _NO_WORDS
+    common = _COMMON_WORDS
+    for word in _PROSE_RE.findall(text):  # the pattern has no groups: whole matches
+        word = word.lower()
+        if word in common or word in seen:
             continue
         counts[word] = counts.get(word, 0) + 1
-    if not counts:
-        return []
-    order = {word: i for i, word in enumerate(counts)}
-    return sorted(counts, key=lambda w: (-counts[w], order[w]))[:limit]
+    if len(counts) < 2:
+        return list(counts)[:limit]
+    # A stable sort keeps equal counts in first-appearance order, reversed or not.
+    return sorted(counts, key=counts.__getitem__, reverse=True)[:limit]
 
 
-def text_hints(
-    text: str, limit: int = HINTS_PER_EVENT, words: int = WORDS_PER_EVENT
-) -> Hints:
-    """The best ``limit`` exact-string candidates of one text, then up to ``words`` prose
-    words (weight :data:`PROSE_WEIGHT`), as flattened (weight, topic)."""
-    if not text:
-        return ()
+def _candidates(text: str, limit: int, words: int) -> tuple[list[int | str], list[int | str]]:
+    """:func:`text_hints` in its two parts: the flattened exact strings, then the prose words.
+
+    Kept apart so :func:`encode_hints` stores each part without splitting them again.
+    """
     if len(text) > SCAN_CHARS:
         text = text[:SCAN_CHARS]
     found: dict[str, int] = {}
@@ -186,16 +186,29 @@ def text_hints(
         weight = _WEIGHTS[kind]
         if found.get(topic, 0) < weight:
             found[topic] = weight
-    order = {topic: i for i, topic in enumerate(found)}
-    best = sorted(found, key=lambda t: (-found[t], order[t]))[:limit]
-    flat: list[int | str] = []
-    for topic in best:
-        flat.append(found[topic])
-        flat.append(topic)
-    for word in _prose_words(text, found, words) if words > 0 else ():
-        flat.append(PROSE_WEIGHT)
-        flat.append(word)
-    return tuple(flat)
+    exact: list[int | str] = []
+    if found:
+        # A stable sort keeps equal weights in first-appearance order, reversed or not.
+        for topic in sorted(found, key=found.__getitem__, reverse=True)[:limit]:
+            exact.append(found[topic])
+            exact.append(topic)
+    prose: list[int | str] = []
+    if words > 0:
+        for word in _prose_words(text, found, words):
+            prose.append(PROSE_WEIGHT)
+            prose.append(word)
+    return exact, prose
+
+
+def text_hints(
+    text: str, limit: int = HINTS_PER_EVENT, words: int = WORDS_PER_EVENT
+) -> Hints:
+    """The best ``limit`` exact-string candidates of one text, then up to ``words`` prose
+    words (weight :data:`PROSE_WEIGHT`), as flattened (weight, topic)."""
+    if not text:
+        return ()
+    exact, prose = _candidates(text, limit, words)
+    return tuple(exact + prose) if prose else tuple(exact)
 
 
 def _hint_text(body: Body) -> str:
@@ -268,13 +281,15 @@ def encode_hints(body: Body) -> bytes:
     when there are none). Two sections, so a fold reads the exact strings of every
     event without decoding the words of each.
     """
-    flat = text_hints(_hint_text(body))
-    if not flat:
+    text = _hint_text(body)
+    if not text:
         return _FORMAT
-    cut = _split(flat)
-    exact = _hints_encoder.encode(flat[:cut]) if cut else b""
-    prose = _hints_encoder.encode(flat[cut:]) if cut < len(flat) else b""
-    return _FORMAT + len(exact).to_bytes(2, "big") + exact + prose
+    exact, prose = _candidates(text, HINTS_PER_EVENT, WORDS_PER_EVENT)
+    if not exact:
+        return _NO_EXACT + _hints_encoder.encode(prose) if prose else _FORMAT
+    head = _hints_encoder.encode(exact)
+    tail = _hints_encoder.encode(prose) if prose else b""
+    return _FORMAT + len(head).to_bytes(2, "big") + head + tail
 
 
 def _decode(stored: bytes, exact: bool, prose: bool) -> Hints | None:

@@ -121,17 +121,21 @@ def aborted_text(body: Aborted) -> str:
 
 def count_body(body: Body, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens this body costs in a rendered context, role framing included; 0 if not rendered."""
+    return _count(body, get_encoding(encoding).encode_ordinary)
+
+
+def _count(body: Body, encode: Callable[[str], list[int]]) -> int:
     text = rendered_text(body)
     if text is None:
         return 0
-    return count_text(text, encoding) + MESSAGE_OVERHEAD
+    return (len(encode(text)) if text else 0) + MESSAGE_OVERHEAD
 
 
 def make_token_counter(encoding: str = DEFAULT_ENCODING) -> Callable[[Body], int]:
     """A counter for the store to call once per appended event."""
-    get_encoding(encoding)  # fail early on an unknown encoding name
+    encode = get_encoding(encoding).encode_ordinary  # fails early on an unknown name
 
-    def counter(body: Body) -> int:
-        return count_body(body, encoding)
+    def counter(body: Body) -> int:  # count_body, the encoding looked up once
+        return _count(body, encode)
 
     return counter

@@ -282,7 +282,7 @@ def admit_model_call(call: object) -> ModelCall:
     for text in texts:
         if not isinstance(text, str):
             raise InvalidInput("call", f"text fields must be str, got {type(text).__name__}")
-    if all(is_storable(text) for text in texts):
+    if is_storable("".join(texts)):  # joining pairs no surrogates up: one search for all
         return call
     return msgspec.structs.replace(
         call,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable, Sequence
 from types import ModuleType, TracebackType
-from typing import Any, Self, cast
+from typing import Any, NoReturn, Self, cast
 
 import msgspec
 
@@ -153,7 +153,7 @@ class StoreCore:
 
     # writes ----------------------------------------------------------------------------
 
-    async def append(
+    def append(
         self,
         conversation_id: str,
         events: Sequence[Body],
@@ -161,13 +161,10 @@ class StoreCore:
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
-    ) -> list[int]:
-        prepared = self._policy.prepare(
-            conversation_id, events, turn=turn, expect_head=expect_head, key=key
-        )
-        return cast("list[int]", await self._submit(self._append_op(prepared, False)))
+    ) -> Awaitable[list[int]]:
+        return self._queue_append(conversation_id, events, turn, expect_head, key, False)
 
-    async def append_events(
+    def append_events(
         self,
         conversation_id: str,
         events: Sequence[Body],
@@ -175,12 +172,22 @@ class StoreCore:
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
-    ) -> list[Event]:
+    ) -> Awaitable[list[Event]]:
         """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
-        prepared = self._policy.prepare(
-            conversation_id, events, turn=turn, expect_head=expect_head, key=key
-        )
-        return cast("list[Event]", await self._submit(self._append_op(prepared, True)))
+        return self._queue_append(conversation_id, events, turn, expect_head, key, True)
+
+    def _queue_append(
+        self, name: str, events: Sequence[Body], turn: int, head: int | None, key: str | None,
+        with_events: bool,
+    ) -> Awaitable[Any]:
+        """Checked and queued when called, like :meth:`record_model_call`: on SQLite the
+        caller then awaits the commit's future itself, with no coroutine of ours around
+        it (one frame and one object less per append waiting for its batch)."""
+        try:
+            prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=key)
+            return self._submit(self._append_op(prepared, with_events))
+        except Exception as exc:  # raised where it is awaited, as from a coroutine
+            return _raising(exc)
 
     async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._submit(self._checkpoint_op(check_checkpoint(checkpoint)))
@@ -369,5 +376,5 @@ def _stamped(item: Any, now: int) -> Any:
     return item if item.created_at else msgspec.structs.replace(item, created_at=now)
 
 
-async def _raising(error: Exception) -> None:
+async def _raising(error: Exception) -> NoReturn:
     raise error

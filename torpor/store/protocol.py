@@ -178,9 +178,9 @@ class PendingApproval(msgspec.Struct, frozen=True, gc=False):
 
 @runtime_checkable
 class EventStore(Protocol):
-    """The append-only log. All methods are coroutines; every one is one trip to the backend."""
+    """The append-only log. All methods are awaitable; every one is one trip to the backend."""
 
-    async def append(
+    def append(
         self,
         conversation_id: str,
         events: Sequence[Body],
@@ -188,7 +188,7 @@ class EventStore(Protocol):
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
-    ) -> list[int]:
+    ) -> Awaitable[list[int]]:
         """Append events atomically; return their positions (0, 1, 2, … per conversation).
 
         ``expect_head``: the caller's idea of the current head (-1 for an empty
@@ -201,10 +201,14 @@ class EventStore(Protocol):
         text the log cannot hold, a bad argument), EventTooLarge, ConflictError,
         IdempotencyConflict, StoreUnavailable (the database cannot write now;
         the same call may succeed later).
+
+        Awaitable, not necessarily a coroutine: a backend may check and queue the
+        append when called and hand back the commit's future (SQLite does); an
+        error is still raised where the result is awaited.
         """
         ...
 
-    async def append_events(
+    def append_events(
         self,
         conversation_id: str,
         events: Sequence[Body],
@@ -212,7 +216,7 @@ class EventStore(Protocol):
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
-    ) -> list[Event]:
+    ) -> Awaitable[list[Event]]:
         """Like ``append``, but returns the events as stored: positions, token counts,
         created_at, and bodies after clipping (what a working set must hold)."""
         ...
