@@ -127,3 +127,43 @@ async def test_a_stream_that_keeps_sending_is_not_ended(tmp_path: Path) -> None:
             gap.set()
         with anyio.fail_after(20):
             assert (await turn.result()).text == "." * 12 + "done"
+
+
+class _RaisesOnCall:
+    """A model whose ``stream`` is a plain method (the protocol allows it) that raises
+    before returning a stream on its first call, then streams ``then``'s steps."""
+
+    name = "raises-on-call"
+
+    def __init__(self, then: ScriptedModel) -> None:
+        self.then = then
+        self.calls = 0
+
+    def stream(self, context: object, tools: object) -> object:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("bad request, refused before any stream")
+        return self.then.stream(context, tools)  # type: ignore[arg-type]
+
+
+async def test_a_call_that_fails_before_its_stream_leaves_nothing_watched(
+    tmp_path: Path,
+) -> None:
+    """A stream() that raises at once must not leave its call registered: the watchdog
+    would later cancel whatever turn of the agent runs then (as if a caller had)."""
+    gaps = [anyio.Event() for _ in range(12)]
+    steps: list[object] = []
+    for gap in gaps:
+        steps += [Text("."), Wait(gap)]
+    model = _RaisesOnCall(ScriptedModel([[*steps, Text("done")]]))  # type: ignore[list-item]
+    async with Runtime(db(tmp_path), model=model,  # type: ignore[arg-type]
+                       agent=AgentConfig(model_idle_timeout=1.0)) as rt:
+        with pytest.raises(TurnAborted):
+            await (await rt.send("c", "first")).result()
+        assert len(rt._host.watchdog) == 0  # the failed call is not watched any more
+        turn = await rt.send("c", "second")
+        for gap in gaps:  # 12 x 0.1 s: past the failed call's timeout, each gap far shorter
+            await anyio.sleep(0.1)
+            gap.set()
+        with anyio.fail_after(20):
+            assert (await turn.result()).text == "." * 12 + "done"

@@ -239,12 +239,15 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
-    # Watched by the runtime's one watchdog task, not a timer per call: a chunk only
-    # stores the clock (see torpor.actors.watchdog).
-    watched = host.watchdog.watch(agent, idle) if idle is not None else None
     clock = asyncio.get_running_loop().time  # the watchdog's clock
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     stream = _model_of(agent, host).stream(rendered.messages, specs)
+    # Watched by the runtime's one watchdog task, not a timer per call: a chunk only
+    # stores the clock (see torpor.actors.watchdog). Registered only once stream() has
+    # returned, next to the try whose finally releases it: a stream() that raises at
+    # once must leave nothing watched, or the watchdog would later cancel the agent's
+    # next turn.
+    watched = host.watchdog.watch(agent, idle) if idle is not None else None
     try:
         agent.cancellable = True
         if agent.cancels:  # a cancel came while the turn could not be interrupted
