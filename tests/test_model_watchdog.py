@@ -15,10 +15,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from torpor import AgentConfig, Runtime, TurnAborted
+from torpor import AgentConfig, ModelContextTooLong, Runtime, TurnAborted
 from torpor.actors.watchdog import MIN_TICK, ModelWatchdog
 from torpor.events import Aborted
-from torpor.llm import ScriptedModel, Signal, Text, Wait
+from torpor.llm import Pause, ScriptedModel, Signal, Text, Wait
 
 
 def db(tmp_path: Path) -> str:
@@ -167,3 +167,46 @@ async def test_a_call_that_fails_before_its_stream_leaves_nothing_watched(
             gap.set()
         with anyio.fail_after(20):
             assert (await turn.result()).text == "." * 12 + "done"
+
+
+class _TooLongSlowToClose:
+    """First call: the provider refuses the context at once, and closing that response
+    takes ``close`` seconds (a slow connection teardown); then ``then`` answers."""
+
+    name = "too-long-slow-close"
+
+    def __init__(self, close: float, then: ScriptedModel) -> None:
+        self.close = close
+        self.then = then
+        self.calls = 0
+
+    def stream(self, context: object, tools: object) -> object:
+        self.calls += 1
+        if self.calls > 1:
+            return self.then.stream(context, tools)  # type: ignore[arg-type]
+        close = self.close
+
+        class Refused:
+            def __aiter__(self) -> Refused:
+                return self
+
+            async def __anext__(self) -> object:
+                raise ModelContextTooLong("prompt is too long")
+
+            async def aclose(self) -> None:
+                await anyio.sleep(close)  # the model's own slowness, not a test's wait
+
+        return Refused()
+
+
+async def test_the_retry_after_a_context_too_long_is_not_ended_by_the_first_call(
+    tmp_path: Path,
+) -> None:
+    """The first call fails and takes longer than the idle timeout to close: the watchdog
+    must not end its turn meanwhile (the runtime folds and retries within the same turn)."""
+    model = _TooLongSlowToClose(0.6, ScriptedModel([[Pause(0.0), Text("fits now")]]))
+    async with Runtime(db(tmp_path), model=model,  # type: ignore[arg-type]
+                       agent=AgentConfig(model_idle_timeout=0.2)) as rt:
+        with anyio.fail_after(20):
+            assert (await (await rt.send("c", "hello")).result()).text == "fits now"
+        assert len(rt._host.watchdog) == 0

@@ -270,6 +270,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     except anyio.get_cancelled_exc_class():
         agent.cancellable = False
         expired = watched is not None and watched.expired
+        if watched is not None:  # not watched while it closes and records (see below)
+            host.watchdog.release(watched)
         error = repr(_timeout(idle)) if expired else "cancelled"
         with scope(shield=True):  # the audit of a call is not lost to a cancel
             await _close(stream)
@@ -282,6 +284,10 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         raise
     except Exception as exc:
         agent.cancellable = False
+        if watched is not None:
+            # The call is over: a slow close or record must not let the watchdog cancel
+            # the turn's scope, which the turn goes on using (the context-too-long retry).
+            host.watchdog.release(watched)
         with scope(shield=True):
             await _close(stream)
             await host.store.record_model_call(
