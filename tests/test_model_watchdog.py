@@ -8,6 +8,7 @@ once the calls end, and a cancel still ends a watched call as a cancel.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def db(tmp_path: Path) -> str:
 
 
 class _Agent:
-    """What the watchdog reads of an agent: its turn's scope."""
+    """A watched call's owner: the scope the watchdog cancels."""
 
     def __init__(self) -> None:
         self.scope = anyio.CancelScope()
@@ -36,8 +37,8 @@ def test_check_ends_only_the_stalled_calls_and_paces_by_the_shortest_timeout() -
     async def main() -> None:
         dog = ModelWatchdog()
         slow, fast = _Agent(), _Agent()
-        long_call = dog.watch(slow, 300.0)  # type: ignore[arg-type]
-        short_call = dog.watch(fast, 0.2)  # type: ignore[arg-type]
+        long_call = dog.watch(slow.scope, 300.0)
+        short_call = dog.watch(fast.scope, 0.2)
         start = short_call.last
         assert dog.check(start) == pytest.approx(max(MIN_TICK, 0.002))
         short_call.last = start + 1.0  # a chunk arrived: the deadline moves on
@@ -59,9 +60,9 @@ def test_a_shorter_timeout_wakes_the_task_from_a_long_pause() -> None:
             tg.start_soon(dog.run)
             with anyio.fail_after(2):
                 await _until(lambda: dog._pause is None)  # nothing watched: it waits
-                long_call = dog.watch(_Agent(), 300.0)  # type: ignore[arg-type]
+                long_call = dog.watch(anyio.CancelScope(), 300.0)
                 await _until(lambda: dog._pause == pytest.approx(3.0))
-                short_call = dog.watch(_Agent(), 0.2)  # type: ignore[arg-type]
+                short_call = dog.watch(anyio.CancelScope(), 0.2)
                 # Woken now, not after its 3 s pause (the 2 s limit above would fail).
                 await _until(lambda: dog._pause == pytest.approx(max(MIN_TICK, 0.002)))
                 await _until(lambda: short_call.expired)
@@ -210,3 +211,24 @@ async def test_the_retry_after_a_context_too_long_is_not_ended_by_the_first_call
         with anyio.fail_after(20):
             assert (await (await rt.send("c", "hello")).result()).text == "fits now"
         assert len(rt._host.watchdog) == 0
+
+
+async def test_a_stop_landing_with_the_watchdog_still_stops_the_agent(tmp_path: Path) -> None:
+    """The watchdog ends a stalled call in the same loop turn as the runtime (shutdown, a
+    shard moving away) cancels the agent's task: the task still stops. The watchdog's
+    cancel must not be taken for the whole cancellation and turned into a model error."""
+    never, streaming = anyio.Event(), anyio.Event()
+    model = ScriptedModel([[Signal(streaming), Text("half "), Wait(never)]])
+    async with Runtime(db(tmp_path), model=model,
+                       agent=AgentConfig(model_idle_timeout=300.0)) as rt:
+        await rt.send("c", "go")
+        await streaming.wait()
+        agent = rt._registry.get("c")
+        assert agent is not None and agent.task is not None
+        task = agent.task
+        rt._host.watchdog.check(asyncio.get_running_loop().time() + 1000.0)  # stalled: ended
+        task.cancel()  # and, in the same loop turn, the runtime stops the agent
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done, "the agent's task ignored its cancel and went on"
+        last = (await rt.store.read_since("c", 0))[-1].body
+        assert isinstance(last, Aborted) and last.reason == "shutdown"
