@@ -128,3 +128,25 @@ async def test_a_write_lock_held_elsewhere_never_blocks_the_event_loop(tmp_path:
         assert [e.body.text for e in await store.read_since("c", 0)] == [  # type: ignore[attr-defined]
             "before", "during"
         ]
+
+
+async def test_a_batch_known_to_be_costly_goes_to_the_thread(tmp_path: Path) -> None:
+    """Much data, or indexing the search backlog (hundreds of rows): on the writer thread,
+    decided before the batch runs, so the loop's thread never pays for it."""
+    async with SQLiteStore(str(tmp_path / "g.db")) as store:
+        writer = _writer(store)
+        writer._backlog._flush_rows = 3  # the third small event indexes the backlog
+        for i in range(2):
+            await store.append_events("c", [UserMessage(f"small {i}")], expect_head=i - 1)
+        assert writer.inline_batches == writer.batches == 2
+        assert writer.search_backlog == 2
+        await store.append_events("c", [UserMessage("small 2")], expect_head=1)
+        assert writer.search_backlog == 0  # indexed, with the backlog, on the thread
+        assert writer.batches == 3 and writer.inline_batches == 2
+        big = "word " * (writer_module.INLINE_BYTES // 5 + 1)
+        await store.append_events("c", [UserMessage(big)], expect_head=2)
+        assert writer.batches == 4 and writer.inline_batches == 2
+        await store.append_events("c", [UserMessage("small again")], expect_head=3)
+        assert writer.batches == 5 and writer.inline_batches == 3  # inline once more
+        hits = await store.search("c", "small", k=10)
+        assert len(hits) == 4

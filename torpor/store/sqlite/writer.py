@@ -33,7 +33,9 @@ anything else that uses the connection holds the writer first
 :data:`SLOW_INLINE` seconds (a stalled disk) sends the next
 :data:`AFTER_SLOW` batches to the thread, so the loop is not blocked again at
 once; larger batches, under load, always go to the thread, where SQLite's own
-work runs beside the loop's instead of inside it. An inline batch never waits for
+work runs beside the loop's instead of inside it; so do batches known to be costly
+before they run: more than :data:`INLINE_BYTES` of data, or one that indexes the
+search backlog (see :class:`~.batch.SearchBacklog`). An inline batch never waits for
 a lock: it runs with ``busy_timeout`` 0, and a batch that meets the write lock
 held elsewhere (another process) goes to the thread whole, to wait there for
 the configured ``busy_timeout`` (the next :data:`AFTER_SLOW` batches with it).
@@ -60,9 +62,16 @@ from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
 from torpor.store.prepare import now_ms
-from torpor.store.sqlite.batch import HeadCache, SearchBacklog, WriteOp, run_batch
+from torpor.store.sqlite.batch import (
+    FlushSearchIndex,
+    HeadCache,
+    SearchBacklog,
+    WriteOp,
+    run_batch,
+)
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
 from torpor.store.sqlite.hop import post
+from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp
 
 __all__ = ["GroupCommitWriter"]
 
@@ -74,6 +83,8 @@ SLOW_INLINE = 0.005
 """An inline batch slower than this (seconds) sends the next ones to the thread."""
 AFTER_SLOW = 200
 """How many batches go to the thread after a slow inline one."""
+INLINE_BYTES = 64 * 1024
+"""A batch carrying more (event bodies, their text, artifacts) commits on the thread."""
 
 _Pending = Pending[WriteOp]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
@@ -228,7 +239,7 @@ class GroupCommitWriter:
                     log.info("writer_reconnected")
                 if (
                     self._inline and len(ops) <= INLINE_OPS and not self._threaded
-                    and self._run_inline(ops, futures, done, started)
+                    and self._light(ops) and self._run_inline(ops, futures, done, started)
                 ):
                     return
                 job, lost = self._job(loop, ops, futures, done, started)
@@ -254,6 +265,28 @@ class GroupCommitWriter:
         finally:
             if self._current is done:
                 self._current = None
+
+    def _light(self, ops: list[WriteOp]) -> bool:
+        """Whether a small batch is also cheap: little data, and no full-text indexing of
+        the search backlog (hundreds of rows, milliseconds), which would hold up every
+        task on the loop's thread (a slow batch is only known once it has run)."""
+        rows = size = text = 0
+        for op in ops:
+            kind = type(op)
+            if kind is AppendOp:
+                assert isinstance(op, AppendOp)
+                for event in op.append.events:
+                    rows += 1
+                    text += len(event.text)
+                    size += len(event.body)
+                    if event.artifact_data is not None:
+                        size += len(event.artifact_data)
+            elif kind is ArtifactOp:
+                assert isinstance(op, ArtifactOp)
+                size += len(op.data)
+            elif kind is FlushSearchIndex:
+                return False
+        return size + text <= INLINE_BYTES and not self._backlog.indexes(rows, text)
 
     def _run_inline(
         self,
