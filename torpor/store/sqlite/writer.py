@@ -246,6 +246,7 @@ class GroupCommitWriter:
                 if self._threaded:
                     self._threaded -= 1
                 post(self._conn, job, lost)
+                self._waits = None  # the job sets the connection's own busy_timeout back
             except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
                 if isinstance(exc, Exception):
                     log.error("group_commit_failed", ops=len(ops), error=repr(exc))
@@ -349,7 +350,7 @@ class GroupCommitWriter:
         """The batch as it runs on the writer thread, and what it does if the connection is gone."""
         finish = self._finish
         execute = self._execute
-        waits, self._waits = self._waits, None  # the thread's batches wait for locks again
+        waits = self._waits  # set back first: the thread's batches wait for locks again
 
         def report(results: list[object], error: BaseException | None, size: int) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
