@@ -8,6 +8,7 @@ once the calls end, and a cancel still ends a watched call as a cancel.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from torpor import AgentConfig, Runtime, TurnAborted
+from torpor import AgentConfig, ModelContextTooLong, Runtime, TurnAborted
 from torpor.actors.watchdog import MIN_TICK, ModelWatchdog
 from torpor.events import Aborted
-from torpor.llm import ScriptedModel, Signal, Text, Wait
+from torpor.llm import Pause, ScriptedModel, Signal, Text, Wait
 
 
 def db(tmp_path: Path) -> str:
@@ -26,7 +27,7 @@ def db(tmp_path: Path) -> str:
 
 
 class _Agent:
-    """What the watchdog reads of an agent: its turn's scope."""
+    """A watched call's owner: the scope the watchdog cancels."""
 
     def __init__(self) -> None:
         self.scope = anyio.CancelScope()
@@ -36,8 +37,8 @@ def test_check_ends_only_the_stalled_calls_and_paces_by_the_shortest_timeout() -
     async def main() -> None:
         dog = ModelWatchdog()
         slow, fast = _Agent(), _Agent()
-        long_call = dog.watch(slow, 300.0)  # type: ignore[arg-type]
-        short_call = dog.watch(fast, 0.2)  # type: ignore[arg-type]
+        long_call = dog.watch(slow.scope, 300.0)
+        short_call = dog.watch(fast.scope, 0.2)
         start = short_call.last
         assert dog.check(start) == pytest.approx(max(MIN_TICK, 0.002))
         short_call.last = start + 1.0  # a chunk arrived: the deadline moves on
@@ -48,12 +49,6 @@ def test_check_ends_only_the_stalled_calls_and_paces_by_the_shortest_timeout() -
         assert pause == pytest.approx(3.0)  # only the 300 s call is left
         dog.release(long_call)
         assert len(dog) == 0 and dog.check(start + 2) is None
-        # A call whose turn a cancel already stopped is dropped, not timed out: the cancel
-        # came first and the turn ends as cancelled.
-        cancelled = _Agent()
-        cancelled.scope.cancel()
-        late = dog.watch(cancelled, 0.2)  # type: ignore[arg-type]
-        assert dog.check(late.last + 1.0) is None and not late.expired and len(dog) == 0
 
     anyio.run(main)
 
@@ -65,9 +60,9 @@ def test_a_shorter_timeout_wakes_the_task_from_a_long_pause() -> None:
             tg.start_soon(dog.run)
             with anyio.fail_after(2):
                 await _until(lambda: dog._pause is None)  # nothing watched: it waits
-                long_call = dog.watch(_Agent(), 300.0)  # type: ignore[arg-type]
+                long_call = dog.watch(anyio.CancelScope(), 300.0)
                 await _until(lambda: dog._pause == pytest.approx(3.0))
-                short_call = dog.watch(_Agent(), 0.2)  # type: ignore[arg-type]
+                short_call = dog.watch(anyio.CancelScope(), 0.2)
                 # Woken now, not after its 3 s pause (the 2 s limit above would fail).
                 await _until(lambda: dog._pause == pytest.approx(max(MIN_TICK, 0.002)))
                 await _until(lambda: short_call.expired)
@@ -133,3 +128,107 @@ async def test_a_stream_that_keeps_sending_is_not_ended(tmp_path: Path) -> None:
             gap.set()
         with anyio.fail_after(20):
             assert (await turn.result()).text == "." * 12 + "done"
+
+
+class _RaisesOnCall:
+    """A model whose ``stream`` is a plain method (the protocol allows it) that raises
+    before returning a stream on its first call, then streams ``then``'s steps."""
+
+    name = "raises-on-call"
+
+    def __init__(self, then: ScriptedModel) -> None:
+        self.then = then
+        self.calls = 0
+
+    def stream(self, context: object, tools: object) -> object:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("bad request, refused before any stream")
+        return self.then.stream(context, tools)  # type: ignore[arg-type]
+
+
+async def test_a_call_that_fails_before_its_stream_leaves_nothing_watched(
+    tmp_path: Path,
+) -> None:
+    """A stream() that raises at once must not leave its call registered: the watchdog
+    would later cancel whatever turn of the agent runs then (as if a caller had)."""
+    gaps = [anyio.Event() for _ in range(12)]
+    steps: list[object] = []
+    for gap in gaps:
+        steps += [Text("."), Wait(gap)]
+    model = _RaisesOnCall(ScriptedModel([[*steps, Text("done")]]))  # type: ignore[list-item]
+    async with Runtime(db(tmp_path), model=model,  # type: ignore[arg-type]
+                       agent=AgentConfig(model_idle_timeout=1.0)) as rt:
+        with pytest.raises(TurnAborted):
+            await (await rt.send("c", "first")).result()
+        assert len(rt._host.watchdog) == 0  # the failed call is not watched any more
+        turn = await rt.send("c", "second")
+        for gap in gaps:  # 12 x 0.1 s: past the failed call's timeout, each gap far shorter
+            await anyio.sleep(0.1)
+            gap.set()
+        with anyio.fail_after(20):
+            assert (await turn.result()).text == "." * 12 + "done"
+
+
+class _TooLongSlowToClose:
+    """First call: the provider refuses the context at once, and closing that response
+    takes ``close`` seconds (a slow connection teardown); then ``then`` answers."""
+
+    name = "too-long-slow-close"
+
+    def __init__(self, close: float, then: ScriptedModel) -> None:
+        self.close = close
+        self.then = then
+        self.calls = 0
+
+    def stream(self, context: object, tools: object) -> object:
+        self.calls += 1
+        if self.calls > 1:
+            return self.then.stream(context, tools)  # type: ignore[arg-type]
+        close = self.close
+
+        class Refused:
+            def __aiter__(self) -> Refused:
+                return self
+
+            async def __anext__(self) -> object:
+                raise ModelContextTooLong("prompt is too long")
+
+            async def aclose(self) -> None:
+                await anyio.sleep(close)  # the model's own slowness, not a test's wait
+
+        return Refused()
+
+
+async def test_the_retry_after_a_context_too_long_is_not_ended_by_the_first_call(
+    tmp_path: Path,
+) -> None:
+    """The first call fails and takes longer than the idle timeout to close: the watchdog
+    must not end its turn meanwhile (the runtime folds and retries within the same turn)."""
+    model = _TooLongSlowToClose(0.6, ScriptedModel([[Pause(0.0), Text("fits now")]]))
+    async with Runtime(db(tmp_path), model=model,  # type: ignore[arg-type]
+                       agent=AgentConfig(model_idle_timeout=0.2)) as rt:
+        with anyio.fail_after(20):
+            assert (await (await rt.send("c", "hello")).result()).text == "fits now"
+        assert len(rt._host.watchdog) == 0
+
+
+async def test_a_stop_landing_with_the_watchdog_still_stops_the_agent(tmp_path: Path) -> None:
+    """The watchdog ends a stalled call in the same loop turn as the runtime (shutdown, a
+    shard moving away) cancels the agent's task: the task still stops. The watchdog's
+    cancel must not be taken for the whole cancellation and turned into a model error."""
+    never, streaming = anyio.Event(), anyio.Event()
+    model = ScriptedModel([[Signal(streaming), Text("half "), Wait(never)]])
+    async with Runtime(db(tmp_path), model=model,
+                       agent=AgentConfig(model_idle_timeout=300.0)) as rt:
+        await rt.send("c", "go")
+        await streaming.wait()
+        agent = rt._registry.get("c")
+        assert agent is not None and agent.task is not None
+        task = agent.task
+        rt._host.watchdog.check(asyncio.get_running_loop().time() + 1000.0)  # stalled: ended
+        task.cancel()  # and, in the same loop turn, the runtime stops the agent
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert done, "the agent's task ignored its cancel and went on"
+        last = (await rt.store.read_since("c", 0))[-1].body
+        assert isinstance(last, Aborted) and last.reason == "shutdown"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,66 @@ async def test_maintenance_on_the_writer_connection_holds_the_writer(tmp_path: P
         assert seen == [1] and writer._holds == 0
         await store.append_events("c", [UserMessage("after")], expect_head=-1)
         assert writer.batches == 1
+
+
+async def test_a_write_lock_held_elsewhere_never_blocks_the_event_loop(tmp_path: Path) -> None:
+    """Another process holding the write lock: the batch waits for it (busy_timeout) on
+    the writer thread, never on the loop's, where it would stop every other task."""
+    path = tmp_path / "f.db"
+    async with SQLiteStore(str(path)) as store:
+        await store.append_events("c", [UserMessage("before")], expect_head=-1)
+        locked, go, released = threading.Event(), threading.Event(), threading.Event()
+
+        def other_process() -> None:
+            other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            try:
+                other.execute("BEGIN IMMEDIATE")
+                locked.set()
+                go.wait(timeout=2.0)  # the bound if the loop cannot say so (the bug)
+                other.execute("ROLLBACK")
+                released.set()
+            finally:
+                other.close()
+
+        holder = threading.Thread(target=other_process)
+        holder.start()
+        try:
+            await asyncio.to_thread(locked.wait)
+            append = asyncio.ensure_future(
+                store.append_events("c", [UserMessage("during")], expect_head=0)
+            )
+            for _ in range(20):  # the writer task takes the batch in one of these turns
+                await asyncio.sleep(0)
+            assert not released.is_set()  # the loop ran on while the lock was held
+            assert not append.done()
+        finally:
+            go.set()
+            await asyncio.to_thread(holder.join)
+        (event,) = await append
+        assert event.position == 1
+        # The lock is gone: small batches commit on the loop's thread again, later on.
+        assert [e.body.text for e in await store.read_since("c", 0)] == [  # type: ignore[attr-defined]
+            "before", "during"
+        ]
+
+
+async def test_a_batch_known_to_be_costly_goes_to_the_thread(tmp_path: Path) -> None:
+    """Much data, or indexing the search backlog (hundreds of rows): on the writer thread,
+    decided before the batch runs, so the loop's thread never pays for it."""
+    async with SQLiteStore(str(tmp_path / "g.db")) as store:
+        writer = _writer(store)
+        writer._backlog._flush_rows = 3  # the third small event indexes the backlog
+        for i in range(2):
+            await store.append_events("c", [UserMessage(f"small {i}")], expect_head=i - 1)
+        assert writer.inline_batches == writer.batches == 2
+        assert writer.search_backlog == 2
+        await store.append_events("c", [UserMessage("small 2")], expect_head=1)
+        assert writer.search_backlog == 0  # indexed, with the backlog, on the thread
+        assert writer.batches == 3 and writer.inline_batches == 2
+        big = "word " * (writer_module.INLINE_BYTES // 5 + 1)
+        await store.append_events("c", [UserMessage(big)], expect_head=2)
+        assert writer.batches == 4 and writer.inline_batches == 2
+        await store.append_events("c", [UserMessage("small again")], expect_head=3)
+        assert writer.batches == 5 and writer.inline_batches == 3  # inline once more
+        hits = await store.search("c", "small", k=10)
+        assert len(hits) == 4

@@ -22,6 +22,7 @@ from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
+from torpor.actors.watchdog import Call
 from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.anatomy import anatomy
 from torpor.compaction.push import NOTHING, Pushed
@@ -239,46 +240,54 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     started = time.perf_counter()
     first: float | None = None
     idle = agent.profile.config.model_idle_timeout
-    # Watched by the runtime's one watchdog task, not a timer per call: a chunk only
-    # stores the clock (see torpor.actors.watchdog).
-    watched = host.watchdog.watch(agent, idle) if idle is not None else None
     clock = asyncio.get_running_loop().time  # the watchdog's clock
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     stream = _model_of(agent, host).stream(rendered.messages, specs)
+    watched: Call | None = None
     try:
-        agent.cancellable = True
-        if agent.cancels:  # a cancel came while the turn could not be interrupted
-            _cancel_turn(agent)
-        async for item in stream:
-            if watched is not None:
-                watched.last = clock()
-            if isinstance(item, TextDelta):
-                if first is None:
-                    first = time.perf_counter()
-                text = repair_text(item.text)
-                parts.append(text)
-                if hub is not None:
-                    hub.text(text)
-            elif isinstance(item, ToolCallDelta):
-                calls.append(_repaired_call(item.call))
-            elif isinstance(item, Usage):
-                usage = item
-        agent.cancellable = False
+        # The call's own scope, which only the watchdog cancels, never the turn's: anyio
+        # then tells its cancel apart from a caller's or the runtime's (those pass
+        # through as cancels), and nothing of the turn outside this stream is hit.
+        with scope() as call_scope:
+            if idle is not None:
+                # Watched by the runtime's one watchdog task, not a timer per call: a
+                # chunk only stores the clock (see torpor.actors.watchdog).
+                watched = host.watchdog.watch(call_scope, idle)
+            agent.cancellable = True
+            if agent.cancels:  # a cancel came while the turn could not be interrupted
+                _cancel_turn(agent)
+            async for item in stream:
+                if watched is not None:
+                    watched.last = clock()
+                if isinstance(item, TextDelta):
+                    if first is None:
+                        first = time.perf_counter()
+                    text = repair_text(item.text)
+                    parts.append(text)
+                    if hub is not None:
+                        hub.text(text)
+                elif isinstance(item, ToolCallDelta):
+                    calls.append(_repaired_call(item.call))
+                elif isinstance(item, Usage):
+                    usage = item
+            agent.cancellable = False
+        if call_scope.cancelled_caught:  # the watchdog ended the call: a model error
+            raise _timeout(idle)
     except anyio.get_cancelled_exc_class():
         agent.cancellable = False
-        expired = watched is not None and watched.expired
-        error = repr(_timeout(idle)) if expired else "cancelled"
+        if watched is not None:  # not watched while it closes and records
+            host.watchdog.release(watched)
         with scope(shield=True):  # the audit of a call is not lost to a cancel
             await _close(stream)
             await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error=error,
+                _model_call(agent, host, rendered, started, first, None, error="cancelled",
                             pushed=pushed)
             )
-        if expired:  # the watchdog ended the call: a model error, not a cancel
-            raise ModelFailed(_timeout(idle), "".join(parts)) from None
         raise
     except Exception as exc:
         agent.cancellable = False
+        if watched is not None:
+            host.watchdog.release(watched)  # the call is over: not watched while it closes
         with scope(shield=True):
             await _close(stream)
             await host.store.record_model_call(

@@ -9,9 +9,13 @@ task (owned by the runtime) checks the registered calls every hundredth of the
 shortest timeout among them and sleeps on an event while there are none, so a
 stalled call ends between 1 and 1.01 times its timeout after its last chunk.
 
-Ending a call cancels its turn's scope (``Agent.scope``), marking the call
-``expired``: the call catches the cancellation, sees the mark, and raises
-``ModelTimeout`` instead, so the turn ends as a model error (not a cancel).
+Ending a call cancels the call's own cancel scope (around its stream only, never
+the turn's) and marks it ``expired``: the call sees its scope's
+``cancelled_caught`` and raises ``ModelTimeout``, so the turn ends as a model
+error (not a cancel). Its own scope, not the turn's: anyio then tells the
+watchdog's cancel apart from a caller's or the runtime's stopping it (which
+must still stop the turn), and a late or stray expiry can hit nothing but that
+stream.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torpor.actors.agent import Agent
+    import anyio
 
 __all__ = ["Call", "ModelWatchdog"]
 
@@ -32,10 +36,10 @@ MIN_TICK = 0.005
 class Call:
     """One model call the watchdog watches; the stream loop stores ``last`` per chunk."""
 
-    __slots__ = ("agent", "expired", "idle", "last")
+    __slots__ = ("expired", "idle", "last", "scope")
 
-    def __init__(self, agent: Agent, idle: float, now: float) -> None:
-        self.agent = agent
+    def __init__(self, scope: anyio.CancelScope, idle: float, now: float) -> None:
+        self.scope = scope  # the call's own, around its stream
         self.idle = idle
         self.last = now  # the loop clock at the last chunk (or at the start)
         self.expired = False
@@ -55,12 +59,13 @@ class ModelWatchdog:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def watch(self, agent: Agent, idle: float) -> Call:
-        """Register a call starting now; :meth:`release` it when the stream ends."""
+    def watch(self, scope: anyio.CancelScope, idle: float) -> Call:
+        """Register a call starting now, to end by cancelling ``scope`` (the call's own);
+        :meth:`release` it when the stream ends."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        call = Call(agent, idle, loop.time())
+        call = Call(scope, idle, loop.time())
         self._calls[id(call)] = call
         wake = self._wake
         pause = self._pause
@@ -77,10 +82,8 @@ class ModelWatchdog:
         for key, call in list(self._calls.items()):
             if now - call.last >= call.idle:
                 del self._calls[key]
-                scope = call.agent.scope
-                if scope is not None and not scope.cancel_called:  # else: a cancel came first
-                    call.expired = True
-                    scope.cancel()
+                call.expired = True
+                call.scope.cancel()
             elif shortest is None or call.idle < shortest:
                 shortest = call.idle
         return None if shortest is None else max(MIN_TICK, shortest / 100)

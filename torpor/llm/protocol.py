@@ -1,8 +1,11 @@
 """The Model protocol: a stateless function from a rendered context to a stream.
 
-The runtime re-sends the whole projection every call. A context is a list of
+The runtime re-sends the whole projection every call. A context is a sequence of
 message structs (never one concatenated string) so the text objects are shared
-with the working set instead of copied. The shape fits OpenAI- and
+with the working set instead of copied. It is read-only and may be a view over
+the working set's render cache, not a ``list``: a model that keeps, changes or
+encodes it as a whole (``msgspec``, ``json``, ``+``) makes a list first
+(``list(context)``); iterating, ``len`` and indexing work as on a list. The shape fits OpenAI- and
 Anthropic-style streaming: text deltas, whole tool calls, a final usage report.
 """
 

@@ -235,6 +235,17 @@ class SearchBacklog:
         self._flush_rows = flush_rows
         self._flush_bytes = flush_bytes
 
+    def indexes(self, rows: int, text: int) -> bool:
+        """Whether a batch of ``rows`` full-text rows (``text`` characters) indexes them
+        and the backlog now (the costly case) instead of adding them to the backlog."""
+        count, size = self.size
+        return (
+            rows >= self._direct_rows
+            or text >= self._direct_bytes
+            or count + rows >= self._flush_rows
+            or size + text >= self._flush_bytes
+        )
+
     def write(
         self, conn: sqlite3.Connection, rows: list[tuple[int, str]], flush: bool
     ) -> tuple[int, int]:
@@ -243,13 +254,7 @@ class SearchBacklog:
         if not rows and not (flush and count):
             return self.size
         text = sum(len(t) for _, t in rows)
-        if (
-            flush
-            or len(rows) >= self._direct_rows
-            or text >= self._direct_bytes
-            or count + len(rows) >= self._flush_rows
-            or size + text >= self._flush_bytes
-        ):
+        if flush or self.indexes(len(rows), text):
             if count:
                 rows = rows + conn.execute("SELECT rowid, text FROM fts_backlog").fetchall()
                 conn.execute("DELETE FROM fts_backlog")

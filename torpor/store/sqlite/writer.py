@@ -33,7 +33,12 @@ anything else that uses the connection holds the writer first
 :data:`SLOW_INLINE` seconds (a stalled disk) sends the next
 :data:`AFTER_SLOW` batches to the thread, so the loop is not blocked again at
 once; larger batches, under load, always go to the thread, where SQLite's own
-work runs beside the loop's instead of inside it.
+work runs beside the loop's instead of inside it; so do batches known to be costly
+before they run: more than :data:`INLINE_BYTES` of data, or one that indexes the
+search backlog (see :class:`~.batch.SearchBacklog`). An inline batch never waits for
+a lock: it runs with ``busy_timeout`` 0, and a batch that meets the write lock
+held elsewhere (another process) goes to the thread whole, to wait there for
+the configured ``busy_timeout`` (the next :data:`AFTER_SLOW` batches with it).
 
 The writer can be *held* (:meth:`GroupCommitWriter.hold`): it finishes the
 batch in flight and takes no new one until released. The WAL checkpointer
@@ -57,9 +62,16 @@ from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
 from torpor.store.prepare import now_ms
-from torpor.store.sqlite.batch import HeadCache, SearchBacklog, WriteOp, run_batch
+from torpor.store.sqlite.batch import (
+    FlushSearchIndex,
+    HeadCache,
+    SearchBacklog,
+    WriteOp,
+    run_batch,
+)
 from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
 from torpor.store.sqlite.hop import post
+from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp
 
 __all__ = ["GroupCommitWriter"]
 
@@ -71,6 +83,8 @@ SLOW_INLINE = 0.005
 """An inline batch slower than this (seconds) sends the next ones to the thread."""
 AFTER_SLOW = 200
 """How many batches go to the thread after a slow inline one."""
+INLINE_BYTES = 64 * 1024
+"""A batch carrying more (event bodies, their text, artifacts) commits on the thread."""
 
 _Pending = Pending[WriteOp]
 Reconnect = Callable[[aiosqlite.Connection], Awaitable[aiosqlite.Connection]]
@@ -104,6 +118,9 @@ class GroupCommitWriter:
         self._conn = conn
         self._inline = inline  # small batches on the loop's thread (see the module docstring)
         self._threaded = 0  # batches still to send to the thread after a slow inline one
+        # The connection's busy_timeout (ms) while it runs with 0 for inline batches, which
+        # must not wait for a lock on the loop's thread; None: it has its own.
+        self._waits: int | None = None
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._cache = HeadCache(cache_size)
@@ -223,14 +240,18 @@ class GroupCommitWriter:
                 if self._stale and self._reconnect is not None:
                     self._conn = await self._reconnect(self._conn)
                     self._stale = False
+                    self._waits = None  # a new connection, configured as the first one
                     log.info("writer_reconnected")
-                if self._inline and len(ops) <= INLINE_OPS and not self._threaded:
-                    self._run_inline(ops, futures, done, started)
+                if (
+                    self._inline and len(ops) <= INLINE_OPS and not self._threaded
+                    and self._light(ops) and self._run_inline(ops, futures, done, started)
+                ):
                     return
                 job, lost = self._job(loop, ops, futures, done, started)
                 if self._threaded:
                     self._threaded -= 1
                 post(self._conn, job, lost)
+                self._waits = None  # the job sets the connection's own busy_timeout back
             except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
                 if isinstance(exc, Exception):
                     log.error("group_commit_failed", ops=len(ops), error=repr(exc))
@@ -251,26 +272,60 @@ class GroupCommitWriter:
             if self._current is done:
                 self._current = None
 
+    def _light(self, ops: list[WriteOp]) -> bool:
+        """Whether a small batch is also cheap: little data, and no full-text indexing of
+        the search backlog (hundreds of rows, milliseconds), which would hold up every
+        task on the loop's thread (a slow batch is only known once it has run)."""
+        rows = size = text = 0
+        for op in ops:
+            kind = type(op)
+            if kind is AppendOp:
+                assert isinstance(op, AppendOp)
+                for event in op.append.events:
+                    rows += 1
+                    text += len(event.text)
+                    size += len(event.body)
+                    if event.artifact_data is not None:
+                        size += len(event.artifact_data)
+            elif kind is ArtifactOp:
+                assert isinstance(op, ArtifactOp)
+                size += len(op.data)
+            elif kind is FlushSearchIndex:
+                return False
+        return size + text <= INLINE_BYTES and not self._backlog.indexes(rows, text)
+
     def _run_inline(
         self,
         ops: list[WriteOp],
         futures: list[asyncio.Future[Any]],
         done: asyncio.Future[None],
         started: float,
-    ) -> None:
-        """Run the batch here, on the loop's thread, and resolve its callers at once."""
+    ) -> bool:
+        """Run the batch here, on the loop's thread, and resolve its callers at once.
+
+        False: nothing was committed because another connection holds the write
+        lock; the caller sends the batch to the thread, to wait for it there.
+        """
         try:
             raw: sqlite3.Connection = self._conn._conn
+            if self._waits is None:  # never sleep in the busy handler on the loop's thread
+                self._waits = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+                raw.execute("PRAGMA busy_timeout = 0")
         except BaseException as exc:  # the connection is gone: as post's ``lost``
             results: list[object] = [Failed(_unavailable(exc)) for _ in ops]
             self._finish(futures, done, results, exc, -1, started)
-            return
+            return True
         results, error, size = self._execute(raw, ops)
+        if isinstance(error, sqlite3.Error) and primary_code(error) == sqlite3.SQLITE_BUSY:
+            self._threaded = AFTER_SLOW  # rolled back whole: the thread waits for the lock
+            log.info("inline_commit_busy")
+            return False
         self.inline_batches += 1
         if time.perf_counter() - started > SLOW_INLINE:
             self._threaded = AFTER_SLOW
             log.info("inline_commit_slow", seconds=time.perf_counter() - started)
         self._finish(futures, done, results, error, size, started)
+        return True
 
     def _execute(
         self, conn: sqlite3.Connection, ops: list[WriteOp]
@@ -300,12 +355,19 @@ class GroupCommitWriter:
         """The batch as it runs on the writer thread, and what it does if the connection is gone."""
         finish = self._finish
         execute = self._execute
+        waits = self._waits  # set back first: the thread's batches wait for locks again
 
         def report(results: list[object], error: BaseException | None, size: int) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
                 loop.call_soon_threadsafe(finish, futures, done, results, error, size, started)
 
         def job(conn: sqlite3.Connection) -> None:
+            if waits is not None:
+                try:
+                    conn.execute(f"PRAGMA busy_timeout = {waits}")
+                except sqlite3.Error as exc:
+                    report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+                    return
             report(*execute(conn, ops))
 
         def lost(exc: BaseException) -> None:
