@@ -94,6 +94,10 @@ class GroupCommitWriter:
         self.batches = 0  # committed batches, for stats and tests
         self.largest_batch = 0
 
+    def forget_head(self, conversation_id: str) -> None:
+        """Drop a conversation's cached head (safe from the event loop: the cache locks)."""
+        self._cache.forget(conversation_id)
+
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run(), name="torpor-writer")
