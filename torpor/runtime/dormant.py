@@ -32,12 +32,12 @@ __all__ = ["DROPPED", "SETTLED", "STORED", "DormantTable", "can_rest"]
 
 INTS = ("head", "turn", "cycle", "calls", "restarts", "ws_tokens", "store_failures")
 FLOATS = ("last_active", "calibration")
-OBJECTS = (
-    "profile", "state", "topic", "pending", "crash_times", "last_error", "parked_cause",
-    "compact_requested",
-)
-STORED = (*INTS, *FLOATS, *OBJECTS)
-"""Fields kept in columns (plus ``id``, kept in the blob)."""
+TEXTS = ("topic", "last_error", "parked_cause")  # str or None, kept in the blob
+OBJECTS = ("profile", "state", "pending", "crash_times", "compact_requested")
+STORED = (*INTS, *FLOATS, *TEXTS, *OBJECTS)
+"""Fields kept in columns (plus ``id``, kept in the blob like the texts). The objects
+referred to are shared (a profile, a state, a bool, an empty tuple) except ``pending``
+and ``crash_times`` when not empty (a suspended or crashed agent: rare)."""
 DROPPED = (
     "cancels", "current", "hub", "lock", "mailbox", "postponed", "scope", "taken", "task",
     "waiter", "ws",
@@ -74,7 +74,7 @@ class DormantTable:
 
     __slots__ = (
         "_blob", "_count", "_floats", "_free", "_garbage", "_hash", "_head", "_ints", "_length",
-        "_mask", "_next", "_objects", "_offset", "_prev", "_slots", "_tail", "_used",
+        "_mask", "_next", "_objects", "_offset", "_prev", "_slots", "_tail", "_texts", "_used",
     )
 
     def __init__(self) -> None:
@@ -85,9 +85,10 @@ class DormantTable:
         self._slots = array("q", bytes(8 * 8))  # the index: row + 1 per slot
         self._mask = 7
         self._used = 0  # index slots not _EMPTY (rows and tombstones)
-        self._blob = bytearray()  # every dormant id, utf-8, back to back
+        self._blob = bytearray()  # per row: its id then its texts, utf-8, back to back
         self._garbage = 0  # blob bytes no row refers to any more
         self._hash, self._offset, self._length = array("q"), array("q"), array("q")
+        self._texts = [array("q") for _ in TEXTS]  # byte length, -1 for None
         self._prev, self._next = array("q"), array("q")
         self._head = self._tail = -1  # oldest and newest row
         self._free = array("q")  # rows to reuse
@@ -154,7 +155,7 @@ class DormantTable:
         while row >= 0:
             offset = self._offset[row]
             self._offset[row] = len(new)
-            new += blob[offset : offset + self._length[row]]
+            new += blob[offset : offset + self._span(row)]
             row = self._next[row]
         self._blob, self._garbage = new, 0
 
@@ -169,7 +170,8 @@ class DormantTable:
             row = self._free.pop()
         else:
             row = len(self._hash)
-            for column in (self._hash, self._offset, self._length, self._prev, self._next):
+            for column in (self._hash, self._offset, self._length, self._prev, self._next,
+                           *self._texts):
                 column.append(0)
             for ints in self._ints:
                 ints.append(0)
@@ -181,6 +183,14 @@ class DormantTable:
         self._offset[row] = len(self._blob)
         self._length[row] = len(key)
         self._blob += key
+        for name, lengths in zip(TEXTS, self._texts, strict=True):
+            text = getattr(agent, name)
+            if text is None:
+                lengths[row] = -1
+            else:
+                encoded = _encode(text)
+                lengths[row] = len(encoded)
+                self._blob += encoded
         for name, ints in zip(INTS, self._ints, strict=True):
             ints[row] = getattr(agent, name)
         for name, floats in zip(FLOATS, self._floats, strict=True):
@@ -248,8 +258,21 @@ class DormantTable:
         offset = self._offset[row]
         return self._blob[offset : offset + self._length[row]].decode("utf-8", "surrogatepass")
 
+    def _span(self, row: int) -> int:
+        """The row's bytes in the blob: its id and its texts."""
+        return self._length[row] + sum(max(0, lengths[row]) for lengths in self._texts)
+
     def _build(self, row: int, conversation_id: str) -> Agent:
         objects = self._objects
+        at = self._offset[row] + self._length[row]
+        texts: list[str | None] = []
+        for lengths in self._texts:
+            length = lengths[row]
+            if length < 0:
+                texts.append(None)
+            else:
+                texts.append(self._blob[at : at + length].decode("utf-8", "surrogatepass"))
+                at += length
         agent = Agent(conversation_id, objects[0][row])
         for name, ints in zip(INTS, self._ints, strict=True):
             setattr(agent, name, ints[row])
@@ -257,6 +280,8 @@ class DormantTable:
             setattr(agent, name, floats[row])
         for name, column in zip(OBJECTS, objects, strict=True):
             setattr(agent, name, column[row])
+        for name, text in zip(TEXTS, texts, strict=True):
+            setattr(agent, name, text)
         for name, value in SETTLED.items():
             setattr(agent, name, value)
         return agent
@@ -265,7 +290,7 @@ class DormantTable:
         self._unlink(row)
         for objects in self._objects:
             objects[row] = None  # no reference kept to a state, a profile, a tuple
-        self._garbage += self._length[row]
+        self._garbage += self._span(row)
         self._count -= 1
         if not self._count:  # all revived: give every buffer back
             self._reset()
