@@ -12,6 +12,10 @@ and, in a second traced run, the tracemalloc growth per agent:
 * ``torpor-hibernated``: activated in batches of 1,000, each batch
   hibernated before the next (a hibernated agent is reached from an active
   one; batching keeps the transient working sets from inflating RSS);
+* ``torpor-burst-hibernated``: every agent active at once, then all
+  hibernated (a storm that passed); its process RSS is compared with
+  ``torpor-hibernated``'s (``burst/gradual``): what the allocator keeps of
+  the burst's heap, once only the same hibernated agents are left;
 * ``torpor-evicted``: the same, evicted instead (what is left is the store's
   bounded caches);
 * ``floor``: a bare asyncio task awaiting a Future per agent (the least any
@@ -418,6 +422,17 @@ def show(result: dict[str, Any], target: str | None) -> None:
     tables = [table("bytes per agent (RSS growth / N; tracemalloc / N)",
                     ("scenario", "agents", "RSS B/agent", "traced B/agent", "ws tokens",
                      "process RSS MB"), rows)]
+    burst = [(key.split("@")[1], value) for key, value in result["ratios"].items()
+             if key.startswith("burst/gradual")]
+    if burst:
+        by = {(r["name"], r["agents"]): r for r in result["scenarios"]}
+        tables.append(table(
+            "after a burst vs gradual hibernation (process RSS MB)",
+            ("agents", "gradual", "burst", "burst/gradual"),
+            [(n, round(by[("torpor-hibernated", int(n))]["rss_total_bytes"] / 1e6, 1),
+              round(by[("torpor-burst-hibernated", int(n))]["rss_total_bytes"] / 1e6, 1), r)
+             for n, r in burst],
+        ))
     if result["length_sweep"]:
         tables.append(table(
             "footprint vs conversation length (traced bytes per agent)",
