@@ -222,16 +222,24 @@ class GroupCommitWriter:
         cache, backlog = self._cache, self._backlog
         wal = self._wal_path
         finish = self._finish
+        # The connection's thread keeps its last job until the next one arrives: the job
+        # lets go of the batch once reported, or a burst's last batch (its operations,
+        # events and futures) would stay, pinning the heap freed around it.
+        held: list[Any] = [ops, futures]
 
         def report(results: list[object], error: BaseException | None, size: int) -> None:
+            waiting = held[1]
+            held.clear()
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(finish, futures, done, results, error, size, started)
+                loop.call_soon_threadsafe(finish, waiting, done, results, error, size, started)
 
         def job(conn: sqlite3.Connection) -> None:
+            batch: list[WriteOp] = held[0]
             try:
-                results, error = run_batch(conn, cache, backlog, ops, now_ms())
+                results, error = run_batch(conn, cache, backlog, batch, now_ms())
             except BaseException as exc:  # run_batch reports its own failures; a bug otherwise
-                results, error = [Failed(_unavailable(exc)) for _ in ops], exc
+                results, error = [Failed(_unavailable(exc)) for _ in batch], exc
+            del batch
             size = -1
             if wal is not None and error is None:
                 try:
@@ -241,7 +249,7 @@ class GroupCommitWriter:
             report(results, error, size)
 
         def lost(exc: BaseException) -> None:
-            report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+            report([Failed(_unavailable(exc)) for _ in held[0]], exc, -1)
 
         return job, lost
 
