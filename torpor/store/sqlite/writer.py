@@ -160,6 +160,7 @@ class GroupCommitWriter:
                     batch = queue.take()
                     if batch:
                         await self._commit(loop, batch)
+                    del batch  # not kept while waiting: see _job
                     continue
                 if queue.closing and not queue:
                     return
