@@ -35,7 +35,8 @@ reorder an insertion and a deletion of the same row.
 
 Heads live in :class:`HeadCache` on this thread. A batch sees them through its
 own overlay, and the cache learns the new heads only after COMMIT succeeds, so
-a rollback can never leave a wrong head behind.
+a rollback can never leave a wrong head behind. The event loop may only make
+it forget a head (a hibernating agent's: the next append reads it again).
 """
 
 from __future__ import annotations
