@@ -5,7 +5,8 @@ process keep about twice the RSS of gradual hibernation? Runs one pattern of
 bench/idle_agents.py (``burst-hibernated`` or ``hibernated``) on a database it
 builds, then reads ``sys._debugmallocstats()`` (arenas, bytes in allocated blocks,
 unused pools) and maps each per-agent survivor (the agent record, the fields it
-holds, the SQLite writer's head cache entries, and every GC-tracked object) to its
+holds, the objects dormant agents' rows refer to, the SQLite writer's head cache
+entries, and every GC-tracked object) to its
 1 MiB address window. A window holding few survivors is memory one of them pins;
 a kind of survivor spread over nearly every window pins them all by itself.
 
@@ -31,6 +32,7 @@ import idle_agents
 from _common import emit, fresh_db, quiet, table
 
 import torpor
+from torpor.runtime import dormant
 
 SPARSE = 400
 """A 1 MiB window with fewer survivors than this (of any size) is mostly free pools."""
@@ -70,7 +72,8 @@ def survivors(rt: Any) -> dict[str, list[int]]:
             seen.add(id(obj))
             kinds[kind].append(id(obj))
 
-    for agent in rt._registry:
+    registry = rt._registry
+    for agent in registry.held():  # dormant agents are rows, not objects: see below
         add("Agent", agent)
         for name in type(agent).__slots__:
             value = getattr(agent, name, None)
@@ -79,6 +82,10 @@ def survivors(rt: Any) -> dict[str, list[int]]:
             if isinstance(value, int) and -5 <= value <= 256:  # cached small ints
                 continue
             add(f"Agent.{name}", value)
+    for name, column in zip(dormant.OBJECTS, registry.dormant._objects, strict=True):
+        for value in column:  # shared objects mostly (a state, a profile, an empty tuple)
+            if value is not None and not isinstance(value, bool) and value != ():
+                add(f"dormant.{name}", value)
     writer = getattr(rt._store, "_writer", None)
     if writer is not None:
         for state in writer._cache._states.values():
@@ -123,7 +130,9 @@ async def run(url: str, n: int, pattern: str) -> dict[str, Any]:
         if calls == 2:  # the reading after the pattern ran, runtime still open
             result.update(rss_mb=round(measured[0] / 1e6, 1), **mallocstats())
             total, sparse, rows = windows(survivors(captured[0]))
-            result.update(windows=total, sparse_windows=sparse, kinds=rows[:20])
+            result.update(windows=total, sparse_windows=sparse, kinds=rows[:20],
+                          held=len(captured[0]._registry.agents),
+                          dormant=len(captured[0]._registry.dormant))
         return measured
 
     idle_agents.reading = after
@@ -147,9 +156,11 @@ def main() -> None:
               **found}
     emit(result, [
         table("pymalloc after the pattern", ("RSS MB", "arenas", "bytes in blocks",
-                                              "unused pools", "windows", "sparse windows"),
+                                              "unused pools", "windows", "sparse windows",
+                                              "agents held", "dormant"),
               [(found["rss_mb"], found["arenas"], found["allocated_block_bytes"],
-                found["unused_pools"], found["windows"], found["sparse_windows"])]),
+                found["unused_pools"], found["windows"], found["sparse_windows"],
+                found["held"], found["dormant"])]),
         table(f"survivors by kind (sparse: < {SPARSE} survivors in its 1 MiB window)",
               ("kind", "objects", "windows", "sparse windows"), found["kinds"]),
     ], args.json)

@@ -12,6 +12,10 @@ and, in a second traced run, the tracemalloc growth per agent:
 * ``torpor-hibernated``: activated in batches of 1,000, each batch
   hibernated before the next (a hibernated agent is reached from an active
   one; batching keeps the transient working sets from inflating RSS);
+* ``torpor-burst-hibernated``: every agent active at once, then all
+  hibernated (a storm that passed); its process RSS is compared with
+  ``torpor-hibernated``'s (``burst/gradual``): what the allocator keeps of
+  the burst's heap, once only the same hibernated agents are left;
 * ``torpor-evicted``: the same, evicted instead (what is left is the store's
   bounded caches);
 * ``floor``: a bare asyncio task awaiting a Future per agent (the least any
@@ -163,13 +167,19 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
         # that passed); "hibernated": reached in batches, so little was ever live at once.
         batch = n if state in ("active", "burst-hibernated") else BATCH
 
-        ws_tokens: list[int] = []
+        # One number, not a list of 200 ints read mid-burst: kept, they would pin the heap
+        # the burst scenario measures.
+        ws_tokens: float | None = None
         ws_chunk = names[:200]
         for offset in range(0, n, batch):
             chunk = names[offset : offset + batch]
             await asyncio.gather(*(one(c) for c in chunk))
             if offset == 0:
-                ws_tokens = [(await rt.admin.inspect(c)).working_set_tokens for c in ws_chunk]
+                total = 0
+                for c in ws_chunk:
+                    total += (await rt.admin.inspect(c)).working_set_tokens
+                ws_tokens = total / len(ws_chunk)
+                del total
             if state in ("hibernated", "burst-hibernated"):
                 for c in chunk:
                     (await rt.admin.hibernate(c))
@@ -191,7 +201,7 @@ async def torpor_state(state: str, url: str, n: int, trace: bool,
         "rss_total_bytes": rss1,
         "peak_rss_bytes": peak_rss_bytes(),
         "agents_in_state": expected,
-        "working_set_tokens_avg": round(sum(ws_tokens) / len(ws_tokens)) if ws_tokens else None,
+        "working_set_tokens_avg": None if ws_tokens is None else round(ws_tokens),
         "working_set_bytes_estimated_avg": (
             round(stats.working_set_bytes / stats.with_working_set)
             if stats.with_working_set else None
@@ -418,6 +428,17 @@ def show(result: dict[str, Any], target: str | None) -> None:
     tables = [table("bytes per agent (RSS growth / N; tracemalloc / N)",
                     ("scenario", "agents", "RSS B/agent", "traced B/agent", "ws tokens",
                      "process RSS MB"), rows)]
+    burst = [(key.split("@")[1], value) for key, value in result["ratios"].items()
+             if key.startswith("burst/gradual")]
+    if burst:
+        by = {(r["name"], r["agents"]): r for r in result["scenarios"]}
+        tables.append(table(
+            "after a burst vs gradual hibernation (process RSS MB)",
+            ("agents", "gradual", "burst", "burst/gradual"),
+            [(n, round(by[("torpor-hibernated", int(n))]["rss_total_bytes"] / 1e6, 1),
+              round(by[("torpor-burst-hibernated", int(n))]["rss_total_bytes"] / 1e6, 1), r)
+             for n, r in burst],
+        ))
     if result["length_sweep"]:
         tables.append(table(
             "footprint vs conversation length (traced bytes per agent)",

@@ -2,7 +2,10 @@
 
 A hibernated agent keeps only this record (ids, positions, counters, no task,
 no working set, no mailbox), so it must stay small: ``__slots__``, lazily
-created parts, and no per-agent timers.
+created parts, and no per-agent timers. Once nothing but the registry refers
+to it, not even the record is kept: its fields become a row of the runtime's
+dormant table (:mod:`torpor.runtime.dormant`), which rebuilds it on demand. A
+new field must be listed there (a test checks that every slot is).
 """
 
 from __future__ import annotations

@@ -170,11 +170,10 @@ class Admin:
     async def stats(self) -> RuntimeStats:
         """Counts by state and the runtime's counters, from memory."""
         rt = self._rt
-        states: dict[str, int] = {}
-        hibernated = with_ws = 0
-        for agent in rt._registry:
-            key = str(agent.state)
-            states[key] = states.get(key, 0) + 1
+        registry = rt._registry
+        states = registry.states()
+        hibernated, with_ws = len(registry.dormant), 0
+        for agent in registry.held():
             if agent.ws is not None:
                 with_ws += 1
             elif agent.hibernated:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import anyio
@@ -23,7 +23,7 @@ from torpor.actors.agent import Agent, Waiting
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
 from torpor.events import UserMessage
-from torpor.runtime.stats import percentile
+from torpor.runtime.stats import Samples, percentile
 
 if TYPE_CHECKING:
     from torpor.runtime.host import Runtime
@@ -38,7 +38,7 @@ class Admission:
         self._rt = runtime
         self.queue: OrderedDict[str, Agent] = OrderedDict()  # arrival order
         self.since: dict[str, float] = {}  # monotonic time each entered the queue
-        self.waits: deque[float] = deque(maxlen=4096)  # seconds from queue to slot
+        self.waits = Samples(4096)  # seconds from queue to slot
         self.admitted = 0
 
     def __len__(self) -> int:

@@ -3,6 +3,13 @@
 No timer per agent: one sweep every ``sweep_every`` seconds walks the idle
 queues from their oldest end and stops at the first agent that has not been
 idle long enough, so each sweep costs O(agents it acts on).
+
+Hibernating or evicting an agent also drops the store's cached head of its
+conversation (the SQLite writer's head cache): an entry written during a burst
+would pin the heap around it, and the next append after revival reads the head
+again anyway. A hibernated agent whose task has ended goes dormant (see
+:mod:`torpor.runtime.registry`); the sweep retries those that were still
+referred to when they hibernated.
 """
 
 from __future__ import annotations
@@ -47,11 +54,13 @@ class Lifecycle:
                 hibernated += 1
             elif agent.id in registry.idle:
                 registry.unqueue(agent)  # busy: it queues itself again once idle
-        while (agent := registry.oldest_hibernated()) is not None:
-            if agent.last_active > evict_before:
+        while (since := registry.oldest_hibernated_since()) is not None:
+            if since > evict_before:
                 break
-            if self.evict(agent):
+            agent = registry.oldest_hibernated()  # rebuilt if it was dormant
+            if agent is not None and self.evict(agent):
                 evicted += 1
+        registry.rest_hibernated()
         if rt._admission:
             rt._admission.admit()
         return hibernated, evicted
@@ -65,14 +74,16 @@ class Lifecycle:
         if agent.ws is None and agent.task is None:
             return False
         agent.hibernate_requested = True
+        agent.wake()
+        rt._host.forget_bytes(agent)
+        agent.ws_bytes = 0
+        self._forget_head(agent)
         if agent.task is None:  # no task to do it: drop the caches here
             agent.ws = None
             agent.hub = None
             agent.lock = None
             agent.hibernate_requested = False
-        agent.wake()
-        rt._host.forget_bytes(agent)
-        agent.ws_bytes = 0
+            rt._registry.rest(agent.id)  # dormant once this caller lets go of it
         rt._counters.hibernations += 1
         rt._host.transition(agent, agent.state, "hibernated")
         return True
@@ -89,9 +100,16 @@ class Lifecycle:
         agent.hibernate_requested = True
         agent.wake()
         rt._host.forget_bytes(agent)
+        self._forget_head(agent)
         rt._counters.evictions += 1
         rt._host.transition(agent, agent.state, AgentState.EVICTED)
         return True
+
+    def _forget_head(self, agent: Agent) -> None:
+        """Drop the store's cached head of the conversation, if it caches heads."""
+        forget = getattr(self._rt._store, "_forget_head", None)
+        if forget is not None:
+            forget(agent.id)
 
     def shed_agents(self, *, keep: Agent | None, below: int | None = None) -> None:
         """Evict the least recently used idle agents while the registry is over the cap

@@ -119,7 +119,7 @@ class MemoryAPI:
                 if agent.cycle > swept.get(agent.id, 0) and not agent.busy
                 and agent.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED)
             ]
-            for name in [n for n in swept if registry.get(n) is None]:
+            for name in [n for n in swept if n not in registry]:
                 del swept[name]  # evicted: its next fold (after revival) is swept again
             for name, cycle in due:
                 started = time.perf_counter()

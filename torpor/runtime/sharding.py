@@ -98,7 +98,8 @@ class ShardGate:
     def _agents_of(self, shards: frozenset[int]) -> list[Agent]:
         rt = self._rt
         count = self.member.leases.shards
-        agents = [a for a in rt._registry if shard_of(a.id, count) in shards]
+        rt._registry.wake_where(lambda c: shard_of(c, count) in shards)  # held: retired below
+        agents = [a for a in rt._registry.held() if shard_of(a.id, count) in shards]
         agents += [a for a in rt._admission.queue.values() if shard_of(a.id, count) in shards]
         return agents
 

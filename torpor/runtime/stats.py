@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 
-__all__ = ["Counters", "Transition", "Watcher", "Watchers", "percentile"]
+__all__ = ["Counters", "Samples", "Transition", "Watcher", "Watchers", "percentile"]
 
 
 class Transition(msgspec.Struct, frozen=True, gc=False):
@@ -27,6 +28,37 @@ def percentile(samples: list[float], q: float) -> float | None:
     ordered = sorted(samples)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+class Samples:
+    """The last ``size`` float samples, oldest first, in one array.
+
+    Not a deque of floats: those are one small object per sample, and the ones
+    written during a burst (every revival of it) pinned the heap around them long
+    after the burst's working sets were freed.
+    """
+
+    __slots__ = ("_next", "_size", "_values")
+
+    def __init__(self, size: int) -> None:
+        self._values = array("d")
+        self._size = size
+        self._next = 0  # where the next sample goes once full
+
+    def append(self, value: float) -> None:
+        values = self._values
+        if len(values) < self._size:
+            values.append(value)
+        else:
+            values[self._next] = value
+            self._next = (self._next + 1) % self._size
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[float]:
+        values, at = self._values, self._next
+        return iter(values[at:] + values[:at])
 
 
 class Counters:
@@ -57,7 +89,7 @@ class Counters:
         self.store_failures = 0  # turns or revivals stopped by StoreUnavailable (not crashes)
         self.abandoned = 0  # tasks that ignored cancellation past their deadline
         self.consolidation_failures = 0  # idle-sweep consolidations that failed or timed out
-        self.revival_seconds: deque[float] = deque(maxlen=4096)
+        self.revival_seconds = Samples(4096)
 
 
 class Watcher:

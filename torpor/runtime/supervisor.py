@@ -116,6 +116,8 @@ class Supervisor:
                 and agent.state is not AgentState.PARKED
             ):
                 self.ensure_running(agent)  # a message arrived as it hibernated
+            elif agent.task is None and agent.ws is None and not self.stopping:
+                self._rt._registry.rest(agent.id)  # hibernated: dormant once this task ends
         except Exception as exc:  # handling a failure failed: keep every promise anyway
             _fail_waiting(agent, TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}"))
             agent.ws = None
@@ -272,7 +274,7 @@ class Supervisor:
             for task in pending:
                 self._rt._host.abandon(task, f"agent task {task.get_name()}")
         self.tasks.clear()
-        for agent in list(self._rt._registry):
+        for agent in self._rt._registry.held():  # a dormant agent has nobody waiting
             _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
 
 

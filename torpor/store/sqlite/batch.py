@@ -35,13 +35,15 @@ reorder an insertion and a deletion of the same row.
 
 Heads live in :class:`HeadCache` on this thread. A batch sees them through its
 own overlay, and the cache learns the new heads only after COMMIT succeeds, so
-a rollback can never leave a wrong head behind.
+a rollback can never leave a wrong head behind. The event loop may only make
+it forget a head (a hibernating agent's: the next append reads it again).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -78,27 +80,38 @@ class ConvState(msgspec.Struct, frozen=True, gc=False):
 
 
 class HeadCache:
-    """Committed conversation states, most recently used last; writer thread only."""
+    """Committed conversation states, most recently used last.
+
+    Used by the writer thread, and forgotten from the event loop too (a hibernating
+    agent's entry, see ``GroupCommitWriter.forget_head``): a lock keeps each method whole.
+    Forgetting is always safe: a miss reads the head from the database.
+    """
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._states: OrderedDict[str, ConvState] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, name: str) -> ConvState | None:
-        state = self._states.get(name)
-        if state is not None:
-            self._states.move_to_end(name)
-        return state
+        with self._lock:
+            state = self._states.get(name)
+            if state is not None:
+                self._states.move_to_end(name)
+            return state
 
     def absorb(self, states: dict[str, ConvState]) -> None:
-        for name, state in states.items():
-            self._states[name] = state
-            self._states.move_to_end(name)
-        while len(self._states) > self._capacity:
-            self._states.popitem(last=False)
+        with self._lock:
+            for name, state in states.items():
+                self._states[name] = state
+                self._states.move_to_end(name)
+            while len(self._states) > self._capacity:
+                self._states.popitem(last=False)
 
     def forget(self, name: str) -> None:
-        self._states.pop(name, None)
+        with self._lock:
+            self._states.pop(name, None)
+            if not self._states:  # an OrderedDict never shrinks: after a burst it would stay
+                self._states = OrderedDict()
 
 
 class Plan(msgspec.Struct, gc=False):

@@ -37,14 +37,20 @@ T = TypeVar("T")
 
 
 async def hop(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
-    """Call ``fn(sqlite3_connection, *args)`` on ``conn``'s thread and await the result."""
+    """Call ``fn(sqlite3_connection, *args)`` on ``conn``'s thread and await the result.
 
-    def call() -> T:
+    The result travels in a box emptied here: aiosqlite's thread keeps its last call's
+    result until the next call arrives, and a burst's last reads (a revival's events)
+    would otherwise stay, pinning the heap freed around them.
+    """
+
+    def call() -> list[T]:
         raw: sqlite3.Connection = conn._conn
-        return fn(raw, *args)
+        return [fn(raw, *args)]
 
-    execute: Callable[[Callable[[], T]], Awaitable[Any]] = conn._execute
-    return cast(T, await execute(call))
+    execute: Callable[[Callable[[], list[T]]], Awaitable[Any]] = conn._execute
+    box = cast(list[T], await execute(call))
+    return box.pop()
 
 
 def post(

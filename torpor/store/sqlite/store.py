@@ -287,6 +287,12 @@ class SQLiteStore(StoreCore):
             raise StoreError("the store is not open")
         return self._readers
 
+    def _forget_head(self, conversation_id: str) -> None:
+        """Drop the conversation from the writer's head cache (its agent hibernated: the
+        next append reads the head again). Not part of EventStore: the runtime looks for it."""
+        if self._writer is not None:
+            self._writer.forget_head(conversation_id)
+
     async def _on_writer(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(sqlite3_connection, *args)`` on the writer connection's thread.
 

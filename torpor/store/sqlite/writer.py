@@ -141,6 +141,10 @@ class GroupCommitWriter:
         self.inline_batches = 0  # of which run on the loop's thread
         self.largest_batch = 0
 
+    def forget_head(self, conversation_id: str) -> None:
+        """Drop a conversation's cached head (safe from the event loop: the cache locks)."""
+        self._cache.forget(conversation_id)
+
     def start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run(), name="torpor-writer")
@@ -213,6 +217,7 @@ class GroupCommitWriter:
                     batch = queue.take()
                     if batch:
                         await self._commit(loop, batch)
+                    del batch  # not kept while waiting: see _job
                     continue
                 if queue.closing and not queue:
                     return
@@ -356,22 +361,31 @@ class GroupCommitWriter:
         finish = self._finish
         execute = self._execute
         waits = self._waits  # set back first: the thread's batches wait for locks again
+        # The connection's thread keeps its last job until the next one arrives: the job
+        # lets go of the batch once reported, or a burst's last batch (its operations,
+        # events and futures) would stay, pinning the heap freed around it.
+        held: list[Any] = [ops, futures]
 
         def report(results: list[object], error: BaseException | None, size: int) -> None:
+            waiting = held[1]
+            held.clear()
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(finish, futures, done, results, error, size, started)
+                loop.call_soon_threadsafe(finish, waiting, done, results, error, size, started)
 
         def job(conn: sqlite3.Connection) -> None:
+            batch: list[WriteOp] = held[0]  # not the closure's: this frame ends with the job
             if waits is not None:
                 try:
                     conn.execute(f"PRAGMA busy_timeout = {waits}")
                 except sqlite3.Error as exc:
-                    report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+                    report([Failed(_unavailable(exc)) for _ in batch], exc, -1)
                     return
-            report(*execute(conn, ops))
+            outcome = execute(conn, batch)
+            del batch
+            report(*outcome)
 
         def lost(exc: BaseException) -> None:
-            report([Failed(_unavailable(exc)) for _ in ops], exc, -1)
+            report([Failed(_unavailable(exc)) for _ in held[0]], exc, -1)
 
         return job, lost
 
