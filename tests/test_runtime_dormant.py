@@ -161,8 +161,9 @@ async def test_eviction_takes_dormant_agents_oldest_first() -> None:
         with rt.admin.watch() as watcher:
             since = rt._registry.oldest_hibernated_since()
             assert since is not None
-            # As if only the first had idled past evict_after.
-            assert await rt.admin.sweep(since + QUIET.evict_after) == (0, 1)
+            # As if only the first had idled past evict_after (a microsecond past it: the
+            # sweep subtracts evict_after again, and (x + e) - e may round below x).
+            assert await rt.admin.sweep(since + QUIET.evict_after + 1e-6) == (0, 1)
             assert "a" not in rt._registry and len(rt._registry) == 2
             assert (await watcher.__anext__()).new == "evicted"
         assert await rt.admin.evict("c") is True and len(rt._registry.dormant) == 1

@@ -11,7 +11,7 @@ from store_backends import AnyStore
 from torpor import ConfigError, StoreError
 from torpor.events import UserMessage
 from torpor.store import SQLiteStore, UnsupportedStoreURL, open_store
-from torpor.store.sqlite.schema import SCHEMA_VERSION
+from torpor.store.sqlite.schema import PAGE_SIZE, SCHEMA_VERSION
 
 
 async def test_memory_urls_are_private_databases() -> None:
@@ -86,3 +86,23 @@ async def test_a_closed_store_refuses_work(store: AnyStore) -> None:
         await store.append("c", [UserMessage("late")])
     with pytest.raises(StoreError):
         await store.read_since("c", 0)
+
+
+async def test_a_new_database_has_small_pages_and_an_old_one_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """WAL bytes per commit follow the page size (whole pages are written): a database
+    the store creates uses 1 KiB pages; one made with 4 KiB pages opens and works as is."""
+    new, old = tmp_path / "new.db", tmp_path / "old.db"
+    with sqlite3.connect(old) as raw:
+        raw.execute("PRAGMA page_size = 4096")
+        raw.execute("PRAGMA journal_mode = WAL")
+    for path in (new, old):
+        async with SQLiteStore(str(path)) as store:
+            await store.append("c", [UserMessage("hello " * 400)])
+            assert len(await store.read_since("c", 0)) == 1
+            assert [h.position for h in await store.search("c", "hello")] == [0]
+    for path, size in ((new, PAGE_SIZE), (old, 4096)):
+        with sqlite3.connect(path) as raw:
+            assert raw.execute("PRAGMA page_size").fetchone()[0] == size
+    assert PAGE_SIZE == 1024

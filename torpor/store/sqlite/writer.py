@@ -124,12 +124,11 @@ class GroupCommitWriter:
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._cache = HeadCache(cache_size)
-        # Full-text rows are indexed in bulk once 128 wait (or 64 KiB of text), not 512:
-        # the bulk insert runs inside some caller's commit, and at 512 rows it took that
-        # commit from ~50 us to 0.6-1 ms, once every 256 turns at one conversation: ~30
-        # of the slowest 1% of turns (bench/turns.py --trace). A quarter of it stays
-        # under a turn's p50; CPU per turn was unchanged.
-        self._backlog = SearchBacklog(search_backlog, flush_rows=128, flush_bytes=64 * 1024)
+        # Full-text rows are indexed in bulk once 512 wait (or 64 KiB of text). That bulk
+        # insert goes to the writer thread (see _light), where the commit it joins takes
+        # 0.6-1 ms: at 512 rows that is one turn in about 250 at one conversation, outside
+        # the p99 (bench/turns.py --trace); at 128 rows it was 1.5% of turns, all slow.
+        self._backlog = SearchBacklog(search_backlog, flush_rows=512, flush_bytes=64 * 1024)
         self._wal_path = wal_path
         self.on_commit: OnCommit | None = None  # WAL bytes after each commit, on the loop
         self._queue: CommitQueue[WriteOp] = CommitQueue(max_batch)
