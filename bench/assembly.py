@@ -373,7 +373,7 @@ def time_render(ws: WorkingSet, runs: int) -> dict[str, Any]:
         t1 = time.perf_counter_ns()
         decisions = plan(ws.tail, SYSTEM, handoff_tokens, POLICY, TOOLS)
         t2 = time.perf_counter_ns()
-        rendered = materialize(ws.tail, None, "", 0, SYSTEM, TOOLS, decisions, POLICY.encoding)
+        rendered = materialize(ws.tail, None, (), SYSTEM, TOOLS, decisions, POLICY.encoding)
         t3 = time.perf_counter_ns()
         payload_hash(rendered.messages, TOOLS)
         t4 = time.perf_counter_ns()
