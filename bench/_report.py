@@ -52,10 +52,14 @@ def idle_agents(r: dict[str, Any]) -> str:
     out += ("\nRSS B/agent: RSS growth over the scenario / N (it includes SQLite's page cache, "
             "which tracemalloc does not see; \"net of evicted\" subtracts the evicted scenario, "
             "which read the same history). Traced: tracemalloc growth / N.\n\n")
-    ratios = {k: v for k, v in r.get("ratios", {}).items() if "/" in k}
+    ratios = {k: v for k, v in r.get("ratios", {}).items() if "/" in k and isinstance(v, dict)}
     if ratios:
         out += _table(("ratio", "RSS", "traced"),
                       [(k, v["rss"], v["traced"]) for k, v in ratios.items()])
+    burst = {k: v for k, v in r.get("ratios", {}).items() if k.startswith("burst/gradual")}
+    if burst:  # after every agent was active at once, then hibernated: process RSS
+        out += "\nAfter a burst vs gradual hibernation (process RSS): " + ", ".join(
+            f"{_fmt(v)}x at {k.rsplit('@', 1)[-1]} agents" for k, v in burst.items()) + ".\n"
     if r.get("length_sweep"):
         out += "\nFootprint vs conversation length (tracemalloc bytes per agent; " \
                f"{r['length_sweep'][0]['agents']} agents per length, working budget " \
