@@ -426,12 +426,7 @@ def test_ceiling_stubs_tool_results_before_dialogue() -> None:
         working_budget=800,
         clip_tokens=3_000,
     )
-    rendered = ws_of(log).render("sys", policy)
-    assert rendered.recipe.ceiling_enforced
-    assert rendered.estimated_tokens <= policy.effective_ceiling
-    assert rendered.recipe.stubbed == (2,)  # the result only: question and answer stay whole
-    assert rendered.recipe.dropped == ()
-    assert_paired(rendered.messages)
+    fits_by_stubbing(log, policy, (2,))  # the result only: question and answer stay whole
 
 
 def test_the_task_card_and_recalled_section_render_the_same_on_the_cached_and_full_paths() -> None:
@@ -473,8 +468,7 @@ def test_the_task_card_and_recalled_section_render_the_same_on_the_cached_and_fu
 
 
 def under_ceiling(log: Log, window: int, stubbed: tuple[int, ...]) -> None:
-    """Render ``log`` where only the hard ceiling makes room (results are not retired):
-    it must stub exactly ``stubbed``, drop nothing, and fit."""
+    """Render ``log`` where only the hard ceiling makes room (results are not retired)."""
     policy = CompactionPolicy(
         context_window=window,
         max_output_tokens=300,
@@ -483,6 +477,12 @@ def under_ceiling(log: Log, window: int, stubbed: tuple[int, ...]) -> None:
         clip_tokens=3_000,
         keep_tool_results=5,
     )
+    fits_by_stubbing(log, policy, stubbed)
+
+
+def fits_by_stubbing(log: Log, policy: CompactionPolicy, stubbed: tuple[int, ...]) -> None:
+    """Rendered under ``policy``, ``log`` hits the hard ceiling and fits by stubbing exactly
+    ``stubbed``: nothing dropped, every call still paired with its result."""
     rendered = ws_of(log).render("sys", policy)
     assert rendered.recipe.ceiling_enforced
     assert rendered.estimated_tokens <= policy.effective_ceiling

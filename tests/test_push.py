@@ -16,6 +16,7 @@ from store_backends import Backend
 from torpor import AgentConfig, Runtime, ScriptedModel
 from torpor.compaction.push import RECALLED_HEADER, fact_keys, mmr, query_words
 from torpor.llm.protocol import SystemMessage
+from torpor.store.protocol import ModelCall
 
 SMALL = dict(working_budget=300, tail_turns=2, context_window=4_000, max_output_tokens=500,
              safety_margin=100, system_prompt="be brief")
@@ -89,40 +90,42 @@ async def test_push_is_off_by_default_and_on_it_hands_over_the_folded_needle(
             assert calls[0].pushed == () and recalled(model.calls[0]) is None
 
 
-async def test_a_superseded_fact_scores_zero_and_the_later_value_is_pushed() -> None:
+async def _pushed_for(notes: tuple[str, str, str], question: str) -> tuple[str, ModelCall]:
+    """Three notes, a flood that folds them away, then ``question``: the recalled section
+    pushed into that last call, and its audit record."""
     model = ScriptedModel.replies("ok", loop=True)
     config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
     async with Runtime("sqlite://", model=model, agent=config) as rt:
-        await (await rt.send("c", "gateway-7.pool_size = 16 as agreed")).result()
-        await (await rt.send("c", "unrelated chatter about lunch plans")).result()
-        await (await rt.send("c", "change of plan: gateway-7.pool_size = 48")).result()
+        for note in notes:
+            await (await rt.send("c", note)).result()
         for i in range(12):
             await (await rt.send("c", f"flood {i} {FLOOD}")).result()
-        await (await rt.send("c", "What pool_size did we settle on for gateway-7?")).result()
+        await (await rt.send("c", question)).result()
         text = recalled(model.calls[-1])
         assert text is not None
-        assert "pool_size = 48" in text and "pool_size = 16" not in text
-        last = (await rt.store.model_calls("c", limit=1_000))[-1]
-        assert 4 in last.pushed and 0 not in last.pushed
+        return text, (await rt.store.model_calls("c", limit=1_000))[-1]
+
+
+async def test_a_superseded_fact_scores_zero_and_the_later_value_is_pushed() -> None:
+    text, last = await _pushed_for(
+        ("gateway-7.pool_size = 16 as agreed", "unrelated chatter about lunch plans",
+         "change of plan: gateway-7.pool_size = 48"),
+        "What pool_size did we settle on for gateway-7?",
+    )
+    assert "pool_size = 48" in text and "pool_size = 16" not in text
+    assert 4 in last.pushed and 0 not in last.pushed
 
 
 async def test_push_follows_an_identifier_for_the_second_hop() -> None:
-    model = ScriptedModel.replies("ok", loop=True)
-    config = AgentConfig(push_recall=True, **SMALL)  # type: ignore[arg-type]
-    async with Runtime("sqlite://", model=model, agent=config) as rt:
-        await (await rt.send("c", "amber-vault.deploy_key: see ticket OPS-4821")).result()
-        await (await rt.send("c", "lunch was fine")).result()
-        await (await rt.send("c", "Ticket OPS-4821 resolved: value 9f8e7d6c")).result()
-        for i in range(12):
-            await (await rt.send("c", f"flood {i} {FLOOD}")).result()
-        await (await rt.send("c", "What is the deploy_key of amber-vault?")).result()
-        text = recalled(model.calls[-1])
-        assert text is not None
-        assert "#0 user: amber-vault.deploy_key: see ticket OPS-4821" in text
-        assert "#4 user: Ticket OPS-4821 resolved: value 9f8e7d6c" in text
-        last = (await rt.store.model_calls("c", limit=1_000))[-1]
-        hop = last.pushed_scores[last.pushed.index(4)]
-        assert 0 < hop <= last.pushed_scores[last.pushed.index(0)]
+    text, last = await _pushed_for(
+        ("amber-vault.deploy_key: see ticket OPS-4821", "lunch was fine",
+         "Ticket OPS-4821 resolved: value 9f8e7d6c"),
+        "What is the deploy_key of amber-vault?",
+    )
+    assert "#0 user: amber-vault.deploy_key: see ticket OPS-4821" in text
+    assert "#4 user: Ticket OPS-4821 resolved: value 9f8e7d6c" in text
+    hop = last.pushed_scores[last.pushed.index(4)]
+    assert 0 < hop <= last.pushed_scores[last.pushed.index(0)]
 
 
 async def test_an_earlier_recall_quoting_a_stale_value_is_not_pushed_and_supersedes_nothing(
