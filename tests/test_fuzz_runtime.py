@@ -1191,10 +1191,7 @@ class World:
             end = view.part_end(handle.number, start)
             outcome: Any = None
             if handle.done():
-                try:
-                    outcome = handle._result.result()
-                except BaseException as exc:
-                    outcome = exc
+                outcome = handle._error if handle._error is not None else handle._outcome
             if end is None:
                 if outcome is None:
                     continue  # still running (or waiting behind the open turn)

@@ -290,3 +290,31 @@ async def test_requests_queued_before_a_turn_started_do_not_wait_for_it_to_end()
         kinds = [(type(e.body).__name__, e.turn) for e in await log_of(rt, "c")]
         assert kinds == [("UserMessage", 1), ("UserMessage", 2), ("Aborted", 1),
                          ("AssistantMessage", 2)]
+
+
+async def test_cancelling_one_wait_for_the_result_leaves_the_turn_and_the_other_waits() -> None:
+    go = anyio.Event()
+    model = ScriptedModel([[Wait(go), Text("done")], [Text("boom"), Fail("down")]])
+    async with Runtime("sqlite://", model=model) as rt:
+        turn = await rt.send("c", "hi")
+        got: list[object] = []
+
+        async def wait() -> None:
+            got.append(await turn.result())
+
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as gave_up:
+                tg.start_soon(wait)
+                tg.start_soon(wait)
+                await anyio.wait_all_tasks_blocked()
+                gave_up.cancel()
+                await turn.result()  # cancelled here: only this wait
+            assert gave_up.cancelled_caught and not turn.done()
+            go.set()
+        assert [type(g) for g in got] == [AssistantMessage, AssistantMessage]
+        assert got[0] is got[1] is await turn.result()  # and again once it is over
+        failing = await rt.send("c", "again")
+        for _ in range(2):  # a failed turn raises its error to every wait, each time
+            with pytest.raises(TurnAborted) as raised:
+                await failing.result()
+            assert raised.value.reason == "model_error"

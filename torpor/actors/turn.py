@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import TracebackType
 
 from torpor.actors.stream import StreamItem, Subscriber
 from torpor.events import AssistantMessage, Suspended
@@ -27,8 +28,11 @@ class Turn:
     """
 
     __slots__ = (
-        "_result",
+        "_error",
+        "_outcome",
         "_sub",
+        "_traceback",
+        "_waiters",
         "continuation",
         "conversation_id",
         "number",
@@ -55,32 +59,61 @@ class Turn:
         self.postponed = postponed
         self.continuation = continuation  # the part after a suspension was answered
         self._sub = subscriber
-        self._result: asyncio.Future[AssistantMessage | Suspended] = (
-            asyncio.get_running_loop().create_future()
-        )
+        # How it ended, and who waits to learn it: plain slots, not a future the callers
+        # would each have to shield (a shield costs two callbacks and a loop pass more).
+        self._outcome: AssistantMessage | Suspended | None = None
+        self._error: BaseException | None = None
+        self._traceback: TracebackType | None = None
+        self._waiters: list[asyncio.Future[None]] | None = None
 
     def __aiter__(self) -> AsyncIterator[StreamItem]:
         return self._sub.__aiter__()
 
     async def result(self) -> AssistantMessage | Suspended:
-        """The final message, or the ``Suspended`` this part of the turn stopped at."""
-        return await asyncio.shield(self._result)
+        """The final message, or the ``Suspended`` this part of the turn stopped at.
+
+        Cancelling this wait cancels only the wait, never the turn.
+        """
+        if self._outcome is None and self._error is None:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done() or waiter.cancelled():
+                    waiters = self._waiters
+                    if waiters is not None and waiter in waiters:
+                        waiters.remove(waiter)
+        if self._error is not None:
+            raise self._error.with_traceback(self._traceback)
+        assert self._outcome is not None
+        return self._outcome
 
     def done(self) -> bool:
-        return self._result.done()
+        return self._outcome is not None or self._error is not None
 
     def _finish(self, outcome: AssistantMessage | Suspended) -> None:
-        if not self._result.done():
-            self._result.set_result(outcome)
+        if not self.done():
+            self._outcome = outcome
+            self._wake()
         self._sub.close()
 
     def _fail(self, error: BaseException) -> None:
-        if not self._result.done():
-            self._result.set_exception(error)
-            # A caller that never awaits result() must not get "exception never retrieved".
-            self._result.exception()
+        if not self.done():
+            self._error = error
+            self._traceback = error.__traceback__
+            self._wake()
         self._sub.close(error)
 
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
     def __repr__(self) -> str:
-        state = "done" if self._result.done() else "running"
+        state = "done" if self.done() else "running"
         return f"<Turn {self.conversation_id!r} #{self.number} {state}>"

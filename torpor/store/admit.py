@@ -38,7 +38,7 @@ from torpor.events import (
 )
 from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
 from torpor.store.protocol import Background, Checkpoint, Marker, ModelCall
-from torpor.text import check_id, check_text, is_storable, repair_text
+from torpor.text import MAX_ID_LENGTH, check_id, check_text, is_storable, repair_text
 
 __all__ = ["admit_model_call", "check_body", "check_checkpoint", "check_checkpoint_reach"]
 
@@ -252,6 +252,52 @@ def admit_model_call(call: object) -> ModelCall:
     model's name, an error message, which may quote whatever a provider sent)
     is repaired instead, because the audit must not fail a turn over text.
     """
+    if type(call) is ModelCall and _plain(call):  # the runtime's own rows: one expression
+        return call
+    return _admitted(call)
+
+
+def _plain(call: ModelCall) -> bool:
+    """True when ``call`` passes every check of :func:`_admitted` unchanged: exact types,
+    numbers in range, ASCII text without NUL. False says nothing (the full check decides)."""
+    high, low32 = _INT_HIGH >> 1, INT32_LIMIT
+    ids, error, sections = call.conversation_id, call.error, call.sections
+    r, c, cr, cw = (
+        call.reported_prompt_tokens, call.completion_tokens,
+        call.cache_read_tokens, call.cache_write_tokens,
+    )
+    u, lat, ttft = call.utilization, call.latency_ms, call.ttft_ms
+    if not (
+        type(ids) is str and 0 < len(ids) <= MAX_ID_LENGTH and ids.isascii() and "\x00" not in ids
+        and type(call.turn) is int and 0 <= call.turn < low32
+        and type(call.call_index) is int and 0 <= call.call_index < low32
+        and type(call.compaction_cycle) is int and 0 <= call.compaction_cycle < low32
+        and type(call.created_at) is int and 0 <= call.created_at < high
+        and type(call.estimated_prompt_tokens) is int and 0 <= call.estimated_prompt_tokens < high
+        and (r is None or (type(r) is int and 0 <= r < high))
+        and (c is None or (type(c) is int and 0 <= c < high))
+        and (cr is None or (type(cr) is int and 0 <= cr < high))
+        and (cw is None or (type(cw) is int and 0 <= cw < high))
+        and (u is None or type(u) is float or type(u) is int)
+        and (lat is None or type(lat) is float or type(lat) is int)
+        and (ttft is None or type(ttft) is float or type(ttft) is int)
+        and type(call.recipe) is bytes and type(sections) is dict
+        and type(call.rendered_hash) is str and type(call.model) is str
+        and type(call.purpose) is str and (error is None or type(error) is str)
+    ):
+        return False
+    text = f"{call.rendered_hash}{call.model}{call.purpose}{error or ''}"
+    if not text.isascii() or "\x00" in text:
+        return False
+    for name, size in sections.items():
+        if type(name) is not str or not name.isascii() or "\x00" in name:
+            return False
+        if type(size) is not int or not _INT_LOW <= size < high:
+            return False
+    return True
+
+
+def _admitted(call: object) -> ModelCall:
     if not isinstance(call, ModelCall):
         raise InvalidInput("call", f"must be a ModelCall, got {type(call).__name__}")
     check_id(call.conversation_id, "call.conversation_id")
