@@ -36,6 +36,13 @@ def test_turn_ids_sort_by_time_and_name_one_turn() -> None:
     ]
 
 
+def test_turn_ids_stay_the_ids_earlier_versions_stored() -> None:
+    # Audit rows keep them: a turn spanning an upgrade must keep its id.
+    assert turn_id(1_700_000_000_000, "c", 1) == "01HF7YAT00000000EV910HC0Y6"
+    assert turn_id(0, "x", 0) == "00000000000000002BW2YKJGGE"
+    assert turn_id(2**48 - 1, "conv", 2**32 - 1) == "7ZZZZZZZZZZZZZZZWA4BG2CGY2"
+
+
 def test_turn_id_is_crockford_base32_of_time_turn_and_hash() -> None:
     crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
     for ms, turn in ((0, 0), (1_700_000_000_000, 1), ((1 << 48) - 1, (1 << 32) - 1), (5, 77)):

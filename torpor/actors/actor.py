@@ -383,7 +383,8 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         with scope() as turn_scope:
             agent.scope = turn_scope
             try:
-                await _take_waiting(agent, host)
+                if agent.mailbox is not None:  # usually empty: no coroutine then
+                    await _take_waiting(agent, host)
                 final = await run_steps(agent, host)
             except ModelFailed as exc:
                 reason, detail, partial = "model_error", str(exc), exc.partial

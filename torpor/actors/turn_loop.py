@@ -23,7 +23,7 @@ from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.actors.watchdog import Call
-from torpor.compaction import Rendered, build_checkpoint, encode_recipe, plan_fold
+from torpor.compaction import FoldPlan, Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.anatomy import anatomy
 from torpor.compaction.push import NOTHING, Pushed
 from torpor.compaction.recall import (
@@ -159,7 +159,9 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
         if agent.calls >= config.max_steps:
             raise StepLimit(f"more than {config.max_steps} model calls in one turn")
         agent.calls += 1
-        await _maybe_fold(agent, host)
+        plan = _fold_plan(agent)
+        if plan is not None:  # most calls fold nothing: no coroutine for them
+            await _fold(agent, host, plan)
         try:
             message = await _call_model(agent, host)
         except ModelFailed as exc:
@@ -167,7 +169,9 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
                 raise
             # The provider counted more than fits: fold once (forced) and retry once.
             agent.compact_requested = True
-            await _maybe_fold(agent, host)
+            plan = _fold_plan(agent)
+            if plan is not None:
+                await _fold(agent, host, plan)
             message = await _call_model(agent, host)
         if not message.tool_calls:
             return message
@@ -180,16 +184,22 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
             return None
 
 
-async def _maybe_fold(agent: Agent, host: Host) -> None:
+def _fold_plan(agent: Agent) -> FoldPlan | None:
+    """What to fold before the next call, if the working set is over its trigger (or a
+    fold was asked for)."""
+    ws = agent.ws
+    assert ws is not None
+    plan = plan_fold(
+        ws, agent.profile.policy, force=agent.compact_requested, calibration=agent.calibration
+    )
+    agent.compact_requested = False
+    return plan
+
+
+async def _fold(agent: Agent, host: Host, plan: FoldPlan) -> None:
     ws = agent.ws
     assert ws is not None
     profile = agent.profile
-    plan = plan_fold(
-        ws, profile.policy, force=agent.compact_requested, calibration=agent.calibration
-    )
-    agent.compact_requested = False
-    if plan is None:
-        return
     started = time.perf_counter()
     summary = bundle = ""
     summarizer = profile.config.summarizer

@@ -27,7 +27,6 @@ LABEL_EVENTS = 64
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
-_PAIR_SHIFTS = tuple(range(120, -1, -10))  # 13 pairs: the first one's top 2 bits are 0
 
 
 class Anatomy(msgspec.Struct, frozen=True, gc=False):
@@ -47,9 +46,15 @@ def turn_id(started_ms: int, conversation_id: str, turn: int) -> str:
     """
     ms = max(0, started_ms) & ((1 << 48) - 1)
     digest = hashlib.blake2b(f"{conversation_id}\0{turn}".encode(), digest_size=6).digest()
-    value = (ms << 80) | ((turn & 0xFFFFFFFF) << 48) | int.from_bytes(digest, "big")
-    # Two characters (10 bits) per lookup: this runs on every model call.
-    return "".join([_PAIRS[(value >> shift) & 1023] for shift in _PAIR_SHIFTS])
+    v = (ms << 80) | ((turn & 0xFFFFFFFF) << 48) | int.from_bytes(digest, "big")
+    # Two characters (10 bits) per lookup, unrolled: this runs on every model call.
+    p = _PAIRS
+    return "".join((
+        p[v >> 120], p[(v >> 110) & 1023], p[(v >> 100) & 1023], p[(v >> 90) & 1023],
+        p[(v >> 80) & 1023], p[(v >> 70) & 1023], p[(v >> 60) & 1023], p[(v >> 50) & 1023],
+        p[(v >> 40) & 1023], p[(v >> 30) & 1023], p[(v >> 20) & 1023], p[(v >> 10) & 1023],
+        p[v & 1023],
+    ))
 
 
 def events_in_context(messages: Sequence[ContextMessage]) -> int:
@@ -84,8 +89,16 @@ def topic_label(tail: Sequence[Event], background: Background | None = None) -> 
     Prose words are weighed against the conversation's ``background`` (its latest
     checkpoint's), as markers' are: a word the whole conversation uses is no label.
     """
+    return _label(_current_turn(tail), tail, background)
+
+
+def _label(
+    current: Sequence[Event], tail: Sequence[Event], background: Background | None
+) -> str | None:
+    """:func:`topic_label` with the current turn found already."""
     untrusted = background is None or background.events < BACKGROUND_MIN_EVENTS
-    for span in (_current_turn(tail)[:LABEL_EVENTS], tail[-LABEL_EVENTS:]):
+    for number in range(2):  # the turn's own events, then the recent tail
+        span = current[:LABEL_EVENTS] if number == 0 else tail[-LABEL_EVENTS:]
         if len(span) == 1 and untrusted:
             # The first call of a turn: one event, ranked by itself, is its own hints'
             # order (best exact string first, else its first word): no ranking to run.
@@ -119,5 +132,5 @@ def anatomy(
         turn_id=turn_id(started, conversation_id, turn),
         events_in_context=events_in_context(messages),
         markers=len(checkpoint.markers) if checkpoint is not None else 0,
-        topic=topic_label(tail, checkpoint.background if checkpoint is not None else None),
+        topic=_label(current, tail, checkpoint.background if checkpoint is not None else None),
     )

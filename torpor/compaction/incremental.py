@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from torpor.compaction.context_view import MessageView
 from torpor.compaction.footprint import str_bytes
@@ -104,6 +105,7 @@ class TailCache:
         "hashed",
         "keep_results",
         "last_user",
+        "lead_memo",
         "lent",
         "limit",
         "marks",
@@ -121,6 +123,7 @@ class TailCache:
         "stubbed",
         "synthesized",
         "tail_tokens",
+        "tool_names",
         "tools",
         "tools_digest",
         "tools_tokens",
@@ -165,6 +168,11 @@ class TailCache:
         self.tools: tuple[ToolSpec, ...] = ()  # the last call's specs: their digest and cost
         self.tools_digest = tools_digest(())
         self.tools_tokens = 0
+        self.tool_names: tuple[str, ...] = ()
+        # The system messages of the last call and what follows from them, made again only
+        # when the prompt or the head blocks (not equal: other objects) change: an agent
+        # renders with the same prompt and head call after call.
+        self.lead_memo: _Lead | None = None
 
     def fits(self, encoding: str, limit: int, keep_results: int, clear_at_least: int) -> bool:
         """Whether this cache's decisions are the ones a policy with these numbers takes."""
@@ -350,22 +358,28 @@ class TailCache:
         encoding = self.encoding
         pending = self.unanswered
         k_user, i_user = self.last_user
-        sections = {"system": text_tokens(system_prompt, encoding), "markers": 0}
+        memo = self.lead_memo
+        if memo is None or memo.prompt is not system_prompt or memo.head is not head:
+            memo = self.lead_memo = _Lead(
+                system_prompt,
+                head,
+                [SystemMessage(system_prompt), *(SystemMessage(b.text) for b in head)],
+                text_tokens(system_prompt, encoding),
+                tuple(b.text for b in head),
+            )
+        sections = {"system": memo.tokens, "markers": 0}
         for block in head:
             sections[block.name] = block.tokens
-        sections.update(
-            tools=self._tools(tools),
-            tail=self.tail_tokens,
-            tool_results=self.results_tokens + len(pending) * self.standin_tokens,
-            user=tail[i_user].tokens if k_user >= 0 else 0,
-        )
+        sections["tools"] = self._tools(tools)
+        sections["tail"] = self.tail_tokens
+        sections["tool_results"] = self.results_tokens + len(pending) * self.standin_tokens
+        sections["user"] = tail[i_user].tokens if k_user >= 0 else 0
         if recalled is not None:
             sections[recalled.name] = recalled.tokens
         total = sum(sections.values())
         if total > ceiling:
             return None
-        lead: list[ContextMessage] = [SystemMessage(system_prompt)]
-        lead.extend(SystemMessage(block.text) for block in head)
+        lead = memo.messages  # never changed once made: views of earlier calls share it
         after: list[ContextMessage] = []
         synthesized = tuple(self.synthesized or ())
         if pending:
@@ -394,7 +408,7 @@ class TailCache:
             synthesized=synthesized,
             ceiling_enforced=False,
             system_hash=text_hash(system_prompt),
-            tools=tuple(t.name for t in tools),
+            tools=self.tool_names,
             encoding=encoding,
             turn=tail[-1].turn if tail else None,
             task_card=task_card,
@@ -403,7 +417,7 @@ class TailCache:
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=self._hash(lead, body, after, system_prompt, tuple(b.text for b in head)),
+            hash=self._hash(lead, body, after, system_prompt, memo.texts),
             sections=sections,
             estimated_tokens=total,
         )
@@ -454,6 +468,7 @@ class TailCache:
             if specs != self.tools:
                 self.tools_digest = tools_digest(specs)
                 self.tools_tokens = tools_tokens(specs, self.encoding)
+                self.tool_names = tuple(t.name for t in specs)
             self.tools = specs
         return self.tools_tokens
 
@@ -528,6 +543,16 @@ class TailCache:
 
 
 _REBUILD_SIZE = sys.getsizeof((0, 0, 0))
+
+
+class _Lead(NamedTuple):
+    """The system messages rendered for one prompt and head, with their tokens and texts."""
+
+    prompt: str
+    head: Sequence[Block]
+    messages: list[ContextMessage]
+    tokens: int
+    texts: tuple[str, ...]
 
 
 def _owned_size(message: ContextMessage) -> int:

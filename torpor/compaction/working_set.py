@@ -80,6 +80,7 @@ class WorkingSet:
         "_checkpoint_bytes",
         "_event_bytes",
         "_handoff",
+        "_head_memo",
         "_high",
         "_starts",
         "_tail",
@@ -106,6 +107,9 @@ class WorkingSet:
         self._cache: TailCache | None = None  # made on the first render, dropped on a fold
         self._card: Event | None = None  # the latest TaskCard event seen (by position)
         self._card_block: tuple[str, int, str] | None = None  # text, tokens, encoding
+        # The head blocks made from the card block and handoff they were made from: the
+        # same tuple while neither changes, so a render can tell them unchanged by identity.
+        self._head_memo: tuple[object, object, tuple[Block, ...]] | None = None
         # The last recalled section pushed and what it was for (see actors.task.pushed_for).
         self.push_memo: tuple[tuple[int, int, int], Pushed] | None = None
         if checkpoint is not None:
@@ -360,20 +364,25 @@ class WorkingSet:
 
     def _head(self, encoding: str) -> tuple[Block, ...]:
         """The blocks between the system prompt and the tail (see compaction.sections)."""
-        text, tokens = self._handoff_for(encoding)
+        handoff = self._handoff_for(encoding)
         block = self._card_block
         if block is None or block[2] != encoding:
             body = self._card.body if self._card is not None else None
             card = body if isinstance(body, TaskCard) else None
             block = self._card_block = (card_text(card), card_tokens(card, encoding), encoding)
-        return head_of({"task_card": (block[0], block[1]), "markers": (text, tokens)})
+        memo = self._head_memo
+        if memo is not None and memo[0] is block and memo[1] is handoff:
+            return memo[2]
+        head = head_of({"task_card": (block[0], block[1]), "markers": (handoff[0], handoff[1])})
+        self._head_memo = (block, handoff, head)
+        return head
 
-    def _handoff_for(self, encoding: str) -> tuple[str, int]:
+    def _handoff_for(self, encoding: str) -> tuple[str, int, str]:
         handoff = self._handoff
         if handoff is None or handoff[2] != encoding:
             text, tokens = handoff_tokens(self._checkpoint, encoding)
             handoff = self._handoff = (text, tokens, encoding)
-        return handoff[0], handoff[1]
+        return handoff
 
     # --- accounting ------------------------------------------------------------------
 
