@@ -463,6 +463,7 @@ def test_a_context_view_slices_and_indexes_as_its_list(
     view = MessageView(head, body, n, after)
     whole = head + body[:n] + after
     assert list(view) == whole and len(view) == len(whole)
+    assert list(reversed(view)) == whole[::-1]
     assert view[start:stop:step] == whole[start:stop:step]
     if -len(whole) <= start < len(whole):
         assert view[start] is whole[start]

@@ -202,10 +202,11 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         return
     next_turn = agent.turn + 1
     try:
-        with scope(shield=True):
-            events = await logged(
-                agent, host, [UserMessage(request.text)], turn=next_turn, key=request.key
-            )
+        # No shield: no cancel scope encloses the actor here (a turn's opens below), and
+        # the runtime stops its actors with Task.cancel, which no scope holds back.
+        events = await logged(
+            agent, host, [UserMessage(request.text)], turn=next_turn, key=request.key
+        )
     except StoreUnavailable as exc:
         fail(request, exc)
         return

@@ -48,6 +48,12 @@ class MessageView(Sequence[ContextMessage]):
     def __iter__(self) -> Iterator[ContextMessage]:
         return chain(self._head, islice(self._body, self._n), self._after)
 
+    def __reversed__(self) -> Iterator[ContextMessage]:
+        # In C too (Sequence's own would index the view once per message, in Python):
+        # models read a context backwards for its last user message.
+        body = map(self._body.__getitem__, range(self._n - 1, -1, -1))
+        return chain(reversed(self._after), body, reversed(self._head))
+
     @overload
     def __getitem__(self, index: int) -> ContextMessage: ...
 
