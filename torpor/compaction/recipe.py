@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import msgspec
 
+from torpor._rows import ArrayRows
 from torpor.compaction.tokens import DEFAULT_ENCODING
 from torpor.llm.protocol import ContextMessage, ToolSpec
 
@@ -94,17 +95,16 @@ class Rendered(msgspec.Struct, frozen=True, gc=False):
     estimated_tokens: int
 
 
-_recipe_encoder = msgspec.msgpack.Encoder()
-_recipe_decoder = msgspec.msgpack.Decoder(Recipe)
+_recipes = ArrayRows(Recipe)  # stored as arrays; maps before (see torpor._rows)
 _payload_encoder = msgspec.msgpack.Encoder(order="deterministic")
 
 
 def encode_recipe(recipe: Recipe) -> bytes:
-    return _recipe_encoder.encode(recipe)
+    return _recipes.encode(recipe)
 
 
 def decode_recipe(data: bytes) -> Recipe:
-    return _recipe_decoder.decode(data)
+    return _recipes.decode(data)
 
 
 def tools_digest(tools: Sequence[ToolSpec]) -> bytes:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from torpor._rows import ArrayRows
 from torpor.errors import CorruptEvent
 from torpor.events import Event, decode_body
 from torpor.store.protocol import (
@@ -44,7 +45,7 @@ EventRow = tuple[int, int, int, int, bytes, bytes | None]
 
 _checkpoint_encoder = msgspec.msgpack.Encoder()
 _checkpoint_decoder = msgspec.msgpack.Decoder(Checkpoint)
-_call_decoder = msgspec.msgpack.Decoder(ModelCall)
+_calls = ArrayRows(ModelCall)  # audit rows: arrays, maps before (see torpor._rows)
 
 
 MISSING = "missing"
@@ -101,12 +102,12 @@ def decode_checkpoint(conversation_id: str, position: int, data: bytes) -> Check
 
 
 def encode_model_call(call: ModelCall) -> bytes:
-    return _checkpoint_encoder.encode(call)
+    return _calls.encode(call)
 
 
 def decode_model_call(conversation_id: str, turn: int, data: bytes) -> ModelCall:
     try:
-        return _call_decoder.decode(data)
+        return _calls.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptEvent(
             conversation_id, -1, f"model call of turn {turn} does not decode: {exc}"
