@@ -37,6 +37,7 @@ from torpor.actors.stream import StreamHub
 from torpor.actors.task import card_change
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import ModelFailed, StepLimit, append, logged, run_steps
+from torpor.actors.write_lock import WriteLock
 from torpor.compaction.order import up_to_turn
 from torpor.compaction.working_set import WorkingSet
 from torpor.errors import AgentParked, StoreUnavailable, TurnAborted, UnknownCall
@@ -148,7 +149,7 @@ async def revive(agent: Agent, host: Host) -> None:
     restored = restore(resume.events, postponed=held)
     ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(resume.events, restored.turn))
     agent.ws = ws
-    agent.lock = asyncio.Lock()
+    agent.lock = WriteLock()
     agent.head = resume.head if resume.head is not None else -1
     agent.turn = restored.turn
     agent.cycle = resume.checkpoint.cycle if resume.checkpoint is not None else 0

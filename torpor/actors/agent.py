@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.mailbox import Mailbox, Message
 from torpor.actors.state import TRANSITIONS, AgentState
+from torpor.actors.write_lock import WriteLock
 from torpor.errors import InvalidTransition
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class Agent:
         self.accounted = 0  # ws_bytes as last counted into the runtime's memory total
         # Kept while live only (dropped on hibernation): appends that expect our head are
         # serialized, since a message sent mid-turn is logged by the sender's task.
-        self.lock: asyncio.Lock | None = None
+        self.lock: WriteLock | None = None
         self.postponed: list[Waiting] | None = None  # turns logged behind the open one
         self.logging_sends = 0  # user messages being logged behind the open turn right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel

@@ -105,7 +105,7 @@ async def logged(
     write holds is one more object per turn in flight for the cyclic GC to walk.
     """
     lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
-    if lock is not None:
+    if lock is not None and not lock.try_acquire():  # free almost always: no coroutine
         await lock.acquire()
     recording: asyncio.Future[None] | None = None
     try:

@@ -11,7 +11,6 @@ itself; the head of the queue then revives and runs its turns.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -22,6 +21,7 @@ from torpor.actors.actor import replayed_turn
 from torpor.actors.agent import Agent, Waiting
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
+from torpor.actors.write_lock import WriteLock
 from torpor.events import UserMessage
 from torpor.runtime.stats import Samples, percentile
 
@@ -107,7 +107,7 @@ class Admission:
         rt = self._rt
         store = rt.store
         if agent.lock is None:
-            agent.lock = asyncio.Lock()
+            agent.lock = WriteLock()
         with anyio.CancelScope(shield=True):  # once written, it must be answered
             async with agent.lock:
                 if agent.head < 0 and agent.postponed is None:
