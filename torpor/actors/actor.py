@@ -71,7 +71,8 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
             await revive(agent, host)  # eager after a restart: it proves the log reads back
             continue
         if agent.postponed and agent.state is AgentState.AWAITING_INPUT:
-            await _run_postponed(agent, host)
+            _start_postponed(agent, host)
+            await _run_turn(agent, host)  # here, not inside a helper: one frame less per turn
         else:
             message = agent.next_message()
             if message is None:
@@ -89,12 +90,14 @@ async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
             agent.hibernate_requested = False
             agent.taken = message  # left set if cancelled: the canceller answers it
             if isinstance(message, SendRequest):
-                # This frame must not keep the request while the turn runs: the handler
-                # drops it once the turn has started (see _handle_send).
+                # This frame must not keep the request while the turn runs (its commits
+                # may wait behind thousands of others: one more object for the GC each).
                 send = _handle_send(agent, host, message)
                 message = None
-                await send
+                started = await send
                 del send
+                if started:  # run here, not inside the handler: one frame less per turn
+                    await _run_turn(agent, host)
             elif isinstance(message, ResolveRequest):
                 await _handle_resolve(agent, host, message)
             elif isinstance(message, SpawnRequest):
@@ -194,13 +197,14 @@ def _measure(agent: Agent) -> None:
         agent.ws_bytes = ws.estimated_bytes()
 
 
-async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
+async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> bool:
+    """Log the request's message and make its turn current: True when the turn is to run."""
     if request.accepted.done():  # the caller gave up before its turn came
-        return
+        return False
     if agent.state is not AgentState.AWAITING_INPUT or agent.postponed:
         # A turn is open (suspended on an approval): log it now, run it after.
         await _postpone_request(agent, host, request)
-        return
+        return False
     next_turn = agent.turn + 1
     try:
         # No shield: no cancel scope encloses the actor here (a turn's opens below), and
@@ -210,18 +214,18 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         )
     except StoreUnavailable as exc:
         fail(request, exc)
-        return
+        return False
     except Exception as exc:
         # A conflict means someone else wrote this conversation: our view is stale, so
         # fail the send and crash; the supervisor revives us from the log.
         fail(request, exc)
         if isinstance(exc, ValueError | TypeError):
-            return  # bad input: nothing was written, the agent is fine
+            return False  # bad input: nothing was written, the agent is fine
         raise
     event = events[0]
     if event.turn != next_turn:  # an idempotent retry of an earlier send
         await _replay(agent, host, request, event.position, event.turn)
-        return
+        return False
     ws = agent.ws
     assert ws is not None
     ws.append(events)
@@ -233,10 +237,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     agent.current = turn
     if not request.accepted.done():
         request.accepted.set_result(turn)
-    # Not held while the turn runs (its commits may wait seconds behind thousands of
-    # others): each is one more object per turn in flight for the cyclic GC to walk.
-    del request, events, event, turn, hub
-    await _run_turn(agent, host)
+    return True
 
 
 async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn:
@@ -315,7 +316,8 @@ def _next_turn(agent: Agent) -> Callable[[], int]:
     return lambda: agent.last_turn() + 1
 
 
-async def _run_postponed(agent: Agent, host: Host) -> None:
+def _start_postponed(agent: Agent, host: Host) -> None:
+    """Make the first postponed turn the current one (the caller runs it)."""
     postponed = agent.postponed
     assert postponed
     waiting = postponed.pop(0)  # a few at most (mailbox_bound): a list is 700 bytes lighter
@@ -330,7 +332,6 @@ async def _run_postponed(agent: Agent, host: Host) -> None:
     hub.followers = host.followers(agent.id)
     agent.hub = hub
     agent.current = waiting.turn
-    await _run_turn(agent, host)
 
 
 async def _replay(
