@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
@@ -94,7 +93,10 @@ class Mailbox:
     __slots__ = ("_items", "sends")
 
     def __init__(self) -> None:
-        self._items: deque[Message] = deque()
+        # A list, not a deque: it holds a few messages (user messages are bounded, a turn
+        # settles what waits as it starts), and an agent makes one per message it is sent
+        # (dropped when empty), where a deque allocates a 64-slot block each time.
+        self._items: list[Message] = []
         self.sends = 0  # user messages waiting
 
     def __len__(self) -> int:
@@ -109,7 +111,7 @@ class Mailbox:
         items = self._items
         if not items:
             return None
-        message = items.popleft()
+        message = items.pop(0)
         if isinstance(message, SendRequest):
             self.sends -= 1
         return message
