@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -286,15 +287,17 @@ async def test_subscribe_after_any_position_at_any_point_has_no_gap_and_no_dupli
         await open_all("idle", 2)  # nothing in flight, working set in memory
 
         recording, release = anyio.Event(), anyio.Event()
-        record = rt.store.record_model_call
+        audited = rt.store._append_audited
 
-        async def record_slowly(call: torpor.ModelCall) -> None:
+        async def commit_slowly(*args: Any) -> list[torpor.Event]:
+            events: list[torpor.Event] = await audited(*args)
+            call: torpor.ModelCall = args[-1]
             if call.turn == 2 and call.error is None:
-                recording.set()
-                await release.wait()  # the answer is logged; the turn has not closed
-            await record(call)
+                recording.set()  # the answer and its audit row are committed; the actor
+                await release.wait()  # has not applied them: the turn has not closed
+            return events
 
-        monkeypatch.setattr(rt.store, "record_model_call", record_slowly)
+        monkeypatch.setattr(rt.store, "_append_audited", commit_slowly)
         probe = rt.subscribe("c")
         turn = await rt.send("c", "second")
         for index, (reached, go) in enumerate(marks):
@@ -302,10 +305,12 @@ async def test_subscribe_after_any_position_at_any_point_has_no_gap_and_no_dupli
             await open_all(f"streaming, {index} deltas in", 2)
             go.set()
         await recording.wait()
-        await until_logged(probe, AssistantMessage)
-        probe.close()
+        assert isinstance((await log_of(rt, "c"))[-1].body, AssistantMessage)  # in the log,
+        probe.close()  # not yet applied or published: the window between commit and apply
         assert not turn.done()  # between the final commit and the end of the turn
-        await open_all("answer logged, turn open", 3)
+        # Committed, not yet published: for a follower the answer is still live (its text
+        # in flight, its event to come), or in its replay if it reads the log first.
+        await open_all("answer committed, not applied", 2)
         release.set()
         assert (await turn.result()).text == "Alpha beta"
 

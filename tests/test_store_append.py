@@ -9,12 +9,13 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import msgspec
 import pytest
 from store_backends import AnyStore, Backend
 
 from torpor import ConflictError, EventTooLarge, InvalidInput, StoreError
 from torpor.events import AssistantMessage, ToolCall, UserMessage
-from torpor.store import SQLiteStore
+from torpor.store import ModelCall, SQLiteStore
 
 POISON_SQLITE = (
     "CREATE TRIGGER poison BEFORE INSERT ON events WHEN instr(NEW.body, 'poison') > 0"
@@ -290,3 +291,22 @@ async def test_a_cancelled_append_that_was_not_yet_taken_is_never_written(
         await task
     assert await store.append("c", [UserMessage("first")]) == [0]
     assert len(await store.read_since("c", 0)) == 1
+
+
+async def test_an_answer_and_its_audit_row_are_one_operation(store: AnyStore) -> None:
+    """The runtime's path (``_append_audited``): both rows, or neither on a conflict."""
+    await store.append("c", [UserMessage("q")], turn=1)
+    call = ModelCall("c", 1, 1, 0, b"\x90", "h", {"tail": 1}, 1, 0.1)
+    events = await store._append_audited("c", [AssistantMessage("a")], 1, 0, call)
+    assert [e.position for e in events] == [1] and events[0].body == AssistantMessage("a")
+    stored = await store.model_calls("c")
+    assert len(stored) == 1 and stored[0].created_at > 0  # stamped like record_model_call's
+    assert msgspec.structs.replace(stored[0], created_at=0) == call
+    with pytest.raises(ConflictError):  # a stale head: neither the answer nor the audit row
+        await store._append_audited("c", [AssistantMessage("b")], 1, 0, call)
+    with pytest.raises(InvalidInput):  # a row for another conversation is refused
+        await store._append_audited(
+            "c", [AssistantMessage("b")], 1, 1, msgspec.structs.replace(call, conversation_id="d")
+        )
+    assert len(await store.model_calls("c")) == 1
+    assert [e.position for e in await store.read_since("c", 0)] == [0, 1]

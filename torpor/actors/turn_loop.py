@@ -97,11 +97,12 @@ async def logged(
 
     ``apply``: the events join the working set and the turn's stream here (the
     actor's own writes for its current turn). ``audit``: the model call that
-    produced ``bodies``, queued right behind them with no await between, so on
-    SQLite they share one group commit (the call and its answer commit or fail
-    together); it is awaited once the working set and the stream are up to date,
-    so a follower arriving in between never sees the answer in the log and its
-    text still in flight. One coroutine for all of it: each frame a waiting
+    produced ``bodies``, written by the same operation (the store's
+    ``_append_audited``: the call and its answer commit or fail together), or,
+    with a store without it, queued right behind them with no await between and
+    awaited once the working set and the stream are up to date, so a follower
+    arriving in between never sees the answer in the log and its text still in
+    flight. One coroutine for all of it: each frame a waiting
     write holds is one more object per turn in flight for the cyclic GC to walk.
     """
     lock = agent.lock  # taken by hand, not by a coroutine of its own: one frame less per write
@@ -112,12 +113,22 @@ async def logged(
         number = turn if isinstance(turn, int) else turn()
         if callable(bodies):
             bodies = bodies()
-        if audit is not None:
-            recording = asyncio.ensure_future(host.store.record_model_call(audit))
+        store = host.store
+        # One operation for the answer and its audit row where the store has it (both
+        # backends: one future and one plan less per call); else two, queued together.
+        audited = (
+            getattr(store, "_append_audited", None) if audit is not None and key is None else None
+        )
+        if audit is not None and audited is None:
+            recording = asyncio.ensure_future(store.record_model_call(audit))
         try:
-            events = await host.store.append_events(
-                agent.id, bodies, turn=number, expect_head=agent.head, key=key
-            )
+            events: list[Event]
+            if audited is not None:
+                events = await audited(agent.id, bodies, number, agent.head, audit)
+            else:
+                events = await store.append_events(
+                    agent.id, bodies, turn=number, expect_head=agent.head, key=key
+                )
         except BaseException:  # both have finished either way: nothing is left running
             if recording is not None:
                 await asyncio.wait((recording,))

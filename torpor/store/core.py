@@ -113,7 +113,9 @@ class StoreCore:
         """Run the read helper ``fn(connection, *args)`` on a reader connection."""
         raise NotImplementedError
 
-    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> Any:
+    def _append_op(
+        self, prepared: PreparedAppend, with_events: bool, audit: ModelCall | None = None
+    ) -> Any:
         raise NotImplementedError
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> Any:
@@ -186,6 +188,24 @@ class StoreCore:
         try:
             prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=key)
             return self._submit(self._append_op(prepared, with_events))
+        except Exception as exc:  # raised where it is awaited, as from a coroutine
+            return _raising(exc)
+
+    def _append_audited(
+        self, name: str, events: Sequence[Body], turn: int, head: int | None, call: ModelCall
+    ) -> Awaitable[list[Event]]:
+        """:meth:`append_events` and :meth:`record_model_call` of the model call that
+        produced ``events``, as one operation: one future, one plan, both rows written in
+        one transaction or neither (the runtime's answer and its audit row). The runtime's
+        own path; what it checks is what the two methods check."""
+        try:
+            call = admit_model_call(call)
+            if call.conversation_id != name:
+                raise InvalidInput("call.conversation_id", f"must be {name!r}")
+            if not call.created_at:
+                call = msgspec.structs.replace(call, created_at=now_ms())
+            prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=None)
+            return self._submit(self._append_op(prepared, True, call))
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
 

@@ -218,6 +218,7 @@ class AppendOp:
     artifacts: tuple[tuple[int, bytes], ...]  # (index, compressed full content)
     with_events: bool = False
     fence: tuple[int, int] | None = None  # (shard, epoch held) on a clustered node
+    audit: ModelCall | None = None  # the model call behind the events: its row too
 
     @classmethod
     def build(
@@ -226,6 +227,7 @@ class AppendOp:
         *,
         with_events: bool = False,
         fence: tuple[int, int] | None = None,
+        audit: ModelCall | None = None,
     ) -> AppendOp:
         documents = tuple(
             (i, tuple(document_chunks(e.text))) for i, e in enumerate(append.events) if e.text
@@ -235,7 +237,7 @@ class AppendOp:
             for i, e in enumerate(append.events)
             if e.artifact_data is not None
         )
-        return cls(append, documents, artifacts, with_events, fence)
+        return cls(append, documents, artifacts, with_events, fence, audit)
 
     @property
     def conversation_id(self) -> str:
@@ -292,6 +294,11 @@ class AppendOp:
             e = events[index]
             assert e.artifact_id is not None and e.artifact_data is not None
             writes.artifacts.append((e.artifact_id, name, len(e.artifact_data), e.created_at, data))
+        audit = self.audit
+        if audit is not None:
+            writes.model_calls.append(
+                (name, audit.turn, audit.call_index, audit.created_at, encode_model_call(audit))
+            )
         idempotency = None
         if append.key is not None:
             mark = append.fingerprint

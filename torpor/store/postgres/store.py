@@ -247,9 +247,11 @@ class PostgresStore(StoreCore):
             )
         return None
 
-    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
+    def _append_op(
+        self, prepared: PreparedAppend, with_events: bool, audit: ModelCall | None = None
+    ) -> AppendOp:
         fence = self._held(prepared.conversation_id)
-        return AppendOp.build(prepared, with_events=with_events, fence=fence)
+        return AppendOp.build(prepared, with_events=with_events, fence=fence, audit=audit)
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
         return CheckpointOp(checkpoint, self._held(checkpoint.conversation_id))

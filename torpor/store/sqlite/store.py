@@ -311,8 +311,10 @@ class SQLiteStore(StoreCore):
     async def _reading(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._read().run(fn, *args)
 
-    def _append_op(self, prepared: PreparedAppend, with_events: bool) -> AppendOp:
-        return AppendOp(prepared, with_events=with_events)
+    def _append_op(
+        self, prepared: PreparedAppend, with_events: bool, audit: ModelCall | None = None
+    ) -> AppendOp:
+        return AppendOp(prepared, with_events=with_events, audit=audit)
 
     def _checkpoint_op(self, checkpoint: Checkpoint) -> CheckpointOp:
         return CheckpointOp(checkpoint)

@@ -36,6 +36,10 @@ INSERT_EVENT = (
     "INSERT INTO events (conversation_id, position, turn, kind, tokens, created_at, body, hints) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
+INSERT_MODEL_CALL = (
+    "INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body) "
+    "VALUES (?, ?, ?, ?, ?)"
+)
 INSERT_ARTIFACT = (
     "INSERT INTO artifacts (id, conversation_id, size, created_at, data) VALUES (?, ?, ?, ?, ?)"
 )
@@ -58,6 +62,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
 
     append: PreparedAppend
     with_events: bool = False
+    audit: ModelCall | None = None  # the model call behind the events: its row too
 
     @property
     def conversation_id(self) -> str:
@@ -105,6 +110,10 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         if append.key is not None:
             writes.append((INSERT_KEY, (key, append.key, first, len(events), batch.now, mark)))
             idempotency = ((key, append.key), (first, len(events), events, mark))
+        audit = self.audit
+        if audit is not None:
+            call = (key, audit.turn, audit.call_index, audit.created_at, encode_model_call(audit))
+            writes.append((INSERT_MODEL_CALL, call))
         result = append.result(first, events, self.with_events)
         return Plan(result, name, ConvState(key, last), writes, fts, size, idempotency, indexed)
 
@@ -203,17 +212,6 @@ class ModelCallOp(msgspec.Struct, frozen=True, gc=False):
         call = self.call
         state = batch.conversation(call.conversation_id)
         writes = batch.creating(call.conversation_id, state)
-        writes.append(
-            (
-                "INSERT INTO model_calls (conversation_id, turn, call_index, created_at, body) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (
-                    state.key,
-                    call.turn,
-                    call.call_index,
-                    call.created_at,
-                    encode_model_call(call),
-                ),
-            )
-        )
+        row = (state.key, call.turn, call.call_index, call.created_at, encode_model_call(call))
+        writes.append((INSERT_MODEL_CALL, row))
         return Plan(None, call.conversation_id, ConvState(state.key, state.head), writes)
