@@ -605,3 +605,41 @@ async def test_the_runtime_shows_only_its_public_api_and_every_admin_method_is_a
             seen = await anext(watcher)
             assert seen.conversation_id == "c"
         assert watcher not in rt._watchers.watchers  # leaving the block released it
+
+
+class CancelledAsItEnds:
+    """Streams its text, then a caller's cancel lands as the stream ends: the turn's scope
+    is cancelled with no await of the stream left to see it."""
+
+    name = "cancelled-as-it-ends"
+
+    def __init__(self) -> None:
+        self.rt: Runtime | None = None
+
+    async def stream(
+        self, context: Sequence[ContextMessage], tools: Sequence[ToolSpec]
+    ) -> AsyncIterator[StreamEvent]:
+        yield TextDelta("all of it")
+        assert self.rt is not None
+        agent = self.rt._registry.get("c")
+        assert agent is not None and agent.scope is not None and agent.cancellable
+        agent.scope.cancel()  # what Runtime.cancel does now, with no await after it
+
+
+async def test_a_cancel_landing_as_the_stream_ends_cancels_the_call_instead_of_its_commit(
+    tmp_path: Path,
+) -> None:
+    model = CancelledAsItEnds()
+    async with Runtime(db(tmp_path), model=model) as rt:
+        model.rt = rt
+        turn = await rt.send("c", "go")
+        with pytest.raises(torpor.TurnAborted) as aborted:
+            await turn.result()
+        assert aborted.value.reason == "cancelled" and aborted.value.partial_text == "all of it"
+        log = await log_of(rt, "c")
+        assert [type(e.body).__name__ for e in log] == ["UserMessage", "Aborted"]
+        calls = await rt.store.model_calls("c")
+        assert [c.error for c in calls] == ["cancelled"]  # the call's audit row says so
+        stats = await rt.admin.stats()
+        assert stats.crashes == 0 and stats.restarts == 0
+        assert (await rt.admin.inspect("c")).state == "awaiting_input"

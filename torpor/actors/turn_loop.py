@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from torpor.actors.json_schema import schema_errors
@@ -294,6 +295,11 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
             agent.cancellable = False
         if call_scope.cancelled_caught:  # the watchdog ended the call: a model error
             raise _timeout(idle)
+        turn_scope = agent.scope
+        if turn_scope is not None and turn_scope.cancel_called:
+            # Cancelled as the stream ended, before an await of it saw the cancel: it takes
+            # effect here, as a cancel of this call (handled below), not after the answer.
+            await anyio.lowlevel.checkpoint_if_cancelled()
     except anyio.get_cancelled_exc_class():
         agent.cancellable = False
         if watched is not None:  # not watched while it closes and records
@@ -327,10 +333,12 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
     # every object a waiting turn holds is one more for the cyclic GC to walk.
     del rendered, stream, parts, calls, conversation, watched, pushed, clock
-    # Both writes join the same group commit: one round trip to the store, not two. The
-    # commit is one piece: a cancel arriving now finds the message logged (too late).
-    with scope(shield=True):
-        await logged(agent, host, [message], turn=agent.turn, audit=audit, apply=True)
+    # The answer and its audit row: one operation of one commit. No shield scope: nothing
+    # can cancel it through a scope any more (the watchdog has let the call go, a caller's
+    # cancel finds the turn not cancellable and is too late, and a cancel that came as the
+    # stream ended was taken above); the runtime stops actors with Task.cancel, which no
+    # scope holds back.
+    await logged(agent, host, [message], turn=agent.turn, audit=audit, apply=True)
     return message
 
 

@@ -452,8 +452,9 @@ class Runtime(MemoryAPI):
         it is replayed from the log, then the text in flight, then everything
         live across turns, with no gap and no duplicate at any seam (a position
         committed a moment ago, before its agent applied it, included: then no
-        text in flight comes first). None: from now on (the text in flight first). Use ``async with rt.subscribe(c) as f``
-        or call ``f.close()``; closing releases it at once. Never wakes the agent.
+        text in flight comes first). None: from now on (the text in flight first).
+        Use ``async with rt.subscribe(c) as f`` or call ``f.close()``; closing
+        releases it at once. Never wakes the agent.
         """
         self._check_open()
         check_id(conversation_id)
