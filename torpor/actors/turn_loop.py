@@ -444,7 +444,7 @@ def _model_call(
         compaction_cycle=agent.cycle,
         recipe=encode_recipe(rendered.recipe),
         rendered_hash=rendered.hash,
-        sections=dict(rendered.sections),
+        sections=rendered.sections,  # made for this render alone: no copy
         estimated_prompt_tokens=rendered.estimated_tokens,
         utilization=rendered.estimated_tokens / policy.input_budget,
         reported_prompt_tokens=reported,
