@@ -1,14 +1,25 @@
 """The per-append fast paths give what the general paths give, for any text.
 
 Token counting calls tiktoken's core directly and encodes a text of ASCII letters
-as one piece; these tests compare with ``Encoding.encode_ordinary`` itself.
+as one piece; these tests compare with ``Encoding.encode_ordinary`` itself. Hint
+extraction skips the scan for exact strings in plain lowercase prose; these tests
+compare with the general scan (``_scanned``) and the bytes it encodes to.
 """
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torpor.compaction import markers
+from torpor.compaction.markers import (
+    HINTS_FORMAT,
+    HINTS_PER_EVENT,
+    SCAN_CHARS,
+    WORDS_PER_EVENT,
+    encode_hints,
+)
 from torpor.compaction.tokens import (
     MESSAGE_OVERHEAD,
     get_encoding,
@@ -58,3 +69,73 @@ def test_tool_calls_and_empty_text_take_the_general_path() -> None:
     calls = (ToolCall("c1", "search", {"q": "ping"}),)
     for body in (AssistantMessage("", calls), AssistantMessage("see", calls), UserMessage("")):
         assert _COUNT(body) == _expected(body)
+
+
+def _scanned_bytes(text: str) -> bytes:
+    """What encode_hints stored for ``text`` before the fast path: the general scan, encoded."""
+    if not text:
+        return bytes([HINTS_FORMAT])
+    exact, prose = markers._scanned(text[:SCAN_CHARS], HINTS_PER_EVENT, WORDS_PER_EVENT)
+    head = msgspec.msgpack.encode(exact) if exact else b""
+    tail = msgspec.msgpack.encode(prose) if prose else b""
+    if not head and not tail:
+        return bytes([HINTS_FORMAT])
+    return bytes([HINTS_FORMAT]) + len(head).to_bytes(2, "big") + head + tail
+
+
+# Plain lowercase prose, built to match markers._PLAIN: common and uncommon words, short
+# and long, repeated, between the separators it allows ("." and ":" before whitespace).
+_WORD = st.one_of(
+    st.sampled_from(["that", "this", "with", "ping", "echo", "deploy", "canary", "ok", "a"]),
+    st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz"), min_size=1, max_size=12),
+)
+_SEPARATOR = st.sampled_from([" ", "  ", "\n", ", ", ",", ";", "!", "? ", ". ", ": ", ".\n", ":\n"])
+_PLAIN_TEXT = st.builds(
+    lambda parts, end: "".join(parts) + end,
+    st.lists(st.one_of(_WORD, _SEPARATOR), max_size=30),
+    st.sampled_from(["", ".", ":", "!", "\n"]),
+)
+# One character away from plain prose: capitals, digits, marks that begin exact strings,
+# "." or ":" before a letter, other whitespace; the fast path must decline these.
+_NEAR_PLAIN = st.one_of(
+    st.text(st.sampled_from("abpy .:,;!?\n"), max_size=30),
+    st.text(st.sampled_from("abcdefpq .:,;!?\nA0_-/=~`\"'@#\t\x0b\x1c()é"), max_size=40),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_PLAIN_TEXT)
+def test_plain_prose_takes_the_fast_path_and_gets_the_general_result(text: str) -> None:
+    assert markers._PLAIN.match(text) is not None
+    for words in (0, 1, WORDS_PER_EVENT):
+        assert markers._candidates(text, HINTS_PER_EVENT, words) == markers._scanned(
+            text, HINTS_PER_EVENT, words
+        )
+    assert encode_hints(UserMessage(text)) == _scanned_bytes(text)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(_NEAR_PLAIN, st.text(max_size=80)))
+def test_any_text_gets_the_general_result(text: str) -> None:
+    assert markers._candidates(text, HINTS_PER_EVENT, WORDS_PER_EVENT) == markers._scanned(
+        text, HINTS_PER_EVENT, WORDS_PER_EVENT
+    )
+    assert encode_hints(UserMessage(text)) == _scanned_bytes(text)
+    assert encode_hints(AssistantMessage(text)) == _scanned_bytes(text)
+
+
+def test_the_fast_path_declines_what_could_hold_an_exact_string() -> None:
+    for text in ("see file.py", "echo:ping", "host db7", "Ping", "it is a_b", "x=1", "end.."):
+        assert markers._PLAIN.match(text) is None, text
+
+
+def test_a_plain_text_longer_than_the_scan_is_cut_where_the_scan_cuts_it() -> None:
+    # The word across SCAN_CHARS is cut: both paths must see the same first part of it.
+    text = "word " * (SCAN_CHARS // 5) + "zebrafish " * 20
+    assert len(text) > SCAN_CHARS
+    assert encode_hints(UserMessage(text)) == _scanned_bytes(text)
+    assert markers._candidates(text, HINTS_PER_EVENT, WORDS_PER_EVENT) == markers._scanned(
+        text[:SCAN_CHARS], HINTS_PER_EVENT, WORDS_PER_EVENT
+    )
+    single = "q" * (SCAN_CHARS + 10)  # one word past the scan: the fast path's one-word case
+    assert encode_hints(UserMessage(single)) == _scanned_bytes(single)
