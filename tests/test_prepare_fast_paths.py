@@ -8,6 +8,9 @@ compare with the general scan (``_scanned``) and the bytes it encodes to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +29,10 @@ from torpor.compaction.tokens import (
     make_token_counter,
     rendered_text,
 )
+from torpor.errors import InvalidInput
 from torpor.events import AssistantMessage, Body, ToolCall, ToolResult, UserMessage
+from torpor.store import admit
+from torpor.store.admit import check_body
 
 _ENC = get_encoding()
 _COUNT = make_token_counter()
@@ -139,3 +145,43 @@ def test_a_plain_text_longer_than_the_scan_is_cut_where_the_scan_cuts_it() -> No
     )
     single = "q" * (SCAN_CHARS + 10)  # one word past the scan: the fast path's one-word case
     assert encode_hints(UserMessage(single)) == _scanned_bytes(single)
+
+
+class _Text(str):
+    """A str subclass: check_text takes it, the fast path leaves it to the general one."""
+
+
+_ANY_TEXT = st.one_of(
+    st.text(max_size=20),
+    st.sampled_from(["", "ping", "a\x00b", "\x00", "a\ud800b", "\udfff", "é", _Text("sub")]),
+    st.sampled_from([5, None, b"bytes", 1.5]),
+)
+_CALLS = st.sampled_from([(), [], None, "calls", (ToolCall("c1", "t"),), (ToolCall("", "t"),)])
+
+
+def _outcome(check: Callable[[Body, str], None], body: Body) -> tuple[str, str] | None:
+    try:
+        check(body, "events[3]")
+    except InvalidInput as exc:
+        return exc.what, str(exc)
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    _ANY_TEXT,
+    _CALLS,
+    st.sampled_from([None, "art-1", "", 5]),
+    st.sampled_from([None, 10, -1, True]),
+)
+def test_check_body_refuses_what_its_general_path_refuses(
+    text: Any, calls: Any, artifact: Any, full_size: Any
+) -> None:
+    bodies: list[Any] = [
+        UserMessage(text),
+        AssistantMessage(text),
+        AssistantMessage(text, calls, artifact, full_size),
+        AssistantMessage("fine", calls),
+    ]
+    for body in bodies:
+        assert _outcome(check_body, body) == _outcome(admit._check_any, body)
