@@ -33,6 +33,14 @@ from torpor.errors import InvalidInput
 from torpor.events import AssistantMessage, Body, ToolCall, ToolResult, UserMessage
 from torpor.store import admit
 from torpor.store.admit import check_body
+from torpor.store.arguments import (
+    POSITION_LIMIT,
+    check_conversation_id,
+    check_int,
+    check_key,
+    check_turn,
+)
+from torpor.store.prepare import AppendPolicy
 
 _ENC = get_encoding()
 _COUNT = make_token_counter()
@@ -185,3 +193,43 @@ def test_check_body_refuses_what_its_general_path_refuses(
     ]
     for body in bodies:
         assert _outcome(check_body, body) == _outcome(admit._check_any, body)
+
+
+_IDS = st.one_of(
+    st.text(max_size=8),
+    st.sampled_from(["c", "x" * 256, "x" * 257, "a\x00", "a\ud800", "é", _Text("sub"), 5, None]),
+)
+_INTS = st.one_of(
+    st.sampled_from([0, -1, -2, 2**31 - 1, 2**31, 2**32 - 1, 2**32, True, None, 1.0, "3"]),
+    st.integers(),
+)
+
+
+def _named_checks(conversation_id: Any, turn: Any, expect_head: Any, key: Any) -> None:
+    """What prepare checked before its inline tests: the named checks, in its order."""
+    check_conversation_id(conversation_id)
+    check_turn(turn)
+    if expect_head is not None:
+        check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
+    check_key(key)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_IDS, _INTS, _INTS, st.one_of(st.none(), _IDS))
+def test_prepare_refuses_the_arguments_the_named_checks_refuse(
+    conversation_id: Any, turn: Any, expect_head: Any, key: Any
+) -> None:
+    policy = AppendPolicy()
+    try:
+        _named_checks(conversation_id, turn, expect_head, key)
+        expected = None
+    except InvalidInput as exc:
+        expected = (exc.what, str(exc))
+    try:
+        policy.prepare(
+            conversation_id, [UserMessage("hi")], turn=turn, expect_head=expect_head, key=key
+        )
+        got = None
+    except InvalidInput as exc:
+        got = (exc.what, str(exc))
+    assert got == expected
