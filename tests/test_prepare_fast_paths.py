@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torpor.compaction import markers
+from torpor.compaction import markers, tokens
 from torpor.compaction.markers import (
     HINTS_FORMAT,
     HINTS_PER_EVENT,
@@ -49,7 +50,13 @@ _COUNT = make_token_counter()
 # digits, spaces and newlines (other pieces), non-ASCII letters (not ASCII), and anything.
 _LETTERS = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
 _NEAR = st.text(st.sampled_from("abcXYZ '0\n\t.:éß_-\u00a0"), max_size=40)
-_TEXTS = st.one_of(_LETTERS, _NEAR, st.text(max_size=60))
+# ASCII text, split by the counter itself under cl100k: every character class its pattern
+# tells apart, contractions, the white space Python's \s takes and Unicode's does not.
+_ASCII = st.text(st.characters(max_codepoint=127), max_size=80)
+_ASCII_EDGES = st.text(
+    st.sampled_from("aZ09 '\t\n\x0b\x0c\r\x1c\x1f.,!-_`sSdtlLvVeErRmM"), max_size=40
+)
+_TEXTS = st.one_of(_LETTERS, _NEAR, _ASCII, _ASCII_EDGES, st.text(max_size=60))
 
 
 def _expected(body: Body) -> int:
@@ -72,6 +79,45 @@ def test_words_in_and_out_of_the_vocabulary_count_as_the_encoder_counts_them() -
     for word in ("ping", "Hello", "a", "Z", "antidisestablishmentarianism", "qxzvbnmw" * 40):
         assert _COUNT(UserMessage(word)) == len(_ENC.encode_ordinary(word)) + MESSAGE_OVERHEAD
     assert _COUNT(UserMessage("ping")) == 1 + MESSAGE_OVERHEAD
+
+
+def test_ascii_edges_count_as_the_encoder_counts_them() -> None:
+    for text in (
+        "echo: ping", "don't", "I'LL", "'s", "''s", "a  b", "a \n b", "x\r\n", "  \n\n ",
+        "123456", " 1", "1 ", "  !!", "\t\t", "end.  ", "\x0b\x0c", "a\x1cb", "foo\n", "\n",
+        "tab\tsep", "~!@#$%^&*()", "a" * 500 + "!", "deploy.py timed out after 30s on db-7",
+    ):
+        assert _COUNT(UserMessage(text)) == len(_ENC.encode_ordinary(text)) + MESSAGE_OVERHEAD
+
+
+def _toy_encoding(pattern: str) -> tiktoken.Encoding:
+    """An encoding built here (no download): every byte, and a few merges, under ``pattern``."""
+    ranks = {bytes([b]): b for b in range(256)}
+    for word in (b"pi", b"pin", b"ping", b"oW", b"He", b"Hel", b"Hell", b"Hello", b" p", b"'s"):
+        ranks[word] = len(ranks)
+    return tiktoken.Encoding("toy", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(_LETTERS, _ASCII_EDGES, st.sampled_from(["ping", "HelloWorld", "oW", "pIng"])))
+def test_letters_are_one_piece_only_under_the_patterns_listed(text: str) -> None:
+    # r50k's pattern (gpt2, p50k) keeps letters as one piece; o200k's, not listed, does not
+    # ("oW" is two pieces, one token as one), so its counter must not take the one-piece path.
+    r50k = tokens._R50K_PATTERN
+    o200k = "|".join(
+        [
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    )
+    for pattern in (r50k, o200k):
+        toy = _toy_encoding(pattern)
+        assert tokens._length(toy)(text) == len(toy.encode_ordinary(text))
 
 
 def test_a_lone_surrogate_is_counted_as_the_encoder_repairs_it() -> None:

@@ -8,6 +8,7 @@ prompt) are counted at assembly time, through a small cache.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -131,15 +132,27 @@ def _count(body: Body, length: Callable[[str], int]) -> int:
     return (length(text) if text else 0) + MESSAGE_OVERHEAD
 
 
-# Patterns that keep a text of ASCII letters alone as one piece (cl100k's, r50k's; o200k's
-# splits "HelloWorld" at the capital, so it is not here, nor is any pattern not checked).
-_LETTERS_ONE_PIECE = frozenset(
-    (
-        r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
-        r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
-        r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
-    )
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+    r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
+_R50K_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+
+# Patterns that keep a text of ASCII letters alone as one piece (o200k's splits "HelloWorld"
+# at the capital, so it is not here, nor is any pattern not checked).
+_LETTERS_ONE_PIECE = frozenset((_CL100K_PATTERN, _R50K_PATTERN))
+
+_S = r"\t\n\x0b\x0c\r "  # the ASCII characters of Unicode's White_Space (not \x1c-\x1f)
+_CL100K_ASCII = re.compile(
+    rf"""'(?i:[sdmt]|ll|ve|re)|[^\r\nA-Za-z0-9]?+[A-Za-z]++|[0-9]{{1,3}}+"""
+    rf"""| ?[^{_S}A-Za-z0-9]++[\r\n]*+|[{_S}]++\Z|[{_S}]*[\r\n]|[{_S}]+(?![^{_S}])|[{_S}]"""
+)
+r"""cl100k's pattern for ASCII text: ``\p{L}`` is ``[A-Za-z]`` there, ``\p{N}`` is ``[0-9]``,
+``\s`` the six characters above (Python's ``\s`` would take four more) and ``$`` the end.
+Python's ``re`` (3.11: possessive quantifiers) splits an ASCII text into the pieces the
+core's regex finds, and does it for fewer instructions than a call into the core."""
 
 
 def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
@@ -147,9 +160,12 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
 
     ``Encoding.encode_ordinary`` is a Python wrapper around its Rust core; the core is
     called directly (the wrapper runs only for text the core refuses, a lone surrogate,
-    which it repairs). A text of ASCII letters alone (a one-word message), under a
-    pattern that keeps such a text as one piece, is encoded as that piece, which is what
-    the core does with each piece its pattern finds, without running the pattern.
+    which it repairs). The core splits the text with its pattern, then encodes each
+    piece: one token when the vocabulary holds the piece, else its byte-pair merges
+    (``encode_single_piece`` does exactly that for one piece). So a text of ASCII letters
+    alone, one piece under cl100k and r50k, is encoded as that piece; and under cl100k an
+    ASCII text is split here (:data:`_CL100K_ASCII`) and only pieces the vocabulary lacks
+    reach the core.
     """
     public = enc.encode_ordinary
     core = getattr(enc, "_core_bpe", None)
@@ -157,12 +173,22 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
     if ordinary is None:  # another tiktoken's layout: the public method, as before
         return lambda text: len(public(text))
     piece = getattr(core, "encode_single_piece", None)
-    if piece is None or getattr(enc, "_pat_str", None) not in _LETTERS_ONE_PIECE:
+    pattern = getattr(enc, "_pat_str", None)
+    if piece is None or pattern not in _LETTERS_ONE_PIECE:
         piece = None
+    split = _CL100K_ASCII.findall if piece is not None and pattern == _CL100K_PATTERN else None
+    vocabulary = enc._mergeable_ranks if split is not None else {}
+    known = vocabulary.__contains__
 
     def length(text: str) -> int:
-        if piece is not None and text.isascii() and text.isalpha():
-            return len(piece(text.encode()))
+        if piece is not None and text.isascii():
+            if text.isalpha():  # one piece
+                return len(piece(text.encode()))
+            if split is not None:
+                pieces = split(text)
+                if all(map(known, map(str.encode, pieces))):  # every piece one token
+                    return len(pieces)
+                return sum([len(piece(b)) for b in map(str.encode, pieces)])
         try:
             return len(ordinary(text))
         except UnicodeEncodeError:
