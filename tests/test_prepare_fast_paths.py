@@ -157,8 +157,22 @@ _PLAIN_TEXT = st.builds(
 )
 # One character away from plain prose: capitals, digits, marks that begin exact strings,
 # "." or ":" before a letter, other whitespace; the fast path must decline these.
+# Sentences: capitals, apostrophes, after every separator (some plain, some not: ", Bob").
+_SENTENCE = st.builds(
+    "".join,
+    st.lists(
+        st.one_of(
+            st.sampled_from(["Hello", "I", "I'm", "don't", "Thanks", "Bob", "The", "camelCase"]),
+            _WORD,
+            _SEPARATOR,
+            st.sampled_from(["'", "  ", ", ", "; "]),
+        ),
+        max_size=20,
+    ),
+)
 _NEAR_PLAIN = st.one_of(
-    st.text(st.sampled_from("abpy .:,;!?\n"), max_size=30),
+    _SENTENCE,
+    st.text(st.sampled_from("abpy .:,;!?\n'AIH"), max_size=30),
     st.text(st.sampled_from("abcdefpq .:,;!?\nA0_-/=~`\"'@#\t\x0b\x1c()é"), max_size=40),
 )
 
@@ -185,8 +199,22 @@ def test_any_text_gets_the_general_result(text: str) -> None:
 
 
 def test_the_fast_path_declines_what_could_hold_an_exact_string() -> None:
-    for text in ("see file.py", "echo:ping", "host db7", "Ping", "it is a_b", "x=1", "end.."):
+    for text in (
+        "see file.py", "echo:ping", "host db7", "it is a_b", "x=1", "end..", "Hi, Bob",
+        "ask Alice", "an iPhone", "the AWS bill", "say \"hi there\"", "`code`", "a/b",
+    ):
         assert markers._PLAIN.match(text) is None, text
+
+
+def test_everyday_sentences_take_the_fast_path_with_the_general_result() -> None:
+    for text in (
+        "Hello, how are you today?",
+        "Hi! Can you help me with my resume? I'm applying for jobs.",
+        "Thanks, that's great.\nSee you tomorrow.",
+        "Ping",
+    ):
+        assert markers._PLAIN.match(text) is not None, text
+        assert encode_hints(UserMessage(text)) == _scanned_bytes(text)
 
 
 def test_a_plain_text_longer_than_the_scan_is_cut_where_the_scan_cuts_it() -> None:

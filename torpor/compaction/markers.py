@@ -176,12 +176,20 @@ def _most_repeated(counts: dict[str, int], limit: int) -> list[str]:
     return sorted(counts, key=counts.__getitem__, reverse=True)[:limit]
 
 
-_PLAIN = re.compile(r"[a-z \n,;!?]*+(?:[.:](?:[ \n]|\Z)[a-z \n,;!?]*+)*+\Z")
-"""Plain lowercase prose (most chat): ASCII lowercase letters, spaces, newlines, ``,;!?``,
-and ``.`` or ``:`` only before a space, a newline or the end. :data:`_HINT_RE` matches
-nothing in it: its lookahead skips every word start, its lookbehind every other letter,
-and none of its alternatives begins with a space or one of those marks. Its prose words
-(:data:`_PROSE_RE`) are its runs of four letters or more (:data:`_RUNS`), lowercase already.
+_PLAIN = re.compile(
+    r"[a-z \n,;!?']*+"
+    r"(?:(?:[.:](?=[ \n]|\Z)|(?<![A-Za-z])(?<![A-Za-z,;] )[A-Z])[a-z \n,;!?']*+)*+\Z"
+)
+"""Plain prose (most chat): ASCII letters, spaces, newlines and ``,;!?'``; ``.`` or ``:``
+only before a space, a newline or the end; a capital only where a word begins, and not
+after a word, ``,`` or ``;`` and a space (where :data:`_HINT_RE` takes capitalised terms).
+:data:`_HINT_RE` matches nothing in it: its lookbehind refuses every letter but a word's
+first, its lookahead skips most lowercase words, and of its alternatives (a URL needs
+``://``, a path ``/`` or ``.`` before a letter, a parameter ``=``, an identifier ``.`` or
+``_`` or a capital inside a word, a hash or a unit a digit, an acronym two capitals, a
+capitalised term the place excluded, a quoted string ``"`` or a backquote) none begins
+there. Its prose words (:data:`_PROSE_RE`) are its runs of four letters or more, whose
+capital can only be the first: :data:`_RUNS` of the lowercased text.
 """
 _RUNS = re.compile(r"[a-z]{4,}")
 
@@ -191,9 +199,11 @@ def _plain_prose(text: str, words: int) -> list[int | str]:
     if words <= 0:
         return []
     if text.isalpha():  # one word, a run of letters already: no scan
-        if len(text) < 4 or text in _COMMON_WORDS:  # _RUNS: four letters or more
+        word = text.lower()
+        if len(word) < 4 or word in _COMMON_WORDS:  # _RUNS: four letters or more
             return []
-        return [PROSE_WEIGHT, text]
+        return [PROSE_WEIGHT, word]
+    text = text.lower()
     runs = _RUNS.findall(text)
     if not _COMMON_WORDS.isdisjoint(runs):
         runs = [word for word in runs if word not in _COMMON_WORDS]
