@@ -68,7 +68,7 @@ def count_text(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens of ``text`` (no special tokens are interpreted; nothing is cached)."""
     if not text:
         return 0
-    return len(get_encoding(encoding).encode_ordinary(text))
+    return _length_of(encoding)(text)
 
 
 @lru_cache(maxsize=4096)
@@ -122,7 +122,7 @@ def aborted_text(body: Aborted) -> str:
 
 def count_body(body: Body, encoding: str = DEFAULT_ENCODING) -> int:
     """Tokens this body costs in a rendered context, role framing included; 0 if not rendered."""
-    return _count(body, _length(get_encoding(encoding)))
+    return _count(body, _length_of(encoding))
 
 
 def _count(body: Body, length: Callable[[str], int]) -> int:
@@ -197,9 +197,21 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
     return length
 
 
+_lengths: dict[str, Callable[[str], int]] = {}
+
+
+def _length_of(encoding: str) -> Callable[[str], int]:
+    """:func:`_length` of the named encoding, made once (two threads may both make it: the
+    same function)."""
+    length = _lengths.get(encoding)
+    if length is None:
+        length = _lengths[encoding] = _length(get_encoding(encoding))
+    return length
+
+
 def make_token_counter(encoding: str = DEFAULT_ENCODING) -> Callable[[Body], int]:
     """A counter for the store to call once per appended event."""
-    length = _length(get_encoding(encoding))  # fails early on an unknown name
+    length = _length_of(encoding)  # fails early on an unknown name
 
     def counter(body: Body) -> int:  # count_body, the encoding looked up once
         # The two commonest bodies first, without rendered_text's isinstance chain.
