@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable
 from functools import lru_cache
+from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -184,11 +185,12 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
         if piece is not None and text.isascii():
             if text.isalpha():  # one piece
                 return len(piece(text.encode()))
-            if split is not None:
+            if split is not None:  # C-level loops only: map, filterfalse, sum
                 pieces = split(text)
-                if all(map(known, map(str.encode, pieces))):  # every piece one token
+                missing = list(filterfalse(known, map(str.encode, pieces)))
+                if not missing:  # every piece one token
                     return len(pieces)
-                return sum([len(piece(b)) for b in map(str.encode, pieces)])
+                return len(pieces) - len(missing) + sum(map(len, map(piece, missing)))
         try:
             return len(ordinary(text))
         except UnicodeEncodeError:
