@@ -19,7 +19,14 @@ from typing import TypeAlias
 import msgspec
 
 from torpor.compaction.background import salience
-from torpor.events import AssistantMessage, Body, Event, ToolResult, searchable_text
+from torpor.events import (
+    AssistantMessage,
+    Body,
+    Event,
+    ToolResult,
+    UserMessage,
+    searchable_text,
+)
 from torpor.store.protocol import Background, Checkpoint, Marker
 
 __all__ = [
@@ -159,19 +166,75 @@ def _prose_words(text: str, taken: dict[str, int], limit: int) -> list[str]:
         if word in common or word in seen:
             continue
         counts[word] = counts.get(word, 0) + 1
-    if len(counts) < 2:
+    return _most_repeated(counts, limit)
+
+
+def _most_repeated(counts: dict[str, int], limit: int) -> list[str]:
+    if len(counts) < 2 or len(counts) == sum(counts.values()):  # no repeats: first seen first
         return list(counts)[:limit]
     # A stable sort keeps equal counts in first-appearance order, reversed or not.
     return sorted(counts, key=counts.__getitem__, reverse=True)[:limit]
+
+
+_PLAIN = re.compile(
+    r"[a-z \n,;!?']*+"
+    r"(?:(?:[.:](?=[ \n]|\Z)|(?<![A-Za-z])(?<![A-Za-z,;] )[A-Z])[a-z \n,;!?']*+)*+\Z"
+)
+"""Plain prose (most chat): ASCII letters, spaces, newlines and ``,;!?'``; ``.`` or ``:``
+only before a space, a newline or the end; a capital only where a word begins, and not
+after a word, ``,`` or ``;`` and a space (where :data:`_HINT_RE` takes capitalised terms).
+:data:`_HINT_RE` matches nothing in it: its lookbehind refuses every letter but a word's
+first, its lookahead skips most lowercase words, and of its alternatives (a URL needs
+``://``, a path ``/`` or ``.`` before a letter, a parameter ``=``, an identifier ``.`` or
+``_`` or a capital inside a word, a hash or a unit a digit, an acronym two capitals, a
+capitalised term the place excluded, a quoted string ``"`` or a backquote) none begins
+there. Its prose words (:data:`_PROSE_RE`) are its runs of four letters or more, whose
+capital can only be the first: :data:`_RUNS` of the lowercased text.
+"""
+_RUNS = re.compile(r"[a-z]{4,}")
+
+
+def _plain_prose(text: str, words: int) -> list[int | str]:
+    """The flattened prose words of a text :data:`_PLAIN` matches (it has no exact strings)."""
+    if words <= 0:
+        return []
+    if text.isalpha():  # one word, a run of letters already: no scan
+        word = text.lower()
+        if len(word) < 4 or word in _COMMON_WORDS:  # _RUNS: four letters or more
+            return []
+        return [PROSE_WEIGHT, word]
+    text = text.lower()
+    runs = _RUNS.findall(text)
+    if not _COMMON_WORDS.isdisjoint(runs):
+        runs = [word for word in runs if word not in _COMMON_WORDS]
+    if len(runs) > 1 and len(set(runs)) < len(runs):  # repeats: the most repeated first
+        counts: dict[str, int] = {}
+        for word in runs:
+            counts[word] = counts.get(word, 0) + 1
+        runs = _most_repeated(counts, words)
+    prose: list[int | str] = []
+    for word in runs[:words]:
+        prose.append(PROSE_WEIGHT)
+        prose.append(word)
+    return prose
 
 
 def _candidates(text: str, limit: int, words: int) -> tuple[list[int | str], list[int | str]]:
     """:func:`text_hints` in its two parts: the flattened exact strings, then the prose words.
 
     Kept apart so :func:`encode_hints` stores each part without splitting them again.
+    Plain lowercase prose (:data:`_PLAIN`) has no exact strings and skips the scan for
+    them; :func:`_scanned` is the general path, and gives the same for it.
     """
     if len(text) > SCAN_CHARS:
         text = text[:SCAN_CHARS]
+    if _PLAIN.match(text) is None:
+        return _scanned(text, limit, words)
+    return [], _plain_prose(text, words)
+
+
+def _scanned(text: str, limit: int, words: int) -> tuple[list[int | str], list[int | str]]:
+    """:func:`_candidates` of any text (at most :data:`SCAN_CHARS` characters)."""
     found: dict[str, int] = {}
     for match in _HINT_RE.finditer(text):
         kind = match.lastgroup
@@ -216,6 +279,10 @@ def _hint_text(body: Body) -> str:
 
     Tool names and JSON keys repeat in every turn and say little; they are left out.
     """
+    if type(body) is UserMessage:  # the commonest bodies first, by type: searchable_text's
+        return body.text
+    if type(body) is AssistantMessage and not body.tool_calls:
+        return body.text
     if isinstance(body, AssistantMessage) and body.tool_calls:
         values: list[str] = [body.text] if body.text else []
         for call in body.tool_calls:
@@ -284,7 +351,12 @@ def encode_hints(body: Body) -> bytes:
     text = _hint_text(body)
     if not text:
         return _FORMAT
-    exact, prose = _candidates(text, HINTS_PER_EVENT, WORDS_PER_EVENT)
+    if len(text) > SCAN_CHARS:
+        text = text[:SCAN_CHARS]
+    if _PLAIN.match(text) is not None:  # _candidates' fast path, without its lists
+        prose = _plain_prose(text, WORDS_PER_EVENT)
+        return _NO_EXACT + _hints_encoder.encode(prose) if prose else _FORMAT
+    exact, prose = _scanned(text, HINTS_PER_EVENT, WORDS_PER_EVENT)
     if not exact:
         return _NO_EXACT + _hints_encoder.encode(prose) if prose else _FORMAT
     head = _hints_encoder.encode(exact)

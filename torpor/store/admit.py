@@ -49,6 +49,29 @@ _INT_LOW, _INT_HIGH = -(1 << 63), 1 << 64  # what msgpack (and so the log) can h
 
 def check_body(body: Body, where: str) -> None:
     """Raise InvalidInput (``what`` names the field) unless every backend can store ``body``."""
+    # The commonest bodies first, by type, their field names built only on error: a str
+    # that is ASCII without NUL is what check_text passes without a scan.
+    if type(body) is UserMessage:
+        text = body.text
+        if type(text) is not str or not text.isascii() or "\x00" in text:
+            check_text(text, f"{where}.text")
+        return
+    if (
+        type(body) is AssistantMessage
+        and type(body.tool_calls) is tuple
+        and not body.tool_calls
+        and body.artifact is None
+        and body.full_size is None
+    ):
+        text = body.text
+        if type(text) is not str or not text.isascii() or "\x00" in text:
+            check_text(text, f"{where}.text")
+        return
+    _check_any(body, where)
+
+
+def _check_any(body: Body, where: str) -> None:
+    """:func:`check_body` for any body (its general path)."""
     if isinstance(body, UserMessage):
         check_text(body.text, f"{where}.text")
     elif isinstance(body, AssistantMessage):

@@ -32,12 +32,14 @@ from torpor.events import (
     Body,
     Event,
     ToolResult,
+    UserMessage,
     encode_body,
     kind_of,
     searchable_text,
 )
 from torpor.store.admit import check_body
 from torpor.store.arguments import (
+    INT32_LIMIT,
     MAX_ID_LENGTH,
     POSITION_LIMIT,
     check_conversation_id,
@@ -168,21 +170,38 @@ class AppendPolicy:
         expect_head: int | None,
         key: str | None,
     ) -> PreparedAppend:
-        check_conversation_id(conversation_id)
+        # The plain arguments of most appends pass these tests inline; anything else goes
+        # to the named checks, which raise (or pass) exactly as they would have.
+        if not (
+            type(conversation_id) is str
+            and 0 < len(conversation_id) <= MAX_ID_LENGTH
+            and conversation_id.isascii()
+            and "\x00" not in conversation_id
+        ):
+            check_conversation_id(conversation_id)
         if type(events) not in (list, tuple) and (
             isinstance(events, str | bytes) or not isinstance(events, Sequence)
         ):
             raise InvalidInput("events", "must be a sequence of event bodies")
         if not events:
             raise InvalidInput("events", "an append needs at least one event")
-        check_turn(turn)
-        if expect_head is not None:
+        if type(turn) is not int or not 0 <= turn < INT32_LIMIT:
+            check_turn(turn)
+        if expect_head is not None and (
+            type(expect_head) is not int or not -1 <= expect_head < POSITION_LIMIT
+        ):
             check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
-        check_key(key)
-        created = now_ms()
-        prepared = tuple(
-            [self._prepare_one(b, f"events[{i}]", turn, created) for i, b in enumerate(events)]
-        )
+        if key is not None:
+            check_key(key)
+        created = time.time_ns() // 1_000_000  # now_ms
+        if len(events) == 1:  # most appends: one event, no comprehension
+            prepared: tuple[PreparedEvent, ...] = (
+                self._prepare_one(events[0], "events[0]", turn, created),
+            )
+        else:
+            prepared = tuple(
+                [self._prepare_one(b, f"events[{i}]", turn, created) for i, b in enumerate(events)]
+            )
         mark = None
         if key is not None:
             first = prepared[0]
@@ -192,7 +211,12 @@ class AppendPolicy:
     def _prepare_one(self, body: Body, where: str, turn: int, created: int) -> PreparedEvent:
         check_body(body, where)
         kind = kind_of(body)
-        text = searchable_text(body)  # of the full body, even if it is clipped below
+        # Of the full body, even if it is clipped below (a user or plain assistant message's
+        # text is its searchable_text: taken without the call).
+        if type(body) is UserMessage or (type(body) is AssistantMessage and not body.tool_calls):
+            text = body.text
+        else:
+            text = searchable_text(body)
         stored_text = text  # the text of the body as stored (differs once clipped)
         artifact_id: str | None = None
         artifact_data: bytes | None = None
@@ -216,7 +240,9 @@ class AppendPolicy:
         if self.token_counter is None:
             tokens = len(stored_text.encode()) // 4 + 4  # estimate_tokens, text already at hand
         else:
-            tokens = check_count(self.token_counter(body), "token_counter result")
+            tokens = self.token_counter(body)
+            if type(tokens) is not int or not 0 <= tokens < INT32_LIMIT:
+                check_count(tokens, "token_counter result")
         hints = None
         if self.hint_extractor is not None:
             hints = self.hint_extractor(body)  # of the body as stored, as a fold will see it
