@@ -109,6 +109,9 @@ async def logged(
     if lock is not None and not lock.try_acquire():  # free almost always: no coroutine
         await lock.acquire()
     recording: asyncio.Future[None] | None = None
+    sealing = agent.hub if apply else None  # under the lock: no other write is unapplied
+    if sealing is not None:
+        sealing.sealing = True
     try:
         number = turn if isinstance(turn, int) else turn()
         if callable(bodies):
@@ -155,6 +158,8 @@ async def logged(
                 for event in events:
                     hub.logged(event)
     finally:
+        if sealing is not None:
+            sealing.sealing = False
         if lock is not None:
             lock.release()
     if recording is not None:
