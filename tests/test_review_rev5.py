@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +10,17 @@ import anyio
 import pytest
 
 import torpor
-from torpor import AssistantMessage, Runtime, ScriptedModel, TextDelta, UserMessage
+from torpor import (
+    AssistantMessage,
+    CorruptEvent,
+    Runtime,
+    ScriptedModel,
+    TextDelta,
+    UserMessage,
+)
 from torpor.actors.stream import StreamItem
 from torpor.llm import Signal, Text, Wait
+from torpor.store import ModelCall, open_store
 
 
 def db(tmp_path: Path) -> str:
@@ -59,3 +68,35 @@ async def test_a_follower_after_a_mid_turn_message_not_yet_applied_gets_all_the_
         follower.close()
     text = "".join(i.text for i in seen if isinstance(i, TextDelta))
     assert text == "Alpha", seen
+
+
+async def test_an_audit_row_whose_body_is_not_a_blob_is_a_corrupt_event(tmp_path: Path) -> None:
+    """SQLite keeps whatever type a row was given: a body stored as TEXT (or an integer)
+    must read as CorruptEvent, as an event's body does, not as a TypeError."""
+    call = ModelCall("c", 1, 0, 0, b"", "ab", {"system": 1}, 1, 0.5)
+    async with open_store(db(tmp_path)) as store:
+        await store.record_model_call(call)
+    with sqlite3.connect(tmp_path / "log.db") as conn:
+        conn.execute("UPDATE model_calls SET body = 'not msgpack'")
+    async with open_store(db(tmp_path)) as store:
+        with pytest.raises(CorruptEvent):
+            await store.model_calls("c")
+    with sqlite3.connect(tmp_path / "log.db") as conn:
+        conn.execute("UPDATE model_calls SET body = 7")
+    async with open_store(db(tmp_path)) as store:
+        with pytest.raises(CorruptEvent):
+            await store.model_calls("c")
+
+
+@pytest.mark.parametrize("recipe", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\xde\x00\x00"])
+async def test_rendered_of_a_call_whose_recipe_does_not_decode_is_a_corrupt_event(
+    tmp_path: Path, recipe: bytes
+) -> None:
+    """admin.rendered (and the admin endpoint over it) decodes the recipe stored in an
+    audit row: a recipe that does not decode is the store's corruption, a typed error."""
+    async with Runtime(db(tmp_path), model=ScriptedModel.replies("a")) as rt:
+        await (await rt.send("c", "hi")).result()
+        await rt.store.record_model_call(ModelCall("c", 1, 5, 0, recipe, "ab", {}, 1, 0.5))
+        with pytest.raises(CorruptEvent):
+            await rt.admin.rendered("c", -1)
+        assert (await rt.admin.rendered("c", 0)).matches  # the sound row still rebuilds
