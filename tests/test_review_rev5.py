@@ -100,3 +100,22 @@ async def test_rendered_of_a_call_whose_recipe_does_not_decode_is_a_corrupt_even
         with pytest.raises(CorruptEvent):
             await rt.admin.rendered("c", -1)
         assert (await rt.admin.rendered("c", 0)).matches  # the sound row still rebuilds
+
+
+async def test_a_model_call_whose_answer_conflicts_still_leaves_its_audit_row(
+    tmp_path: Path,
+) -> None:
+    """Every model call writes a model_calls row (DESIGN): the provider was called and
+    paid. An answer that conflicts with a second writer is not logged (the actor crashes
+    and revives from the log), but the call it cost is still on record."""
+    streamed, go = anyio.Event(), anyio.Event()
+    model = ScriptedModel([[Text("Al"), Signal(streamed), Wait(go), Text("pha")], [Text("b")]])
+    async with Runtime(db(tmp_path), model=model) as rt:
+        turn = await rt.send("c", "first")
+        await streamed.wait()
+        await rt.store.append_events("c", [UserMessage("a second writer")], turn=1)
+        go.set()
+        with pytest.raises(torpor.TurnAborted):
+            await turn.result()
+        calls = await rt.store.model_calls("c")
+    assert [(c.turn, c.purpose) for c in calls] == [(1, "turn")], calls
