@@ -193,12 +193,15 @@ def _after_replay(items: list[StreamItem], cut: int) -> list[StreamItem]:
 class StreamHub:
     """The fan-out of one turn: its subscribers, the conversation's followers, the text so far."""
 
-    __slots__ = ("followers", "parts", "subscribers")
+    __slots__ = ("followers", "parts", "sealing", "subscribers")
 
     def __init__(self, followers: list[Follower] | None = None) -> None:
         self.subscribers: list[Subscriber] = []
         self.followers = followers  # the conversation's, shared with the runtime (None: none)
         self.parts: list[str] = []
+        # The actor is writing (and then applying) this turn's own events, which hold the
+        # text so far: once committed, that text is in the log, no longer in flight.
+        self.sealing = False
 
     def join(self) -> Subscriber:
         """A new subscriber; it first receives the text streamed so far, then live deltas."""

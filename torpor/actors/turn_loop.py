@@ -37,7 +37,14 @@ from torpor.compaction.recall import (
 )
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.task_card import TASK_CARD_TOOL
-from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
+from torpor.errors import (
+    ConflictError,
+    InvalidInput,
+    ModelContextTooLong,
+    ModelError,
+    ModelTimeout,
+    StoreError,
+)
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
@@ -110,6 +117,9 @@ async def logged(
     if lock is not None and not lock.try_acquire():  # free almost always: no coroutine
         await lock.acquire()
     recording: asyncio.Future[None] | None = None
+    sealing = agent.hub if apply else None  # under the lock: no other write is unapplied
+    if sealing is not None:
+        sealing.sealing = True
     try:
         number = turn if isinstance(turn, int) else turn()
         if callable(bodies):
@@ -130,11 +140,16 @@ async def logged(
                 events = await store.append_events(
                     agent.id, bodies, turn=number, expect_head=agent.head, key=key
                 )
-        except BaseException:  # both have finished either way: nothing is left running
+        except BaseException as exc:  # both have finished either way: nothing is left running
             if recording is not None:
                 await asyncio.wait((recording,))
                 if not recording.cancelled():
                     recording.exception()  # retrieved: the append's own error is raised
+            elif audit is not None and isinstance(exc, ConflictError):
+                # Someone else wrote here: the answer is stale, but the call was made (and
+                # paid for), so its row stays, as when the two were separate writes.
+                with contextlib.suppress(StoreError):  # the conflict is what is raised
+                    await store.record_model_call(audit)
             raise
         if events[-1].position > agent.head:
             agent.head = events[-1].position
@@ -156,6 +171,8 @@ async def logged(
                 for event in events:
                     hub.logged(event)
     finally:
+        if sealing is not None:
+            sealing.sealing = False
         if lock is not None:
             lock.release()
     if recording is not None:

@@ -16,7 +16,7 @@ from torpor.actors.state import AgentState
 from torpor.cluster.view import ClusterView
 from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
-from torpor.errors import InvalidInput, UnknownConversation
+from torpor.errors import CorruptEvent, InvalidInput, UnknownConversation
 from torpor.events import Parked, Unparked
 from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
@@ -318,11 +318,17 @@ class Admin:
         if record.purpose != "turn":  # a summarizer's prompt is its own, not the context
             raise InvalidInput("call", f"{conversation_id}: that call is a {record.purpose!r} "
                                        "call, not one that answered the conversation")
+        try:
+            recipe = decode_recipe(record.recipe)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # the store's damage
+            raise CorruptEvent(
+                conversation_id, -1, f"recipe of model call of turn {record.turn}: {exc}"
+            ) from None
         profile = rt._profile_for(conversation_id)
         rendered = await rebuild_rendered(
             rt.store,
             conversation_id,
-            decode_recipe(record.recipe),
+            recipe,
             profile.config.system_prompt,
             profile.policy,
             profile.specs,

@@ -451,10 +451,10 @@ class Runtime(MemoryAPI):
         ``after``: a position (an SSE ``Last-Event-ID``): every event logged after
         it is replayed from the log, then the text in flight, then everything
         live across turns, with no gap and no duplicate at any seam (a position
-        committed a moment ago, before its agent applied it, included: then no
-        text in flight comes first). None: from now on (the text in flight first).
-        Use ``async with rt.subscribe(c) as f`` or call ``f.close()``; closing
-        releases it at once. Never wakes the agent.
+        committed a moment ago, before its agent applied it, included: no text in
+        flight first when that write holds it). None: from now on (the text in
+        flight first). Use ``async with rt.subscribe(c) as f`` or call
+        ``f.close()``; closing releases it at once. Never wakes the agent.
         """
         self._check_open()
         check_id(conversation_id)
@@ -470,19 +470,20 @@ class Runtime(MemoryAPI):
             return await store.read_since(conversation_id, position)
 
         cut = agent.head if live and agent is not None else None
+        hub = agent.hub if agent is not None else None
         in_flight = True
         if cut is not None and after is not None and after > cut:
-            # A position the agent has not applied yet (committed a moment ago, its actor
-            # not yet back): what is in flight may be that answer's text, known already.
-            # Events after it come whole (live, or replayed); no text in flight first.
-            cut, in_flight = after, False
+            # A position the agent has not applied yet (committed a moment ago, its writer
+            # not yet back). Its own answer (or abort) holds the text in flight: then none
+            # comes first. A user message sent mid-turn does not: the answer still streams.
+            cut = after
+            in_flight = hub is not None and not hub.sealing
         follower = Follower(
             after,
             cut,
             replay if after is not None else None,
             lambda f: host.release(f, conversation_id),
         )
-        hub = agent.hub if agent is not None else None
         if hub is not None:
             if hub.parts and in_flight:
                 follower.push(TextDelta("".join(hub.parts)))

@@ -108,7 +108,8 @@ def encode_model_call(call: ModelCall) -> bytes:
 def decode_model_call(conversation_id: str, turn: int, data: bytes) -> ModelCall:
     try:
         return _calls.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    # TypeError: SQLite keeps a body of any type (TEXT, INTEGER), as decode_body knows.
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
         raise CorruptEvent(
             conversation_id, -1, f"model call of turn {turn} does not decode: {exc}"
         ) from exc
