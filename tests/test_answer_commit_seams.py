@@ -1,4 +1,4 @@
-"""Review of the hot-path changes (rev5): the seams they opened, each pinned by a test."""
+"""Committing an answer: the follower seam before it is applied, its audit row, bad rows."""
 
 from __future__ import annotations
 
