@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 
@@ -21,6 +23,7 @@ from torpor import (
     UserMessage,
 )
 from torpor.llm import Call, Fail, Signal, Text, Wait
+from torpor.llm.protocol import StreamEvent, Usage
 
 
 async def log_of(rt: Runtime, conv: str) -> list[torpor.Event]:
@@ -318,3 +321,22 @@ async def test_cancelling_one_wait_for_the_result_leaves_the_turn_and_the_other_
             with pytest.raises(TurnAborted) as raised:
                 await failing.result()
             assert raised.value.reason == "model_error"
+
+
+class _OddUsage:
+    """Answers, then reports token counts no audit row can hold."""
+
+    name = "odd-usage"
+
+    async def stream(self, context: object, tools: object) -> AsyncIterator[StreamEvent]:
+        yield TextDelta("fine")
+        yield Usage(prompt_tokens=-1, completion_tokens=2**70, cache_read_tokens=3)
+
+
+async def test_token_counts_a_provider_gets_wrong_are_unknown_not_a_failed_turn() -> None:
+    async with Runtime("sqlite://", model=_OddUsage()) as rt:
+        assert (await (await rt.send("c", "hi")).result()).text == "fine"
+        (call,) = await rt.store.model_calls("c")
+        assert call.error is None and call.reported_prompt_tokens is None
+        assert call.completion_tokens is None and call.cache_read_tokens == 3
+        assert (await rt.admin.stats()).crashes == 0

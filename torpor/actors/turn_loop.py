@@ -433,7 +433,13 @@ def _model_call(
     now = time.perf_counter()
     policy = agent.profile.policy
     model = _model_of(agent, host)
-    reported = usage.prompt_tokens if usage is not None else None
+    if usage is not None:
+        reported = _counted(usage.prompt_tokens)
+        completion = _counted(usage.completion_tokens)
+        cache_read = _counted(usage.cache_read_tokens)
+        cache_write = _counted(usage.cache_write_tokens)
+    else:
+        reported = completion = cache_read = cache_write = None
     if reported and rendered.estimated_tokens:
         # Calibrate our tiktoken estimate against what the provider counted, and ask
         # for a fold before the next call when the real prompt nears the budget.
@@ -465,9 +471,9 @@ def _model_call(
         estimated_prompt_tokens=rendered.estimated_tokens,
         utilization=rendered.estimated_tokens / policy.input_budget,
         reported_prompt_tokens=reported,
-        completion_tokens=usage.completion_tokens if usage is not None else None,
-        cache_read_tokens=usage.cache_read_tokens if usage is not None else None,
-        cache_write_tokens=usage.cache_write_tokens if usage is not None else None,
+        completion_tokens=completion,
+        cache_read_tokens=cache_read,
+        cache_write_tokens=cache_write,
         latency_ms=(now - started) * 1000.0,
         ttft_ms=(first - started) * 1000.0 if first is not None else None,
         created_at=now_ms,
@@ -481,6 +487,12 @@ def _model_call(
         pushed=tuple(position for position, _ in pushed.kept),
         pushed_scores=pushed.scores,
     )
+
+
+def _counted(value: object) -> int | None:
+    """A provider's token count as the audit can hold it; anything else (negative, not an
+    int, past what the log holds) is unknown, never a reason for the turn to fail."""
+    return value if type(value) is int and 0 <= value < 1 << 63 else None
 
 
 async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
