@@ -159,13 +159,13 @@ class Tracer:
 
         self._patch(checkpoint_module, "_wal_checkpoint", traced_checkpoint)
 
-        maybe_fold, build = turn_loop._maybe_fold, turn_loop.build_checkpoint
+        fold, build = turn_loop._fold, turn_loop.build_checkpoint
         folded: list[bool] = []
 
-        async def traced_fold(agent: Any, host: Any) -> None:
+        async def traced_fold(agent: Any, host: Any, plan: Any) -> None:
             t0 = clock()
             folded.clear()
-            await maybe_fold(agent, host)
+            await fold(agent, host, plan)
             if folded:
                 tracer.folds.append((t0, clock(), True))
 
@@ -173,7 +173,7 @@ class Tracer:
             folded.append(True)
             return build(*args, **kwargs)
 
-        self._patch(turn_loop, "_maybe_fold", traced_fold)
+        self._patch(turn_loop, "_fold", traced_fold)
         self._patch(turn_loop, "build_checkpoint", traced_build)
 
         def on_gc(phase: str, info: dict[str, int]) -> None:

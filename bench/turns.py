@@ -31,7 +31,7 @@ the largest WAL file per minute: is the WAL bounded over a long run? (Only run
 by hand: neither CI nor ``run_all.py`` passes it.)
 
 Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
-[--gc-off] [--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
+[--gc-off] [--gc-freeze] [--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
 
 ``--trace`` (a diagnostic) runs one conversation for ``--duration`` seconds with
 timestamps on every step of every turn, every group-commit batch, checkpoint,
@@ -42,6 +42,9 @@ Each level also reports the cyclic GC's collections per generation and their sec
 (``gc_collections``, ``gc_seconds``, timed part only); ``--gc-off`` runs every level
 again with the GC disabled (``cpu_us_per_turn_gc_off``): the difference is what
 collecting costs, which is what grows between 100 and 10,000 conversations in flight.
+``--gc-freeze`` runs every level again as a host could set it up: ``gc.freeze()`` once
+the agents are live (``cpu_us_per_turn_gc_frozen``), so full collections no longer walk
+what was alive by then (torpor leaves the collector's settings to the host).
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ class GcGauge:
 
 async def level(
     db: Path, conversations: int, duration: float, *, window: float | None = None,
-    tracer: Tracer | None = None,
+    tracer: Tracer | None = None, freeze: bool = False,
 ) -> dict[str, Any]:
     """Turns back to back for ``duration`` seconds; with ``window``, figures per window too.
 
@@ -159,6 +162,9 @@ async def level(
     gauge = WalGauge(db)
     async with torpor.Runtime(f"sqlite:///{db}", model=model, config=config) as rt:
         await asyncio.gather(*(_turn(rt, c) for c in names))  # activation, untimed
+        if freeze:  # what a host may do once its agents are up: the collector skips them
+            gc.collect()
+            gc.freeze()
         model.seconds = 0.0
         deadline = time.perf_counter() + duration
 
@@ -308,6 +314,9 @@ def main() -> None:
     p.add_argument("--gc-off", action="store_true",
                    help="run each level a second time with the cyclic GC disabled and report "
                         "its CPU per turn (what the GC costs at that level)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="run each level a second time with gc.freeze() after the agents are "
+                        "live and report its CPU per turn (a host's setting, not torpor's)")
     p.add_argument("--trace", action="store_true",
                    help="instead: one conversation for --duration seconds, printing what the "
                         "slowest 1%% of turns were made of and what overlapped them")
@@ -341,6 +350,13 @@ def main() -> None:
                 finally:
                     gc.enable()
                 rows[-1]["cpu_us_per_turn_gc_off"] = off["cpu_us_per_turn"]
+            if args.gc_freeze:  # again, with what was alive after activation frozen
+                db = Path(fresh_db(Path(tmp), f"turns-{c}-frozen.db").removeprefix("sqlite:///"))
+                try:
+                    frozen = asyncio.run(level(db, c, args.duration, freeze=True))
+                finally:
+                    gc.unfreeze()
+                rows[-1]["cpu_us_per_turn_gc_frozen"] = frozen["cpu_us_per_turn"]
             print(f"  {c:,} conversations: {rows[-1]['turns_per_second']:,} turns/s",
                   file=sys.stderr)
             floor = naive.get(c)
@@ -356,7 +372,8 @@ def main() -> None:
     result = {"benchmark": "turns", "params": {"concurrency": args.concurrency,
                                                "naive": args.naive,
                                                "duration": args.duration,
-                                               "gc_off": args.gc_off}, "levels": rows,
+                                               "gc_off": args.gc_off,
+                                               "gc_freeze": args.gc_freeze}, "levels": rows,
               "targets": {"torpor_over_naive_max": 2.0, "p99_over_p50_max_at_1": 2.0}}
     columns = ("conversations", "turns/s", "overhead µs/turn", "model µs/turn", "CPU µs/turn",
                "p50 ms", "p99 ms", "tail events", "max WAL MB", "errors")
@@ -377,9 +394,10 @@ def main() -> None:
              "naive p99 ms"), floors))
     tables.append(table(
         "cyclic GC during the timed part (gen2: full collections)",
-        ("conversations", "CPU µs/turn", "CPU µs/turn, GC off", "collections gen0/1/2",
-         "gen2 seconds"),
+        ("conversations", "CPU µs/turn", "CPU µs/turn, GC off", "CPU µs/turn, frozen",
+         "collections gen0/1/2", "gen2 seconds"),
         [(r["conversations"], r["cpu_us_per_turn"], r.get("cpu_us_per_turn_gc_off", "-"),
+          r.get("cpu_us_per_turn_gc_frozen", "-"),
           "/".join(str(n) for n in r["gc_collections"]), r["gc_seconds"][2]) for r in rows]))
     emit(result, tables, args.json)
 

@@ -118,14 +118,14 @@ async def test_search_finds_waiting_rows_when_the_database_cannot_write(tmp_path
         assert store._write().search_backlog == 0
 
 
-async def test_the_store_indexes_its_backlog_every_512_rows(tmp_path: Path) -> None:
+async def test_the_store_indexes_its_backlog_every_2048_rows(tmp_path: Path) -> None:
     """The bulk insert that indexes the backlog makes its commit slow (it goes to the
-    writer thread): every 512 rows, one turn in about 250 at one conversation, outside p99."""
+    writer thread): every 2,048 rows, one turn in about 1,000 at one conversation."""
     path = tmp_path / "log.db"
     async with SQLiteStore(str(path)) as store:
-        for i in range(511):
+        for i in range(2047):
             await store.append("c", [UserMessage(f"word {i}")])
-        assert counts(path) == (511, 0)
-        await store.append("c", [UserMessage("word 511")])
-        assert counts(path) == (0, 512)
+        assert counts(path) == (2047, 0)
+        await store.append("c", [UserMessage("word 2047")])
+        assert counts(path) == (0, 2048)
         assert store._write().search_backlog == 0

@@ -124,11 +124,13 @@ class GroupCommitWriter:
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
         self._cache = HeadCache(cache_size)
-        # Full-text rows are indexed in bulk once 512 wait (or 64 KiB of text). That bulk
+        # Full-text rows are indexed in bulk once 2,048 wait (or 64 KiB of text). That bulk
         # insert goes to the writer thread (see _light), where the commit it joins takes
-        # 0.6-1 ms: at 512 rows that is one turn in about 250 at one conversation, outside
-        # the p99 (bench/turns.py --trace); at 128 rows it was 1.5% of turns, all slow.
-        self._backlog = SearchBacklog(search_backlog, flush_rows=512, flush_bytes=64 * 1024)
+        # 2.5 ms: one turn in about 1,000 at one conversation (bench/turns.py --trace). At
+        # 512 rows (1 ms) it was one in 250, and with the turns that overlap a WAL
+        # checkpoint that was the slowest 1%: p99/p50 1.9-2.2 then, 1.4-1.9 now. A search
+        # that meets its conversation's rows still waiting has them indexed first.
+        self._backlog = SearchBacklog(search_backlog, flush_rows=2048, flush_bytes=64 * 1024)
         self._wal_path = wal_path
         self.on_commit: OnCommit | None = None  # WAL bytes after each commit, on the loop
         self._queue: CommitQueue[WriteOp] = CommitQueue(max_batch)
