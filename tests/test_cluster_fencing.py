@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import torpor
-from torpor import NodeConfig, Runtime, UserMessage
+from torpor import AssistantMessage, NodeConfig, Runtime, UserMessage
 from torpor.cluster import shard_of
 from torpor.store.memory import LedgerEntry
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -66,7 +66,9 @@ async def test_a_stale_owners_checkpoint_ledger_and_audit_rows_are_fenced(pg_url
                 await stale.put_ledger(cid, [LedgerEntry("k", "delete", "item-1")])
             with pytest.raises(torpor.FencedError):
                 await stale.put_turn_decision(cid, 1, "none")
-            assert old.refused == [(shard, 1)] * 5
+            with pytest.raises(torpor.FencedError):  # an answer with its audit row: neither
+                await stale._append_audited(cid, [AssistantMessage("late")], 1, 5, model_call(cid))
+            assert old.refused == [(shard, 1)] * 6
             latest = await owner.latest_checkpoint(cid)
             assert latest is not None and (latest.position, latest.cycle) == (4, 2)
             record = await owner.memory(cid)
@@ -74,10 +76,15 @@ async def test_a_stale_owners_checkpoint_ledger_and_audit_rows_are_fenced(pg_url
             # The current owner's own writes of each kind go through.
             await owner.record_model_call(model_call(cid))
             await owner.put_turn_decision(cid, 1, "none")
+            answer = await owner._append_audited(
+                cid, [AssistantMessage("a")], 1, 5, model_call(cid)
+            )
+            assert [e.position for e in answer] == [6]
             assert (await owner.memory(cid)).skipped_turns == (1,)
     conn = await asyncpg.connect(pg_url)
     try:
-        assert await conn.fetchval("SELECT count(*) FROM model_calls") == 1
+        assert await conn.fetchval("SELECT count(*) FROM model_calls") == 2  # the owner's
+        assert await conn.fetchval("SELECT count(*) FROM events") == 7
         assert await conn.fetchval("SELECT count(*) FROM artifacts") == 0
     finally:
         await conn.close()

@@ -42,11 +42,11 @@ def test_check_ends_only_the_stalled_calls_and_paces_by_the_shortest_timeout() -
         start = short_call.last
         assert dog.check(start) == pytest.approx(max(MIN_TICK, 0.002))
         short_call.last = start + 1.0  # a chunk arrived: the deadline moves on
-        assert dog.check(start + 1.1) is not None and not short_call.expired
+        assert dog.check(start + 1.1) is not None and not short_call.scope.cancel_called
         pause = dog.check(start + 1.25)  # over 0.2 s without a chunk (not exactly 0.2:
         # (start + 1.2) - (start + 1.0) may round below 0.2, whatever the loop's clock reads)
-        assert short_call.expired and fast.scope.cancel_called
-        assert not long_call.expired and not slow.scope.cancel_called
+        assert fast.scope.cancel_called
+        assert not slow.scope.cancel_called
         assert pause == pytest.approx(3.0)  # only the 300 s call is left
         dog.release(long_call)
         assert len(dog) == 0 and dog.check(start + 2) is None
@@ -66,8 +66,8 @@ def test_a_shorter_timeout_wakes_the_task_from_a_long_pause() -> None:
                 short_call = dog.watch(anyio.CancelScope(), 0.2)
                 # Woken now, not after its 3 s pause (the 2 s limit above would fail).
                 await _until(lambda: dog._pause == pytest.approx(max(MIN_TICK, 0.002)))
-                await _until(lambda: short_call.expired)
-                assert not long_call.expired
+                await _until(lambda: short_call.scope.cancel_called)
+                assert not long_call.scope.cancel_called
             tg.cancel_scope.cancel()
 
     anyio.run(main)

@@ -294,7 +294,8 @@ async def test_a_cancelled_append_that_was_not_yet_taken_is_never_written(
 
 
 async def test_an_answer_and_its_audit_row_are_one_operation(store: AnyStore) -> None:
-    """The runtime's path (``_append_audited``): both rows, or neither on a conflict."""
+    """The runtime's path (``_append_audited``): both rows in one operation; on a conflict,
+    the call's row alone."""
     await store.append("c", [UserMessage("q")], turn=1)
     call = ModelCall("c", 1, 1, 0, b"\x90", "h", {"tail": 1}, 1, 0.1)
     events = await store._append_audited("c", [AssistantMessage("a")], 1, 0, call)
@@ -302,11 +303,12 @@ async def test_an_answer_and_its_audit_row_are_one_operation(store: AnyStore) ->
     stored = await store.model_calls("c")
     assert len(stored) == 1 and stored[0].created_at > 0  # stamped like record_model_call's
     assert msgspec.structs.replace(stored[0], created_at=0) == call
-    with pytest.raises(ConflictError):  # a stale head: neither the answer nor the audit row
-        await store._append_audited("c", [AssistantMessage("b")], 1, 0, call)
+    stale = msgspec.structs.replace(call, call_index=2)
+    with pytest.raises(ConflictError):  # a stale head: the answer is refused, the call kept
+        await store._append_audited("c", [AssistantMessage("b")], 1, 0, stale)
     with pytest.raises(InvalidInput):  # a row for another conversation is refused
         await store._append_audited(
             "c", [AssistantMessage("b")], 1, 1, msgspec.structs.replace(call, conversation_id="d")
         )
-    assert len(await store.model_calls("c")) == 1
+    assert [c.call_index for c in await store.model_calls("c")] == [1, 2]
     assert [e.position for e in await store.read_since("c", 0)] == [0, 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +33,8 @@ async def test_waiters_get_the_lock_in_arrival_order_and_no_newcomer_barges_in()
             await asyncio.sleep(0)
 
     tasks = [asyncio.ensure_future(take(n)) for n in range(3)]
-    await asyncio.sleep(0)  # all three wait
+    await anyio.wait_all_tasks_blocked()  # all three wait
+    assert len(lock._waiters or ()) == 3
     lock.release()
     assert lock.locked() and not lock.try_acquire()  # handed to the first waiter already
     await asyncio.gather(*tasks)
@@ -44,7 +46,7 @@ async def test_a_waiter_cancelled_after_the_hand_over_passes_the_lock_on() -> No
     lock.try_acquire()
     first = asyncio.ensure_future(lock.acquire())
     second = asyncio.ensure_future(lock.acquire())
-    await asyncio.sleep(0)
+    await anyio.wait_all_tasks_blocked()  # both wait
     lock.release()  # now the first's ...
     first.cancel()  # ... but it is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
@@ -76,6 +78,8 @@ def test_mutual_exclusion_holds_whoever_is_cancelled_while_waiting(
             finished += 1
 
         tasks = [asyncio.ensure_future(worker(y)) for y, _ in plan]
+        # One loop pass, not a wait for anything: the first worker holds the lock, the
+        # others queue, and the cancels below land among them wherever they are.
         await asyncio.sleep(0)
         for task, (_, cancel) in zip(tasks, plan, strict=True):
             if cancel:

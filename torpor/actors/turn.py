@@ -82,11 +82,11 @@ class Turn:
                 self._waiters.append(waiter)
             try:
                 await waiter
-            finally:
-                if not waiter.done() or waiter.cancelled():
-                    waiters = self._waiters
-                    if waiters is not None and waiter in waiters:
-                        waiters.remove(waiter)
+            except asyncio.CancelledError:  # this wait only: the others still get woken
+                waiters = self._waiters
+                if waiters is not None and waiter in waiters:
+                    waiters.remove(waiter)
+                raise
         if self._error is not None:
             raise self._error.with_traceback(self._traceback)
         assert self._outcome is not None

@@ -37,14 +37,7 @@ from torpor.compaction.recall import (
 )
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.task_card import TASK_CARD_TOOL
-from torpor.errors import (
-    ConflictError,
-    InvalidInput,
-    ModelContextTooLong,
-    ModelError,
-    ModelTimeout,
-    StoreError,
-)
+from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
@@ -106,7 +99,8 @@ async def logged(
     ``apply``: the events join the working set and the turn's stream here (the
     actor's own writes for its current turn). ``audit``: the model call that
     produced ``bodies``, written by the same operation (the store's
-    ``_append_audited``: the call and its answer commit or fail together), or,
+    ``_append_audited``: one commit; a conflicting answer still leaves the call's
+    row), or,
     with a store without it, queued right behind them with no await between and
     awaited once the working set and the stream are up to date, so a follower
     arriving in between never sees the answer in the log and its text still in
@@ -140,16 +134,11 @@ async def logged(
                 events = await store.append_events(
                     agent.id, bodies, turn=number, expect_head=agent.head, key=key
                 )
-        except BaseException as exc:  # both have finished either way: nothing is left running
+        except BaseException:  # both have finished either way: nothing is left running
             if recording is not None:
                 await asyncio.wait((recording,))
                 if not recording.cancelled():
                     recording.exception()  # retrieved: the append's own error is raised
-            elif audit is not None and isinstance(exc, ConflictError):
-                # Someone else wrote here: the answer is stale, but the call was made (and
-                # paid for), so its row stays, as when the two were separate writes.
-                with contextlib.suppress(StoreError):  # the conflict is what is raised
-                    await store.record_model_call(audit)
             raise
         if events[-1].position > agent.head:
             agent.head = events[-1].position

@@ -9,13 +9,12 @@ task (owned by the runtime) checks the registered calls every hundredth of the
 shortest timeout among them and sleeps on an event while there are none, so a
 stalled call ends between 1 and 1.01 times its timeout after its last chunk.
 
-Ending a call cancels the call's own cancel scope (around its stream only, never
-the turn's) and marks it ``expired``: the call sees its scope's
-``cancelled_caught`` and raises ``ModelTimeout``, so the turn ends as a model
-error (not a cancel). Its own scope, not the turn's: anyio then tells the
-watchdog's cancel apart from a caller's or the runtime's stopping it (which
-must still stop the turn), and a late or stray expiry can hit nothing but that
-stream.
+Ending a call cancels the call's own cancel scope (around its stream only,
+never the turn's): the call sees its scope's ``cancelled_caught`` and raises
+``ModelTimeout``, so the turn ends as a model error (not a cancel). Its own
+scope, not the turn's: anyio then tells the watchdog's cancel apart from a
+caller's or the runtime's stopping it (which must still stop the turn), and a
+late or stray expiry can hit nothing but that stream.
 """
 
 from __future__ import annotations
@@ -36,13 +35,12 @@ MIN_TICK = 0.005
 class Call:
     """One model call the watchdog watches; the stream loop stores ``last`` per chunk."""
 
-    __slots__ = ("expired", "idle", "last", "scope")
+    __slots__ = ("idle", "last", "scope")
 
     def __init__(self, scope: anyio.CancelScope, idle: float, now: float) -> None:
         self.scope = scope  # the call's own, around its stream
         self.idle = idle
         self.last = now  # the loop clock at the last chunk (or at the start)
-        self.expired = False
 
 
 class ModelWatchdog:
@@ -82,7 +80,6 @@ class ModelWatchdog:
         for key, call in list(self._calls.items()):
             if now - call.last >= call.idle:
                 del self._calls[key]
-                call.expired = True
                 call.scope.cancel()
             elif shortest is None or call.idle < shortest:
                 shortest = call.idle

@@ -159,7 +159,7 @@ class TailCache:
         self.standin_tokens = text_tokens(INTERRUPTED_RESULT, encoding)
         # The payload hash chain: the state after the system messages (for this prompt
         # and handoff), after the first ``hashed`` slots, and after every STRIDE slots.
-        self.prefix: tuple[str, tuple[str, ...]] | None = None
+        self.prefix: tuple[str, Sequence[Block]] | None = None
         self.prefix_state = CHAIN_SEED
         self.hashed = 0
         self.state = CHAIN_SEED
@@ -365,7 +365,6 @@ class TailCache:
                 head,
                 [SystemMessage(system_prompt), *(SystemMessage(b.text) for b in head)],
                 text_tokens(system_prompt, encoding),
-                tuple(b.text for b in head),
             )
         sections = {"system": memo.tokens, "markers": 0}
         for block in head:
@@ -417,27 +416,20 @@ class TailCache:
         return Rendered(
             messages=messages,
             recipe=recipe,
-            hash=self._hash(lead, body, after, system_prompt, memo.texts),
+            hash=self._hash(memo, body, after),
             sections=sections,
             estimated_tokens=total,
         )
 
-    def _hash(
-        self,
-        lead: list[ContextMessage],
-        body: list[ContextMessage],
-        after: list[ContextMessage],
-        system_prompt: str,
-        head: tuple[str, ...],
-    ) -> str:
-        """:func:`~torpor.compaction.recipe.payload_hash` of ``lead + body + after``
-        (``body``: the slots, as rendered), carried over from the last call: only slots
+    def _hash(self, lead: _Lead, body: list[ContextMessage], after: list[ContextMessage]) -> str:
+        """:func:`~torpor.compaction.recipe.payload_hash` of ``lead``'s messages, ``body``
+        (the slots, as rendered) and ``after``, carried over from the last call: only slots
         new or changed since are hashed."""
         n = len(self.messages)
-        key = (system_prompt, head)
+        key = (lead.prompt, lead.head)  # equal blocks: the same messages, the same prefix
         if self.prefix != key:  # a new prompt (or the first call): every slot again
             state = CHAIN_SEED
-            for message in lead:
+            for message in lead.messages:
                 state = chain(state, message)
             self.prefix = key
             self.prefix_state = self.state = state
@@ -552,7 +544,6 @@ class _Lead(NamedTuple):
     head: Sequence[Block]
     messages: list[ContextMessage]
     tokens: int
-    texts: tuple[str, ...]
 
 
 def _owned_size(message: ContextMessage) -> int:

@@ -199,16 +199,10 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
     return length
 
 
-_lengths: dict[str, Callable[[str], int]] = {}
-
-
+@lru_cache(maxsize=16)
 def _length_of(encoding: str) -> Callable[[str], int]:
-    """:func:`_length` of the named encoding, made once (two threads may both make it: the
-    same function)."""
-    length = _lengths.get(encoding)
-    if length is None:
-        length = _lengths[encoding] = _length(get_encoding(encoding))
-    return length
+    """:func:`_length` of the named encoding, made once."""
+    return _length(get_encoding(encoding))
 
 
 def make_token_counter(encoding: str = DEFAULT_ENCODING) -> Callable[[Body], int]:

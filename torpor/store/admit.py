@@ -51,12 +51,7 @@ def check_body(body: Body, where: str) -> None:
     """Raise InvalidInput (``what`` names the field) unless every backend can store ``body``."""
     # The commonest bodies first, by type, their field names built only on error: a str
     # that is ASCII without NUL is what check_text passes without a scan.
-    if type(body) is UserMessage:
-        text = body.text
-        if type(text) is not str or not text.isascii() or "\x00" in text:
-            check_text(text, f"{where}.text")
-        return
-    if (
+    if type(body) is UserMessage or (
         type(body) is AssistantMessage
         and type(body.tool_calls) is tuple
         and not body.tool_calls

@@ -195,15 +195,14 @@ class StoreCore:
         self, name: str, events: Sequence[Body], turn: int, head: int | None, call: ModelCall
     ) -> Awaitable[list[Event]]:
         """:meth:`append_events` and :meth:`record_model_call` of the model call that
-        produced ``events``, as one operation: one future, one plan, both rows written in
-        one transaction or neither (the runtime's answer and its audit row). The runtime's
-        own path; what it checks is what the two methods check."""
+        produced ``events``, as one operation (one future, one plan, one transaction): the
+        runtime's answer and its audit row. An answer refused for a stale ``head``
+        (ConflictError) still leaves the call's row: the call was made. The runtime's own
+        path; what it checks is what the two methods check."""
         try:
-            call = admit_model_call(call)
+            call = _audit_row(call)
             if call.conversation_id != name:
                 raise InvalidInput("call.conversation_id", f"must be {name!r}")
-            if not call.created_at:
-                call = msgspec.structs.replace(call, created_at=now_ms())
             prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=None)
             return self._submit(self._append_op(prepared, True, call))
         except Exception as exc:  # raised where it is awaited, as from a coroutine
@@ -227,10 +226,7 @@ class StoreCore:
         group commit. Await the result for the commit.
         """
         try:
-            call = admit_model_call(call)
-            if not call.created_at:
-                call = msgspec.structs.replace(call, created_at=now_ms())
-            return cast("Awaitable[None]", self._submit(self._model_call_op(call)))
+            return cast("Awaitable[None]", self._submit(self._model_call_op(_audit_row(call))))
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
 
@@ -394,6 +390,11 @@ class StoreCore:
 def _stamped(item: Any, now: int) -> Any:
     """``item`` with ``created_at`` set to ``now`` when the caller left it 0."""
     return item if item.created_at else msgspec.structs.replace(item, created_at=now)
+
+
+def _audit_row(call: object) -> ModelCall:
+    """``call`` admitted (:func:`admit_model_call`), stamped with the time if it has none."""
+    return cast(ModelCall, _stamped(admit_model_call(call), now_ms()))
 
 
 async def _raising(error: Exception) -> NoReturn:

@@ -193,7 +193,7 @@ class AppendPolicy:
             check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
         if key is not None:
             check_key(key)
-        created = time.time_ns() // 1_000_000  # now_ms
+        created = now_ms()
         if len(events) == 1:  # most appends: one event, no comprehension
             prepared: tuple[PreparedEvent, ...] = (
                 self._prepare_one(events[0], "events[0]", turn, created),

@@ -29,6 +29,7 @@ from torpor.errors import ConflictError, FencedError, IdempotencyConflict, Store
 from torpor.events import Body
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
+from torpor.store.commit_queue import Failed
 from torpor.store.pending import INDEXED_KINDS, PendingChanges
 from torpor.store.postgres.lexemes import document_chunks
 from torpor.store.prepare import PreparedAppend, PreparedEvent
@@ -267,7 +268,13 @@ class AppendOp:
                     return Plan(ReplayEvents(name, first, count))
                 return Plan(list(range(first, first + count)))
         if append.expect_head is not None and append.expect_head != state.head:
-            raise ConflictError(name, append.expect_head, state.head)
+            conflict = ConflictError(name, append.expect_head, state.head)
+            if self.audit is None:
+                raise conflict
+            # The model call behind the answer was made (and paid for): its row is written
+            # as record_model_call would write it; only the answer is refused.
+            recorded = ModelCallOp(self.audit, self.fence).plan(view)
+            return Plan(Failed(conflict), recorded.name, None, recorded.writes)
         events = append.events
         first = state.head + 1
         if first + len(events) > POSITION_LIMIT:
@@ -294,11 +301,8 @@ class AppendOp:
             e = events[index]
             assert e.artifact_id is not None and e.artifact_data is not None
             writes.artifacts.append((e.artifact_id, name, len(e.artifact_data), e.created_at, data))
-        audit = self.audit
-        if audit is not None:
-            writes.model_calls.append(
-                (name, audit.turn, audit.call_index, audit.created_at, encode_model_call(audit))
-            )
+        if self.audit is not None:
+            writes.model_calls.append(_model_call_row(self.audit))
         idempotency = None
         if append.key is not None:
             mark = append.fingerprint
@@ -380,13 +384,11 @@ class ModelCallOp:
         call = self.call
         check_fence(view, call.conversation_id, self.fence)
         writes = Writes()
-        writes.model_calls.append(
-            (
-                call.conversation_id,
-                call.turn,
-                call.call_index,
-                call.created_at,
-                encode_model_call(call),
-            )
-        )
+        writes.model_calls.append(_model_call_row(call))
         return Plan(None, call.conversation_id, None, writes)
+
+
+def _model_call_row(call: ModelCall) -> tuple[str, int, int, int, bytes]:
+    """The ``model_calls`` row of ``call``."""
+    return (call.conversation_id, call.turn, call.call_index, call.created_at,
+            encode_model_call(call))

@@ -15,6 +15,7 @@ import msgspec
 from torpor.errors import ConflictError, IdempotencyConflict, StoreError
 from torpor.events import Body, Event
 from torpor.store.admit import check_checkpoint_reach
+from torpor.store.commit_queue import Failed
 from torpor.store.pending import INDEXED_KINDS
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
@@ -77,7 +78,13 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
             if replay is not None:
                 return Plan(replay)
         if append.expect_head is not None and append.expect_head != state.head:
-            raise ConflictError(name, append.expect_head, state.head)
+            conflict = ConflictError(name, append.expect_head, state.head)
+            if self.audit is None:
+                raise conflict
+            # The model call behind the answer was made (and paid for): its row is written
+            # as record_model_call would write it; only the answer is refused.
+            recorded = ModelCallOp(self.audit).plan(batch)
+            return Plan(Failed(conflict), recorded.name, recorded.state, recorded.writes)
         events = append.events
         first = state.head + 1
         last = first + len(events) - 1
@@ -110,10 +117,8 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         if append.key is not None:
             writes.append((INSERT_KEY, (key, append.key, first, len(events), batch.now, mark)))
             idempotency = ((key, append.key), (first, len(events), events, mark))
-        audit = self.audit
-        if audit is not None:
-            call = (key, audit.turn, audit.call_index, audit.created_at, encode_model_call(audit))
-            writes.append((INSERT_MODEL_CALL, call))
+        if self.audit is not None:
+            writes.append((INSERT_MODEL_CALL, _model_call_row(key, self.audit)))
         result = append.result(first, events, self.with_events)
         return Plan(result, name, ConvState(key, last), writes, fts, size, idempotency, indexed)
 
@@ -212,6 +217,10 @@ class ModelCallOp(msgspec.Struct, frozen=True, gc=False):
         call = self.call
         state = batch.conversation(call.conversation_id)
         writes = batch.creating(call.conversation_id, state)
-        row = (state.key, call.turn, call.call_index, call.created_at, encode_model_call(call))
-        writes.append((INSERT_MODEL_CALL, row))
+        writes.append((INSERT_MODEL_CALL, _model_call_row(state.key, call)))
         return Plan(None, call.conversation_id, ConvState(state.key, state.head), writes)
+
+
+def _model_call_row(key: int, call: ModelCall) -> tuple[int, int, int, int, bytes]:
+    """The ``model_calls`` row of ``call`` in the conversation with surrogate ``key``."""
+    return (key, call.turn, call.call_index, call.created_at, encode_model_call(call))
