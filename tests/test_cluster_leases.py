@@ -676,3 +676,18 @@ def test_a_hash_tag_picks_the_shard() -> None:
     for untagged in ("plain", "x{y", "a{}b", "}{"):
         assert routing_key(untagged) == untagged
     assert shard_of("{p7}/r1", SHARDS) == shard_of("p7", SHARDS)
+
+
+async def test_a_node_leaves_even_when_its_leases_change_as_it_goes(pg_url: str) -> None:
+    """The lease manager is woken (a takeover, a drop) in the same loop pass as leave()
+    cancels it: the cancel must still stop it. asyncio.wait_for on Python 3.11 swallowed
+    such a cancel, and leaving the cluster (so stopping the runtime) then hung for good."""
+    async with Runtime(pg_url, node=node("a", 7001)) as a:
+        assert a._cluster is not None
+        member = a._cluster.member
+        with anyio.fail_after(10):
+            await next_refresh(a)
+            await anyio.wait_all_tasks_blocked()  # the manager waits for a change
+            member.leases.changed.set()  # the manager is woken ...
+            await member.leave()  # ... and cancelled before it runs
+        assert member._tasks == [] and not member.leases.held

@@ -205,8 +205,9 @@ async def _top(args: argparse.Namespace, console: Console) -> None:
             if args.frames is not None and frames >= args.frames:
                 break
             top.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(top.changed.wait(), args.interval)
+            with contextlib.suppress(TimeoutError):  # not wait_for: it can lose a Ctrl-C
+                async with asyncio.timeout(args.interval):
+                    await top.changed.wait()
             await asyncio.sleep(MIN_REDRAW)  # at most four redraws a second
     finally:
         if live is not None:

@@ -204,8 +204,12 @@ class ClusterMember:
     async def _manager(self) -> None:
         leases = self.leases
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # lands as the event fires (a takeover as the node leaves), and leave() would
+            # then wait for this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(leases.changed.wait(), self.config.refresh_every)
+                async with asyncio.timeout(self.config.refresh_every):
+                    await leases.changed.wait()
             try:
                 await self._manage_once()
             except _DB_ERRORS as exc:

@@ -88,8 +88,9 @@ class ShardGate:
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     break
-                try:
-                    await asyncio.wait_for(anext(changes), remaining)
+                try:  # asyncio.timeout: a cancel is never lost (see cluster.member._manager)
+                    async with asyncio.timeout(remaining):
+                        await anext(changes)
                 except (TimeoutError, StopAsyncIteration):
                     break
         await self._evict(self._agents_of(shards), shards)
