@@ -1,8 +1,15 @@
-"""The actor's task body: revive, take messages in order, run turns, hibernate when told.
+"""The actor's task body: revive, read the mailbox in every state, run turns, hibernate.
 
-One asyncio task per live conversation, owned by the runtime's supervisor. It
-returns when hibernated (dropping its caches) and raises when it crashes; the
-supervisor restarts it from the log.
+One asyncio task per live conversation, owned by the runtime's supervisor, and
+the only code that changes the agent's state: callers post requests to its
+mailbox and await the reply. A turn runs as a child task the actor owns (its
+``turn_task``), so the actor keeps reading its mailbox while the turn streams,
+runs tools or suspends: it logs a message sent meanwhile (assigning its turn
+number, in log order) and postpones its turn, cancels the turn, refuses an
+answer the turn does not wait for. The task returns when hibernated (dropping
+its caches) and raises when it crashes; the supervisor then starts the next
+task with a :class:`Recovery`, which that task applies to the record before
+anything else.
 
 Input and turns: a user message is logged as soon as it is taken, whatever the
 state. If no turn is open its turn starts at once; if one is open (streaming,
@@ -14,6 +21,7 @@ turn (see :mod:`torpor.compaction.order`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -25,6 +33,7 @@ from torpor.actors.branch import handle_spawn
 from torpor.actors.mailbox import (
     CancelRequest,
     CardRequest,
+    HibernateRequest,
     Message,
     ResolveRequest,
     SendRequest,
@@ -40,12 +49,19 @@ from torpor.actors.turn_loop import ModelFailed, StepLimit, append, logged, run_
 from torpor.actors.write_lock import WriteLock
 from torpor.compaction.order import up_to_turn
 from torpor.compaction.working_set import WorkingSet
-from torpor.errors import AgentParked, StoreUnavailable, TurnAborted, UnknownCall
+from torpor.errors import (
+    AgentParked,
+    RuntimeClosed,
+    StoreUnavailable,
+    TurnAborted,
+    UnknownCall,
+)
 from torpor.events import (
     Aborted,
     AbortReason,
     AssistantMessage,
     Event,
+    Parked,
     Resolved,
     Suspended,
     ToolResult,
@@ -55,69 +71,179 @@ from torpor.events import (
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
 
-__all__ = ["abort_turn", "fail", "postpone", "replayed_turn", "run_agent"]
+__all__ = ["Recovery", "abort_turn", "fail", "replayed_turn", "run_agent"]
 
 
-async def run_agent(agent: Agent, host: Host, *, delay: float = 0.0) -> None:
-    """The actor loop. ``delay``: restart backoff after a crash."""
-    if delay > 0:
+class Recovery:
+    """What the previous task of an agent left to settle: applied by the next one first.
+
+    ``error``: what the open turn's waiters get (its stream delivered text no
+    event holds: that becomes ``unlogged``, owed to the log). ``drain``: the
+    requests still in the mailbox fail with it too. ``park``: the cause, when
+    the agent is to be parked. ``final``: the agent is done for (fenced, an
+    unreadable log, the runtime stopping): every waiter fails and no restart
+    follows. ``crash``: when the crash that counts towards parking happened.
+    """
+
+    __slots__ = ("crash", "drain", "error", "final", "park")
+
+    def __init__(
+        self,
+        error: BaseException,
+        *,
+        drain: bool = False,
+        park: str | None = None,
+        final: bool = False,
+        crash: float | None = None,
+    ) -> None:
+        self.error = error
+        self.drain = drain
+        self.park = park
+        self.final = final
+        self.crash = crash
+
+
+async def run_agent(
+    agent: Agent, host: Host, *, delay: float = 0.0, recovery: Recovery | None = None
+) -> None:
+    """The actor. ``delay``: restart backoff; ``recovery``: what the last task left."""
+    try:
+        if recovery is not None:
+            _recover(agent, host, recovery)
+            if recovery.final:
+                return
+            if recovery.park is not None:
+                await _park(agent, host, recovery.park)
+        if delay > 0:
+            await _backoff(agent, delay, recovery)
+        await _serve(agent, host)
+    except asyncio.CancelledError:
+        # Shutdown, or the shard moved away: the open turn logs how it ended, postponed
+        # turns are ended in the log as what their callers are told, the rest is refused.
+        await _stop(agent, host)
+        raise
+    finally:
+        agent.waiter = None
+
+
+async def _backoff(agent: Agent, delay: float, recovery: Recovery | None) -> None:
+    """Wait ``delay`` before running again. While the store cannot write, mail cuts the
+    wait short: the request is tried at once, and refused at once if the store still
+    refuses (its caller learns in one attempt's time, never after a backoff)."""
+    store_down = recovery is not None and isinstance(recovery.error, StoreUnavailable)
+    if not store_down:
         await anyio.sleep(delay)
+        return
+    if agent.has_work():
+        return
+    loop = asyncio.get_running_loop()
+    waiter = agent.waiter = loop.create_future()
+    timer = loop.call_later(delay, agent.wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        agent.waiter = None
+
+
+async def _serve(agent: Agent, host: Host) -> None:
     while True:
         if agent.state is AgentState.PARKED:
             _refuse_all(agent)
+            _drop_caches(agent)
             return
-        if agent.ws is None and (agent.mailbox_depth() or agent.runnable_postponed()
+        turn_task = agent.turn_task
+        if turn_task is not None and turn_task.done():
+            agent.turn_task = None  # it crashed (one that ended well let go of itself)
+            try:
+                turn_task.result()
+            except _TurnCrashed as crashed:
+                crashed.settle()  # its waiters learn of it as the supervisor does
+                raise crashed.crash from None
+            continue
+        if agent.ws is None and (agent.has_work() or agent.runnable_postponed()
                                  or agent.state is AgentState.REVIVING):
             await revive(agent, host)  # eager after a restart: it proves the log reads back
             continue
-        if agent.postponed and agent.state is AgentState.AWAITING_INPUT:
+        if turn_task is None and agent.postponed and agent.state is AgentState.AWAITING_INPUT:
             _start_postponed(agent, host)
-            await _run_turn(agent, host)  # here, not inside a helper: one frame less per turn
-        else:
-            message = agent.next_message()
-            if message is None:
-                if agent.hibernate_requested or agent.state is AgentState.STOPPED:
-                    _hibernate(agent)
-                    return
-                # Awaited here, not through a helper coroutine: one frame less per idle
-                # agent for the cyclic GC to walk; Agent.wake resolves it.
-                waiter = agent.waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await waiter
-                finally:
-                    agent.waiter = None
-                continue
-            agent.hibernate_requested = False
-            agent.taken = message  # left set if cancelled: the canceller answers it
-            if isinstance(message, SendRequest):
-                # This frame must not keep the request while the turn runs (its commits
-                # may wait behind thousands of others: one more object for the GC each).
-                send = _handle_send(agent, host, message)
-                message = None
-                started = await send
-                del send
-                if started:  # run here, not inside the handler: one frame less per turn
-                    await _run_turn(agent, host)
-            elif isinstance(message, ResolveRequest):
-                await _handle_resolve(agent, host, message)
-            elif isinstance(message, SpawnRequest):
-                await handle_spawn(agent, host, message)
-            elif isinstance(message, CardRequest):
-                await _handle_card(agent, host, message)
+            _start_turn(agent, host)
+            continue
+        message = agent.next_message()
+        if message is None:
+            # Awaited here, not through a helper coroutine: one frame less per idle
+            # agent for the cyclic GC to walk. A post and a turn's end resolve it.
+            waiter = agent.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                agent.waiter = None
+            continue
+        if isinstance(message, HibernateRequest):
+            idle = _idle(agent)
+            if message.done is not None and not message.done.done():
+                message.done.set_result(idle)
+            if idle:
+                _drop_caches(agent)
+                host.on_hibernated(agent)
+                return
+            continue
+        agent.taken = message  # left set if cancelled: the task's stop answers it
+        if isinstance(message, SendRequest):
+            # This frame must not keep the request while the turn runs (its commits
+            # may wait behind thousands of others: one more object for the GC each).
+            send = _handle_send(agent, host, message)
+            message = None
+            await send
+            del send
+        elif isinstance(message, CancelRequest):
+            await _handle_cancel(agent, host, message)
+        elif agent.turn_task is not None:
+            # An answer or a spawn while the turn runs: it waits for no call until it
+            # suspends (answer the ids of the Suspended that ends its stream).
+            if not isinstance(message, CardRequest):
+                _refuse_call(agent, message)
             else:
-                await _handle_cancel(agent, host, message)
-            agent.taken = None
+                await _handle_card(agent, host, message)  # in effect from its next call
+        elif isinstance(message, ResolveRequest):
+            await _handle_resolve(agent, host, message)
+        elif isinstance(message, SpawnRequest):
+            await handle_spawn(agent, host, message)
+        elif isinstance(message, CardRequest):
+            await _handle_card(agent, host, message)
+        agent.taken = None
         agent.last_active = time.monotonic()
         host.on_idle(agent)
 
 
-def _hibernate(agent: Agent) -> None:
+def _idle(agent: Agent) -> bool:
+    """Nothing to do but wait: no turn open to run, nothing in the mailbox."""
+    return (
+        agent.turn_task is None
+        and not agent.has_work()
+        and not agent.runnable_postponed()
+        and agent.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED)
+    )
+
+
+def _start_turn(agent: Agent, host: Host) -> None:
+    """Run the current turn as the actor's child; its end wakes the actor."""
+    task = asyncio.get_running_loop().create_task(_run_turn(agent, host))
+    task.add_done_callback(agent.wake)
+    agent.turn_task = task
+
+
+def _refuse_call(agent: Agent, message: Message) -> None:
+    call_id = getattr(message, "call_id", "")
+    fail(message, UnknownCall(f"{agent.id}: not waiting for tool call {call_id!r}"))
+
+
+def _drop_caches(agent: Agent) -> None:
     agent.ws = None
     agent.hub = None
     agent.lock = None
     agent.ws_tokens = 0
     agent.ws_bytes = 0
-    agent.hibernate_requested = False
 
 
 def _refuse_all(agent: Agent) -> None:
@@ -132,11 +258,146 @@ def _refuse_all(agent: Agent) -> None:
 
 def fail(message: Message, error: BaseException) -> None:
     """Complete a request's future with ``error`` (if nobody completed it yet)."""
+    if isinstance(message, HibernateRequest):
+        if message.done is not None and not message.done.done():
+            message.done.set_result(False)  # not hibernated: the agent did not get to it
+        return
     future: asyncio.Future[object]
     future = message.accepted if isinstance(message, SendRequest) else message.done  # type: ignore[assignment]
     if not future.done():
         future.set_exception(error)
         future.exception()  # a caller that gave up must not leave "never retrieved"
+
+
+def _fail_waiting(agent: Agent, error: BaseException, *, postponed: bool = True) -> None:
+    """Complete every request waiting on this agent with ``error``; with ``postponed``,
+    its postponed turns too (they are in the log: they run when the agent next runs)."""
+    taken, agent.taken = agent.taken, None
+    if taken is not None:
+        fail(taken, error)  # no-op if it was answered
+    mailbox = agent.mailbox
+    agent.mailbox = None
+    for message in mailbox.drain() if mailbox is not None else ():
+        fail(message, error)
+    if not postponed:
+        return
+    waiting, agent.postponed = agent.postponed, None
+    if isinstance(error, AgentParked | RuntimeClosed):
+        reason = "shutdown" if isinstance(error, RuntimeClosed) else "crashed"
+        error = TurnAborted(reason, "", str(error))
+    for entry in waiting or ():
+        entry.turn._fail(error)
+
+
+def _recover(agent: Agent, host: Host, recovery: Recovery) -> None:
+    """Settle what the last task left: fail the open turn's waiters, drop the caches."""
+    error = recovery.error
+    if not isinstance(error, RuntimeClosed):
+        agent.last_error = (
+            error.detail if isinstance(error, TurnAborted) and error.detail
+            else f"{type(error).__name__}: {error}"
+        )
+    if isinstance(error, StoreUnavailable):
+        agent.store_failures += 1  # its own backoff: not a crash
+    if recovery.crash is not None:
+        window = host.restart_window
+        agent.crash_times = (
+            *(t for t in agent.crash_times if recovery.crash - t < window), recovery.crash
+        )
+        if recovery.park is None:
+            agent.restarts += 1
+    current, agent.current = agent.current, None
+    if current is not None:
+        current._fail(error)
+    hub, agent.hub = agent.hub, None
+    if hub is not None:
+        agent.unlogged = "".join(hub.parts)  # streamed, not logged: still owed
+        hub.close(error)
+    cancels, agent.cancels = agent.cancels, None
+    for future in cancels or ():
+        if not future.done():
+            future.set_result(False)  # the turn was not cancelled: it broke
+    agent.scope = None
+    agent.cancellable = False
+    agent.turn_task = None
+    taken, agent.taken = agent.taken, None
+    if taken is not None:
+        fail(taken, error)
+    agent.ws = None  # the log is the memory: the restart reads it back
+    agent.lock = None
+    host.on_dropped(agent)
+    if recovery.drain or recovery.final:
+        # Store down: requests not yet taken could only fail the same way now, while
+        # postponed turns are in the log and run once it writes again.
+        _fail_waiting(agent, error, postponed=recovery.final)
+    if recovery.final:
+        if isinstance(error, RuntimeClosed):
+            agent.set_state(host, AgentState.STOPPED)
+        else:
+            agent.report(host, AgentState.EVICTED)
+    elif recovery.park is None:
+        agent.set_state(host, AgentState.REVIVING)
+
+
+async def _park(agent: Agent, host: Host, cause: str) -> None:
+    """Crashed too often: refuse input from now on, durably (logged as ``Parked``)."""
+    agent.parked_cause = cause
+    agent.set_state(host, AgentState.PARKED)
+    _fail_waiting(agent, AgentParked(agent.id, cause))
+    try:
+        with anyio.CancelScope(shield=True):
+            events = await host.store.append_events(
+                agent.id, [Parked(cause, restarts=agent.restarts)], turn=agent.turn
+            )
+        agent.head = max(agent.head, events[-1].position)
+        host.publish(agent.id, events)
+    except Exception as exc:  # the store may be what keeps failing: stay parked in memory
+        with contextlib.suppress(Exception):
+            host.log.error("could not log parking", conversation_id=agent.id, error=repr(exc))
+    with contextlib.suppress(Exception):
+        host.log.error("agent parked", conversation_id=agent.id, cause=cause,
+                       restarts=agent.restarts)
+
+
+async def _stop(agent: Agent, host: Host) -> None:
+    """The task is being stopped: end the open turn, then the postponed ones, in the log."""
+    task = agent.turn_task
+    if task is not None and not task.done():
+        task.cancel()  # it logs Aborted("shutdown") for itself, shielded
+    if task is not None:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the turn logged (or could not log) its end
+    agent.turn_task = None
+    current, agent.current = agent.current, None
+    hub, agent.hub = agent.hub, None
+    if current is not None or hub is not None:  # its end could not be logged
+        stopped = TurnAborted("shutdown", _partial_of(hub), "runtime stopped")
+        if current is not None:
+            current._fail(stopped)
+        if hub is not None:
+            hub.close(stopped)
+    postponed, agent.postponed = agent.postponed, None
+    error = RuntimeClosed("the runtime stopped")
+    if (postponed and agent.ws is not None and agent.state is not AgentState.PARKED
+            and host.draining):
+        # Their callers are told "shutdown": the log says the same, so nothing is left
+        # half-done for the next run to report as interrupted.
+        for waiting in postponed:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await logged(
+                        agent, host, [Aborted("shutdown", detail="runtime stopped before "
+                                              "this postponed turn ran")],
+                        turn=waiting.event.turn,
+                    )
+            except Exception:
+                break  # the store refuses: the next run reports it as interrupted
+    for waiting in postponed or ():
+        waiting.turn._fail(TurnAborted("shutdown", "", str(error)))
+        waiting.hub.close()
+    _fail_waiting(agent, error)
 
 
 async def revive(agent: Agent, host: Host) -> None:
@@ -197,127 +458,61 @@ def _measure(agent: Agent) -> None:
         agent.ws_bytes = ws.estimated_bytes()
 
 
-async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> bool:
-    """Log the request's message and make its turn current: True when the turn is to run."""
+async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
+    """Log the request's message with the next turn number; start its turn or postpone it.
+
+    The actor alone logs user messages, one at a time, so a number is taken once:
+    the last logged (postponed ones included) plus one, in log order.
+    """
     if request.accepted.done():  # the caller gave up before its turn came
-        return False
-    if agent.state is not AgentState.AWAITING_INPUT or agent.postponed:
-        # A turn is open (suspended on an approval): log it now, run it after.
-        await _postpone_request(agent, host, request)
-        return False
-    next_turn = agent.turn + 1
+        return
+    # A turn is open (running, suspended on an approval, or others wait): run it after.
+    behind = (agent.turn_task is not None or agent.state is not AgentState.AWAITING_INPUT
+              or bool(agent.postponed))
+    number = agent.last_turn() + 1
     try:
-        # No shield: no cancel scope encloses the actor here (a turn's opens below), and
-        # the runtime stops its actors with Task.cancel, which no scope holds back.
+        # No shield: no cancel scope encloses the actor here, and the runtime stops its
+        # actors with Task.cancel, which no scope holds back.
         events = await logged(
-            agent, host, [UserMessage(request.text)], turn=next_turn, key=request.key
+            agent, host, [UserMessage(request.text)], turn=number, key=request.key
         )
     except StoreUnavailable as exc:
         fail(request, exc)
-        return False
+        return
     except Exception as exc:
         # A conflict means someone else wrote this conversation: our view is stale, so
         # fail the send and crash; the supervisor revives us from the log.
         fail(request, exc)
         if isinstance(exc, ValueError | TypeError):
-            return False  # bad input: nothing was written, the agent is fine
+            return  # bad input: nothing was written, the agent is fine
         raise
     event = events[0]
-    if event.turn != next_turn:  # an idempotent retry of an earlier send
-        await _replay(agent, host, request, event.position, event.turn)
-        return False
-    ws = agent.ws
-    assert ws is not None
-    ws.append(events)
-    agent.turn = next_turn
-    agent.calls = 0
-    hub = StreamHub(host.followers(agent.id))
-    agent.hub = hub
-    turn = Turn(agent.id, next_turn, event.position, hub.join())
-    agent.current = turn
-    if not request.accepted.done():
-        request.accepted.set_result(turn)
-    return True
-
-
-async def postpone(agent: Agent, host: Host, text: str, key: str | None) -> Turn:
-    """Log a user message behind the open turn; its turn runs when that one ends.
-
-    Called by the actor (a message taken while suspended) and by ``Runtime.send``
-    itself while the actor is busy streaming, so ``send`` returns as soon as the
-    message is durable. Shielded: once written, the postponed turn is registered
-    even if the caller gave up meanwhile (the log has it; it must be answered).
-    """
-    with anyio.CancelScope(shield=True):
-        # Counted towards the bound while it is written: a second send arriving meanwhile
-        # must see it, or concurrent sends would all pass the check before any is queued.
-        agent.logging_sends += 1
-        try:
-            events = await logged(
-                agent, host, [UserMessage(text)], turn=_next_turn(agent), key=key
-            )
-        finally:
-            agent.logging_sends -= 1
-        event = events[0]
-        if event.turn <= agent.last_turn():  # an idempotent retry: a number already given
-            return await replayed_turn(agent, host, event.position, event.turn)
+    if event.turn != number:  # an idempotent retry of an earlier send
+        turn = await replayed_turn(agent, host, event.position, event.turn)
+    elif behind:
         hub = StreamHub(host.followers(agent.id))
-        turn = Turn(agent.id, event.turn, event.position, hub.join(), postponed=True)
+        turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
         if agent.postponed is None:
             agent.postponed = []
         agent.postponed.append(Waiting(event, turn, hub))
-    host.log.debug("postponed", conversation_id=agent.id, turn=event.turn,
-                   position=event.position)
-    return turn
-
-
-async def _postpone_request(agent: Agent, host: Host, request: SendRequest) -> None:
-    try:
-        turn = await postpone(agent, host, request.text, request.key)
-    except StoreUnavailable as exc:
-        fail(request, exc)  # nothing was written; the agent is fine
-        return
-    except Exception as exc:
-        fail(request, exc)
-        if isinstance(exc, ValueError | TypeError):
-            return  # bad input: nothing was written
-        raise
+        host.log.debug("postponed", conversation_id=agent.id, turn=number,
+                       position=event.position)
+    else:
+        ws = agent.ws
+        assert ws is not None
+        ws.append(events)
+        agent.turn = number
+        agent.calls = 0
+        hub = StreamHub(host.followers(agent.id))
+        agent.hub = hub
+        turn = agent.current = Turn(agent.id, number, event.position, hub.join())
+        _start_turn(agent, host)
     if not request.accepted.done():
         request.accepted.set_result(turn)
 
 
-async def _take_waiting(agent: Agent, host: Host) -> None:
-    """A turn starts: nothing already in the mailbox may wait for it to end.
-
-    The actor reads its mailbox only between turns, and a turn may run for
-    minutes. So what was posted before this turn began is settled now: a user
-    message is logged and postponed behind it (its caller gets its Turn), a
-    cancel applies to it, and an answer is refused, since the agent waits for
-    no call while a turn starts. Anything posted from here on is settled by the
-    runtime directly (see ``Runtime.send``, ``cancel`` and ``resolve``).
-    """
-    while (message := agent.next_message()) is not None:
-        if isinstance(message, SendRequest):
-            if not message.accepted.done():
-                await _postpone_request(agent, host, message)
-        elif isinstance(message, CancelRequest):
-            if agent.cancels is None:
-                agent.cancels = []
-            agent.cancels.append(message.done)  # answered when this turn ends
-        elif isinstance(message, CardRequest):
-            await _handle_card(agent, host, message)  # in effect from this turn's first call
-        elif not message.done.done():
-            message.done.set_exception(
-                UnknownCall(f"{agent.id}: not waiting for tool call {message.call_id!r}")
-            )
-
-
-def _next_turn(agent: Agent) -> Callable[[], int]:
-    return lambda: agent.last_turn() + 1
-
-
 def _start_postponed(agent: Agent, host: Host) -> None:
-    """Make the first postponed turn the current one (the caller runs it)."""
+    """Make the first postponed turn the current one (``_start_turn`` runs it)."""
     postponed = agent.postponed
     assert postponed
     waiting = postponed.pop(0)  # a few at most (mailbox_bound): a list is 700 bytes lighter
@@ -332,15 +527,6 @@ def _start_postponed(agent: Agent, host: Host) -> None:
     hub.followers = host.followers(agent.id)
     agent.hub = hub
     agent.current = waiting.turn
-
-
-async def _replay(
-    agent: Agent, host: Host, request: SendRequest, position: int, number: int
-) -> None:
-    """An idempotent retry: hand back the original turn, running or finished."""
-    turn = await replayed_turn(agent, host, position, number)
-    if not request.accepted.done():
-        request.accepted.set_result(turn)
 
 
 async def replayed_turn(agent: Agent, host: Host, position: int, number: int) -> Turn:
@@ -386,8 +572,6 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         with scope() as turn_scope:
             agent.scope = turn_scope
             try:
-                if agent.mailbox is not None:  # usually empty: no coroutine then
-                    await _take_waiting(agent, host)
                 final = await run_steps(agent, host)
             except ModelFailed as exc:
                 reason, detail, partial = "model_error", str(exc), exc.partial
@@ -418,8 +602,11 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         if isinstance(crash, StoreUnavailable):
             _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
             raise crash  # nothing more can be logged now; the supervisor retries later
+        settle = None
         try:
-            await abort_turn(agent, host, reason, detail, partial, model_error)
+            settle = await abort_turn(
+                agent, host, reason, detail, partial, model_error, settle=crash is None
+            )
         except Exception as exc:
             # The abort is not in the log, so no cancel took effect: its callers get the
             # error (a cancel is True only once the log ends the turn with it).
@@ -429,7 +616,10 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         else:
             _answer_cancels(agent, reason == "cancelled")
         if crash is not None:
-            raise crash
+            if settle is None:
+                raise crash  # nothing logged: the next task fails the waiters
+            raise _TurnCrashed(crash, settle)
+        _turn_over(agent, host)
         return
     _answer_cancels(agent, False)  # the turn got to its end first: too late
     turn = agent.current
@@ -443,6 +633,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
             turn._finish(_suspension_of(agent))
         if hub is not None:
             hub.close()
+        _turn_over(agent, host)
         return
     agent.pending = ()
     agent.set_state(host, AgentState.AWAITING_INPUT)
@@ -451,6 +642,7 @@ async def _run_turn(agent: Agent, host: Host) -> None:
         turn._finish(final)
     if hub is not None:
         hub.close()
+    _turn_over(agent, host)
 
 
 def _suspension_of(agent: Agent) -> Suspended:
@@ -477,7 +669,10 @@ def _answer_cancels(
 
 
 def _partial(agent: Agent) -> str:
-    hub = agent.hub
+    return _partial_of(agent.hub)
+
+
+def _partial_of(hub: StreamHub | None) -> str:
     return "".join(hub.parts) if hub is not None else ""
 
 
@@ -488,11 +683,15 @@ async def abort_turn(
     detail: str,
     partial: str,
     error: BaseException | None = None,
-) -> None:
+    *,
+    settle: bool = True,
+) -> Callable[[], None]:
     """Log an Aborted for the current turn, then fail everyone waiting on it.
 
     The append comes first: if it fails (the store is down) nothing changed here
-    and the caller decides what that means.
+    and the caller decides what that means. ``settle=False``: the waiters are
+    failed by the returned function instead (a crashed turn: its actor settles
+    them as it reports the crash, so a caller learns of it after the runtime).
     """
     if agent.ws is not None:
         await append(agent, host, [Aborted(reason, partial_text=partial, detail=detail)])
@@ -502,13 +701,36 @@ async def abort_turn(
     agent.hub = None
     agent.pending = ()
     aborted = TurnAborted(reason, partial, detail, error)
-    if turn is not None:
-        turn._fail(aborted)
-    if hub is not None:
-        hub.close(aborted)
+
+    def fail_waiters() -> None:
+        if turn is not None:
+            turn._fail(aborted)
+        if hub is not None:
+            hub.close(aborted)
+
+    if settle:
+        fail_waiters()
     if agent.state not in (AgentState.AWAITING_INPUT, AgentState.PARKED, AgentState.STOPPED):
         agent.set_state(host, AgentState.AWAITING_INPUT)
     _measure(agent)
+    return fail_waiters
+
+
+class _TurnCrashed(Exception):
+    """A turn's task ended by a crash, its abort logged; its waiters are failed by
+    ``settle`` when the actor reports the crash."""
+
+    def __init__(self, crash: BaseException, settle: Callable[[], None]) -> None:
+        super().__init__(str(crash))
+        self.crash = crash
+        self.settle = settle
+
+
+def _turn_over(agent: Agent, host: Host) -> None:
+    """The turn's task is done with the turn: the agent is idle before its caller resumes."""
+    agent.turn_task = None
+    agent.last_active = time.monotonic()
+    host.on_idle(agent)
 
 
 async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:
@@ -540,7 +762,7 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
     agent.calls = 0
     if not request.done.done():
         request.done.set_result(agent.current)
-    await _run_turn(agent, host)
+    _start_turn(agent, host)
 
 
 def _tool_name(ws: WorkingSet, call_id: str) -> str:
@@ -579,6 +801,17 @@ async def _handle_card(agent: Agent, host: Host, request: CardRequest) -> None:
 
 
 async def _handle_cancel(agent: Agent, host: Host, request: CancelRequest) -> None:
+    """Stop the open turn: running (through its scope), or suspended (logged here)."""
+    if agent.turn_running:
+        if agent.cancels is None:
+            agent.cancels = []
+        agent.cancels.append(request.done)  # answered when the turn ends: True or too late
+        scope = agent.scope
+        if agent.cancellable and scope is not None:
+            scope.cancel()
+        # Not interruptible right now (committing, folding): the turn checks its cancels
+        # when it next may be interrupted, or ends first and the cancel is too late.
+        return
     if agent.state is not AgentState.SUSPENDED:
         request.done.set_result(False)
         return

@@ -14,10 +14,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torpor.actors.mailbox import Mailbox, Message
-from torpor.actors.state import TRANSITIONS, AgentState
+from torpor.actors.mailbox import Mailbox, Message, SendRequest
+from torpor.actors.state import REPORTED, AgentState, checked
 from torpor.actors.write_lock import WriteLock
-from torpor.errors import InvalidTransition
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -87,6 +86,24 @@ class Host(Protocol):
 
     def on_idle(self, agent: Agent) -> None: ...
 
+    def on_hibernated(self, agent: Agent) -> None:
+        """The agent dropped its caches when asked to (its task ends next)."""
+        ...
+
+    def on_dropped(self, agent: Agent) -> None:
+        """The agent's working set is gone (a crash): it no longer counts in memory."""
+        ...
+
+    @property
+    def restart_window(self) -> float:
+        """Seconds over which crashes count towards parking."""
+        ...
+
+    @property
+    def draining(self) -> bool:
+        """The runtime is stopping (not a shard moving away): its agents end their turns."""
+        ...
+
     def followers(self, conversation_id: str) -> list[Follower] | None:
         """The conversation's followers (``Runtime.subscribe``), None when it has none."""
         ...
@@ -114,13 +131,11 @@ class Agent:
         "current",
         "cycle",
         "head",
-        "hibernate_requested",
         "hub",
         "id",
         "last_active",
         "last_error",
         "lock",
-        "logging_sends",
         "mailbox",
         "parked_cause",
         "pending",
@@ -134,6 +149,7 @@ class Agent:
         "task",
         "topic",
         "turn",
+        "turn_task",
         "unlogged",
         "waiter",
         "ws",
@@ -153,6 +169,9 @@ class Agent:
         self.taken: Message | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
+        # The open turn's task: a child of the actor's, which keeps reading its mailbox
+        # (sends, cancels, answers) while the turn runs.
+        self.turn_task: asyncio.Task[None] | None = None
         self.hub: StreamHub | None = None
         self.current: Turn | None = None
         self.scope: anyio.CancelScope | None = None
@@ -167,17 +186,15 @@ class Agent:
         self.crash_times: tuple[float, ...] = ()
         self.last_error: str | None = None
         self.parked_cause: str | None = None
-        self.hibernate_requested = False
         self.compact_requested = False
         self.calibration = 1.0  # provider-reported / estimated prompt tokens, last seen
         self.ws_tokens = 0
         self.ws_bytes = 0
         self.accounted = 0  # ws_bytes as last counted into the runtime's memory total
-        # Kept while live only (dropped on hibernation): appends that expect our head are
-        # serialized, since a message sent mid-turn is logged by the sender's task.
+        # Kept while live only (dropped on hibernation): the actor logs a message sent
+        # mid-turn while the turn's task appends, so appends that expect our head queue.
         self.lock: WriteLock | None = None
         self.postponed: list[Waiting] | None = None  # turns logged behind the open one
-        self.logging_sends = 0  # user messages being logged behind the open turn right now
         self.cancels: list[asyncio.Future[bool]] | None = None  # callers awaiting a cancel
         self.cancellable = False  # the turn is at a point a cancel may interrupt
         self.store_failures = 0  # consecutive StoreUnavailable restarts (backoff, not crashes)
@@ -190,22 +207,35 @@ class Agent:
     def hibernated(self) -> bool:
         return self.ws is None and self.state in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED)
 
+    @property
+    def shown(self) -> AgentState:
+        """The state reported for this agent: ``hibernated`` while its caches are dropped."""
+        return AgentState.HIBERNATED if self.hibernated else self.state
+
     def set_state(self, host: Host, new: AgentState) -> None:
-        old = self.state
+        """The one way an agent's state changes (by its own task): checked, then reported."""
+        old = self.shown
         if new is old and new is not AgentState.STREAMING:
             return
-        if new not in TRANSITIONS[old]:
-            raise InvalidTransition(f"{self.id}: {old} -> {new}")
-        self.state = new
+        self.state = checked(self.id, old, new)
         host.on_state(self, old, new)
+
+    def report(self, host: Host, new: AgentState) -> None:
+        """Report a state the record never holds (hibernated, evicted, queued), checked."""
+        assert new in REPORTED
+        old = self.shown
+        if new is not old:
+            host.on_state(self, old, checked(self.id, old, new))
 
     @property
     def busy(self) -> bool:
         """Mid-turn or with input waiting: never hibernated or evicted in this condition."""
         if self.state in (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING):
             return True
+        if self.turn_running or self.taken is not None:
+            return True
         mailbox = self.mailbox
-        if mailbox is not None and len(mailbox) > 0:
+        if mailbox is not None and mailbox.work:
             return True
         lock = self.lock
         if lock is not None and lock.locked():  # a message is being logged right now
@@ -213,6 +243,12 @@ class Agent:
         # Postponed turns behind a suspension: hibernating is fine (they are in the log),
         # but the callers' Turn handles live on this record, so it is not evicted.
         return self.runnable_postponed()
+
+    @property
+    def turn_running(self) -> bool:
+        """A turn's task runs (one that ended is collected by the actor next)."""
+        task = self.turn_task
+        return task is not None and not task.done()
 
     @property
     def evictable(self) -> bool:
@@ -234,7 +270,8 @@ class Agent:
         self.mailbox.put(message)
         self.wake()
 
-    def wake(self) -> None:
+    def wake(self, _: object = None) -> None:
+        """Resume the actor if it waits for mail (also a turn task's done callback)."""
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -251,6 +288,10 @@ class Agent:
     def mailbox_depth(self) -> int:
         return 0 if self.mailbox is None else len(self.mailbox)
 
+    def has_work(self) -> bool:
+        """Mail that needs the working set (anything but a request to hibernate)."""
+        return self.mailbox is not None and self.mailbox.work > 0
+
     def queued_in_mailbox(self) -> int:
         """User messages in the mailbox (not yet logged)."""
         return 0 if self.mailbox is None else self.mailbox.sends
@@ -258,5 +299,5 @@ class Agent:
     def queued_sends(self) -> int:
         """User messages not yet run: in the mailbox, being logged, or logged and postponed."""
         queued = 0 if self.mailbox is None else self.mailbox.sends
-        queued += self.logging_sends
+        queued += isinstance(self.taken, SendRequest)
         return queued + (len(self.postponed) if self.postponed else 0)

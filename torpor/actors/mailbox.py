@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CancelRequest",
     "CardRequest",
+    "HibernateRequest",
     "Mailbox",
     "Message",
     "ResolveRequest",
@@ -80,17 +81,34 @@ class CardRequest:
         self.done = done
 
 
-Message: TypeAlias = SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest
+class HibernateRequest:
+    """Drop the caches and end the task if idle (the lifecycle sweep, eviction, admin).
+
+    ``done`` (optional) resolves to True once hibernated, False when the agent
+    was not idle (a turn open, other mail waiting): then nothing changed.
+    """
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: asyncio.Future[bool] | None = None) -> None:
+        self.done = done
+
+
+HIBERNATE = HibernateRequest()  # the sweep's: nobody waits for the answer
+
+Message: TypeAlias = (
+    SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest | HibernateRequest
+)
 
 
 class Mailbox:
     """Ordered; user messages bounded, control messages (resolve, cancel) always accepted.
 
-    Taken strictly in order. A user message taken while a turn is open (the
-    agent is suspended) is logged at once and its turn postponed behind it.
+    Taken strictly in order, in every state: a user message taken while a turn
+    is open is logged at once and its turn postponed behind it.
     """
 
-    __slots__ = ("_items", "sends")
+    __slots__ = ("_items", "sends", "work")
 
     def __init__(self) -> None:
         # A list, not a deque: it holds a few messages (user messages are bounded, a turn
@@ -98,6 +116,7 @@ class Mailbox:
         # (dropped when empty), where a deque allocates a 64-slot block each time.
         self._items: list[Message] = []
         self.sends = 0  # user messages waiting
+        self.work = 0  # messages other than a request to hibernate
 
     def __len__(self) -> int:
         return len(self._items)
@@ -105,6 +124,8 @@ class Mailbox:
     def put(self, message: Message) -> None:
         if isinstance(message, SendRequest):
             self.sends += 1
+        if not isinstance(message, HibernateRequest):
+            self.work += 1
         self._items.append(message)
 
     def take(self) -> Message | None:
@@ -114,6 +135,8 @@ class Mailbox:
         message = items.pop(0)
         if isinstance(message, SendRequest):
             self.sends -= 1
+        if not isinstance(message, HibernateRequest):
+            self.work -= 1
         return message
 
     def remove(self, message: Message) -> bool:
@@ -123,10 +146,12 @@ class Mailbox:
             return False
         if isinstance(message, SendRequest):
             self.sends -= 1
+        if not isinstance(message, HibernateRequest):
+            self.work -= 1
         return True
 
     def drain(self) -> list[Message]:
         items = list(self._items)
         self._items.clear()
-        self.sends = 0
+        self.sends = self.work = 0
         return items

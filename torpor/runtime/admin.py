@@ -6,6 +6,7 @@ the store.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -218,7 +219,12 @@ class Admin:
     async def hibernate(self, conversation_id: str) -> bool:
         """Drop an idle agent's working set now. False if it is busy or not in memory."""
         agent = self._rt._registry.get(conversation_id)
-        return agent is not None and self._rt._lifecycle.hibernate(agent)
+        if agent is None:
+            return False
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if not self._rt._lifecycle.hibernate(agent, done):
+            return False
+        return await done  # the agent does it when it takes the request
 
     async def evict(self, conversation_id: str) -> bool:
         """Forget an idle agent now (the log keeps everything). False if it cannot be."""

@@ -19,6 +19,7 @@ import anyio
 
 from torpor.actors.actor import replayed_turn
 from torpor.actors.agent import Agent, Waiting
+from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
 from torpor.actors.write_lock import WriteLock
@@ -95,7 +96,7 @@ class Admission:
             self.waits.append(time.monotonic() - started)
         self.admitted += 1
         rt._registry.add(agent)
-        rt._host.transition(agent, "queued", agent.state)
+        rt._host.transition(agent, AgentState.QUEUED, agent.state)
         rt._supervisor.ensure_running(agent)
 
     def wait_percentiles(self) -> tuple[float | None, float | None]:

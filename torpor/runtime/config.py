@@ -69,6 +69,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Leaving the Runtime waits this long for agents to log how their turns ended; a task
     # still running then (a tool ignoring cancellation) is abandoned and reported.
     shutdown_deadline: float = 10.0
+    # While the store cannot write, callers learn it (StoreUnavailable) within this many
+    # seconds, whatever the agent is doing; the runtime keeps retrying behind them.
+    store_retry_deadline: float = 5.0
     # Seconds between consolidation sweeps of idle conversations that folded since their
     # last one (torpor.memory: the ledger's UPDATE/DELETE); None (default): only on demand.
     consolidate_interval: float | None = None
@@ -93,6 +96,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "mailbox_bound": integer(1),
         "durability": choice("normal", "full"),
         "shutdown_deadline": seconds(),
+        "store_retry_deadline": seconds(),
         "consolidate_interval": optional(seconds()),
         "embedder": custom("None or an Embedder (name, dimensions, async embed)", _embedder),
         "embed_interval": seconds(),

@@ -40,11 +40,11 @@ referred to are shared (a profile, a state, a bool, an empty tuple) except ``pen
 and ``crash_times`` when not empty (a suspended or crashed agent: rare)."""
 DROPPED = (
     "cancels", "current", "hub", "lock", "mailbox", "postponed", "scope", "taken", "task",
-    "waiter", "ws",
+    "turn_task", "waiter", "ws",
 )
 """Fields that must be empty (None or an empty container): a dormant agent has none."""
 SETTLED: dict[str, object] = {
-    "logging_sends": 0, "hibernate_requested": False, "cancellable": False, "unlogged": "",
+    "cancellable": False, "unlogged": "",
     "ws_bytes": 0, "accounted": 0,
 }
 """Fields that must hold these values to go dormant (and get them back on revival)."""

@@ -10,10 +10,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from torpor._logging import get_logger
-from torpor.actors.actor import postpone
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
-from torpor.actors.mailbox import CancelRequest, ResolveRequest, SendRequest
+from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower
 from torpor.actors.tools import Toolbox
@@ -32,7 +31,6 @@ from torpor.errors import (
     InvalidInput,
     RuntimeClosed,
     TurnAborted,
-    UnknownCall,
     UnknownConversation,
 )
 from torpor.events import Event
@@ -320,19 +318,17 @@ class Runtime(MemoryAPI):
         if agent.state is AgentState.PARKED:
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
         self._check_bound(agent)
-        if agent.scope is not None and agent.ws is not None and not agent.queued_in_mailbox():
-            # The actor is inside a turn and will not read its mailbox until the turn
-            # ends: log the message from here, so send returns once it is durable.
-            turn = await postpone(agent, self._host, text, key)
-            agent.wake()  # the turn may have ended while this was being written
-            return turn
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
-        request = SendRequest(text, key, accepted)
+        return await self._ask(agent, SendRequest(text, key, accepted), accepted)  # type: ignore[no-any-return]
+
+    async def _ask(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> Any:
+        """Post ``request`` to the agent's actor and await its reply (the actor's alone to
+        act on: a caller never changes an agent itself)."""
         agent.post(request)
         self._registry.unqueue(agent)
         self._supervisor.ensure_running(agent)
         try:
-            return await accepted
+            return await reply
         except asyncio.CancelledError:
             if agent.mailbox is not None:
                 agent.mailbox.remove(request)
@@ -360,16 +356,10 @@ class Runtime(MemoryAPI):
         agent = await self._known(conversation_id)
         if agent is None:
             raise UnknownConversation(conversation_id)
-        if agent.scope is not None:
-            # A turn is running: the agent waits for no answer until it suspends, and the
-            # actor would read this only once the turn stopped (minutes, maybe), holding up
-            # every request after it. Say so now.
-            raise UnknownCall(f"{conversation_id}: not waiting for tool call {call_id!r}")
         done: asyncio.Future[Turn | None] = asyncio.get_running_loop().create_future()
-        agent.post(ResolveRequest(call_id, result, is_error, done))
-        self._registry.unqueue(agent)
-        self._supervisor.ensure_running(agent)
-        return await done
+        return await self._ask(  # type: ignore[no-any-return]
+            agent, ResolveRequest(call_id, result, is_error, done), done
+        )
 
     async def cancel(self, conversation_id: str) -> bool:
         """Stop the open turn (streaming, running tools or suspended).
@@ -385,21 +375,11 @@ class Runtime(MemoryAPI):
         agent = await self._known(conversation_id)
         if agent is None:
             return False
-        scope = agent.scope
-        if scope is not None:  # a turn is running in the actor
-            outcome: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            if agent.cancels is None:
-                agent.cancels = []
-            agent.cancels.append(outcome)
-            if agent.cancellable:
-                scope.cancel()
-            return await asyncio.shield(outcome)
-        if agent.state is AgentState.SUSPENDED or agent.ws is None or agent.mailbox_depth():
-            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            agent.post(CancelRequest(done))
-            self._supervisor.ensure_running(agent)
-            return await done
-        return False
+        if (agent.state is AgentState.AWAITING_INPUT and not agent.turn_running
+                and agent.taken is None and not agent.has_work() and not agent.postponed):
+            return False  # nothing open to cancel
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        return await self._ask(agent, CancelRequest(done), done)  # type: ignore[no-any-return]
 
     async def spawn(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from torpor.actors.state import AgentState
+from torpor.actors.state import AgentState, checked
 from torpor.actors.stream import Follower
 from torpor.actors.watchdog import ModelWatchdog
 from torpor.events import Event
@@ -66,10 +66,34 @@ class AgentHost:
             self._rt._registry.unqueue(agent)
         self.transition(agent, old, new)
 
-    def transition(self, agent: Agent, old: AgentState | str, new: AgentState | str) -> None:
+    def transition(self, agent: Agent, old: AgentState, new: AgentState) -> None:
+        """Report a transition to the watchers: one the table declares, or InvalidTransition."""
+        checked(agent.id, old, new)
         watchers = self._rt._watchers
         if watchers:
             watchers.publish(agent.id, str(old), str(new))
+
+    def on_hibernated(self, agent: Agent) -> None:
+        rt = self._rt
+        self.forget_bytes(agent)
+        forget = getattr(rt._store, "_forget_head", None)
+        if forget is not None:  # the store's cached head of the conversation: not kept
+            forget(agent.id)
+        if rt._registry.agents.get(agent.id) is not agent:
+            return  # evicted: already reported, and no longer queued anywhere
+        agent.report(self, AgentState.HIBERNATED)
+        rt._registry.queue_hibernated(agent)
+
+    def on_dropped(self, agent: Agent) -> None:
+        self.forget_bytes(agent)
+
+    @property
+    def draining(self) -> bool:
+        return self._rt._supervisor.stopping
+
+    @property
+    def restart_window(self) -> float:
+        return self._rt.config.restart_window
 
     def on_revived(self, agent: Agent, seconds: float) -> None:
         counters = self._rt._counters

@@ -14,11 +14,13 @@ referred to when they hibernated.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
 import anyio
 
+from torpor.actors.mailbox import HIBERNATE, HibernateRequest
 from torpor.actors.state import AgentState
 
 if TYPE_CHECKING:
@@ -65,27 +67,19 @@ class Lifecycle:
             rt._admission.admit()
         return hibernated, evicted
 
-    def hibernate(self, agent: Agent) -> bool:
-        """Drop the agent's working set and task; keep its ids and positions. Idle agents only."""
+    def hibernate(self, agent: Agent, done: asyncio.Future[bool] | None = None) -> bool:
+        """Ask an idle agent to drop its working set and task (it keeps its ids and
+        positions). True when asked: the agent does it, and reports ``hibernated``, once
+        it takes the request (``done``: True then, False when it was no longer idle)."""
         rt = self._rt
         if agent.busy or agent.state not in (AgentState.AWAITING_INPUT, AgentState.SUSPENDED):
             return False
-        rt._registry.queue_hibernated(agent)
-        if agent.ws is None and agent.task is None:
+        if agent.ws is None or agent.task is None:  # nothing held: already hibernated
+            rt._registry.queue_hibernated(agent)
             return False
-        agent.hibernate_requested = True
-        agent.wake()
-        rt._host.forget_bytes(agent)
-        agent.ws_bytes = 0
-        self._forget_head(agent)
-        if agent.task is None:  # no task to do it: drop the caches here
-            agent.ws = None
-            agent.hub = None
-            agent.lock = None
-            agent.hibernate_requested = False
-            rt._registry.rest(agent.id)  # dormant once this caller lets go of it
-        rt._counters.hibernations += 1
-        rt._host.transition(agent, agent.state, "hibernated")
+        rt._registry.unqueue(agent)  # out of the idle queue until it reports back
+        agent.post(HIBERNATE if done is None else HibernateRequest(done))
+        rt._counters.hibernations += 1  # asked of an idle agent: it does so when it reads it
         return True
 
     def evict(self, agent: Agent) -> bool:
@@ -97,12 +91,12 @@ class Lifecycle:
             rt._registry.unqueue(agent)
             return False
         rt._registry.remove(agent)
-        agent.hibernate_requested = True
-        agent.wake()
+        if agent.task is not None:
+            agent.post(HIBERNATE)  # its task ends; nothing else writes it any more
         rt._host.forget_bytes(agent)
         self._forget_head(agent)
         rt._counters.evictions += 1
-        rt._host.transition(agent, agent.state, AgentState.EVICTED)
+        agent.report(rt._host, AgentState.EVICTED)
         return True
 
     def _forget_head(self, agent: Agent) -> None:

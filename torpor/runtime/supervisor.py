@@ -27,19 +27,15 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
-from torpor.actors.actor import fail, run_agent
+from torpor.actors.actor import Recovery, run_agent
 from torpor.actors.state import AgentState
 from torpor.errors import (
-    AgentParked,
     CorruptEvent,
     FencedError,
     RuntimeClosed,
     StoreUnavailable,
     TurnAborted,
 )
-from torpor.events import Parked
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
@@ -49,6 +45,13 @@ __all__ = ["Supervisor"]
 
 
 class Supervisor:
+    """Owns the agents' tasks; decides how an agent's next task starts after one ends.
+
+    It never writes an agent's fields: the next task does, from the
+    :class:`~torpor.actors.actor.Recovery` it is given (fail the open turn's
+    waiters, drop the caches, park), before anything else.
+    """
+
     __slots__ = ("_rt", "retired", "stopping", "tasks")
 
     def __init__(self, runtime: Runtime) -> None:
@@ -63,30 +66,32 @@ class Supervisor:
             self.retired.add(agent)
             agent.task.cancel()
 
-    def ensure_running(self, agent: Agent, *, delay: float = 0.0) -> None:
+    def ensure_running(
+        self, agent: Agent, *, delay: float = 0.0, recovery: Recovery | None = None
+    ) -> None:
         """Give the agent a task if it has none (a hibernated or new agent has none)."""
         if agent.task is not None:
             return
         if self.stopping:
-            _fail_waiting(agent, RuntimeClosed("the runtime is stopping"))
-            return
-        task = asyncio.get_running_loop().create_task(self._supervise(agent, delay))
+            recovery = Recovery(RuntimeClosed("the runtime is stopping"), final=True)
+            delay = 0.0
+        task = asyncio.get_running_loop().create_task(self._supervise(agent, delay, recovery))
         agent.task = task
         self.tasks.add(task)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """A short supervisor job (parking); owned here like the agents."""
+        """A short supervisor job; owned here like the agents."""
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _supervise(self, agent: Agent, delay: float) -> None:
+    async def _supervise(self, agent: Agent, delay: float, recovery: Recovery | None) -> None:
         # Bookkeeping happens inside the task, not in a done callback, so by the time
         # anyone can observe the task as finished, the registry already says so.
         task = asyncio.current_task()
         crash: Exception | None = None
         try:
-            await run_agent(agent, self._rt._host, delay=delay)
+            await run_agent(agent, self._rt._host, delay=delay, recovery=recovery)
         except Exception as exc:
             crash = exc
         finally:
@@ -97,93 +102,72 @@ class Supervisor:
                 agent.task = None
             retired = agent in self.retired
             self.retired.discard(agent)
-            if self.stopping:
-                _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
-        if retired:  # its shard moved to another node, which serves it from the log
-            return
+        if retired or (recovery is not None and recovery.final):
+            return  # its shard moved to another node, which serves it from the log
         try:
-            if isinstance(crash, FencedError):
-                self._fenced(agent, crash)  # before StoreUnavailable: retrying cannot help
-            elif isinstance(crash, StoreUnavailable):
-                self._store_down(agent, crash)
-            elif isinstance(crash, CorruptEvent) and agent.ws is None:
-                self._unreadable(agent, crash)  # its revival could not read the log back
-            elif crash is not None:
-                self._crashed(agent, crash)
-            elif (
-                (agent.mailbox_depth() or agent.runnable_postponed())
-                and not self.stopping
-                and agent.state is not AgentState.PARKED
-            ):
-                self.ensure_running(agent)  # a message arrived as it hibernated
-            elif agent.task is None and agent.ws is None and not self.stopping:
-                self._rt._registry.rest(agent.id)  # hibernated: dormant once this task ends
+            self._next(agent, crash)
         except Exception as exc:  # handling a failure failed: keep every promise anyway
-            _fail_waiting(agent, TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}"))
-            agent.ws = None
-            agent.state = AgentState.REVIVING
-            if not self.stopping:
-                self.ensure_running(agent, delay=self._rt.config.backoff_max)
+            _log(self._rt, "error", "supervisor failed", conversation_id=agent.id,
+                 error=repr(exc))
+            if not self.stopping and agent.task is None:
+                error = TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}")
+                self.ensure_running(agent, delay=self._rt.config.backoff_max,
+                                    recovery=Recovery(error, drain=True))
 
-    def _drop_turn(self, agent: Agent, error: BaseException) -> None:
-        """Fail the open turn's waiters and drop the caches: the restart reads the log."""
+    def _next(self, agent: Agent, crash: Exception | None) -> None:
+        """How the agent goes on after its task ended (``crash``: how it failed)."""
         rt = self._rt
-        if agent.current is not None:
-            agent.current._fail(error)
-            agent.current = None
-        if agent.hub is not None:
-            agent.unlogged = "".join(agent.hub.parts)  # streamed, not logged: still owed
-            agent.hub.close(error)
-            agent.hub = None
-        cancels, agent.cancels = agent.cancels, None
-        for future in cancels or ():
-            if not future.done():
-                future.set_result(False)  # the turn was not cancelled: it broke
-        agent.scope = None
-        agent.cancellable = False
-        agent.ws = None  # the log is the memory: the restart reads it back
-        agent.lock = None
-        rt._host.forget_bytes(agent)
+        if crash is None:
+            if self.stopping or agent.state is AgentState.PARKED:
+                return
+            if agent.has_work() or agent.runnable_postponed():
+                self.ensure_running(agent)  # a message arrived as it hibernated
+            elif agent.ws is None:
+                rt._registry.rest(agent.id)  # hibernated: dormant once this task ends
+            return
+        if self.stopping:
+            self.ensure_running(
+                agent, recovery=Recovery(RuntimeClosed("the runtime stopped"), final=True)
+            )
+        elif rt._registry.get(agent.id) is not agent:  # evicted as its turn ended
+            self.ensure_running(agent, recovery=Recovery(crash, final=True))
+        elif isinstance(crash, FencedError):
+            self._forget(agent, crash, "conversation fenced; dropped")
+        elif isinstance(crash, StoreUnavailable):
+            self._store_down(agent, crash)
+        elif isinstance(crash, CorruptEvent) and agent.ws is None:
+            self._unreadable(agent, crash)  # its revival could not read the log back
+        else:
+            self._crashed(agent, crash)
 
     def _store_refused(self, agent: Agent, exc: StoreUnavailable, what: str) -> None:
         """Counted as the store's failure, never as the agent's crash."""
         self._rt._counters.store_failures += 1
-        agent.last_error = f"{type(exc).__name__}: {exc}"
         _log(self._rt, "warning", what, conversation_id=agent.id, error=str(exc))
 
     def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
-        rt = self._rt
+        """Retry until the store writes again, on a backoff that does not count as crashes:
+        the log may owe an Aborted for the turn, and postponed turns wait to run."""
         self._store_refused(agent, exc, "store unavailable; retrying")
-        self._drop_turn(agent, exc)
-        # Requests not yet taken could only fail the same way now: tell their callers.
-        mailbox = agent.mailbox
-        agent.mailbox = None
-        for message in mailbox.drain() if mailbox is not None else ():
-            fail(message, exc)
-        if self.stopping:
-            return
-        agent.store_failures += 1
+        failures = agent.store_failures + 1
         delay = min(
-            self._rt.config.backoff_max,
-            self._rt.config.backoff_initial * 2 ** (agent.store_failures - 1),
+            self._rt.config.backoff_max, self._rt.config.backoff_initial * 2 ** (failures - 1)
         )
-        if agent.state is not AgentState.REVIVING:
-            rt._host.transition(agent, agent.state, AgentState.REVIVING)
-            agent.state = AgentState.REVIVING
-        # Retry until the store writes again: the log may owe an Aborted for the turn
-        # and postponed turns wait to run.
-        self.ensure_running(agent, delay=delay)
+        self.ensure_running(agent, delay=delay, recovery=Recovery(exc, drain=True))
 
-    def _fenced(self, agent: Agent, exc: FencedError) -> None:
-        """This node may no longer write the conversation (another node holds its shard,
-        or the store belongs to a cluster and this runtime is no node of it).
+    def _forget(self, agent: Agent, exc: Exception, what: str) -> None:
+        """Fail everything waiting on the agent with ``exc`` and drop it from the runtime.
 
-        Retrying would be refused the same way forever: every waiting caller gets the
-        error and the agent is forgotten, not restarted. The shard's owner serves it
-        from the log (postponed turns included); a request here meets NotOwner.
+        Fenced: this node may no longer write the conversation (another node holds
+        its shard), and retrying would be refused the same way forever; the shard's
+        owner serves it from the log (postponed turns included).
         """
-        self._store_refused(agent, exc, "conversation fenced; dropped")
-        self._forget(agent, exc)
+        if isinstance(exc, StoreUnavailable):
+            self._store_refused(agent, exc, what)
+        rt = self._rt
+        if rt._registry.get(agent.id) is agent:
+            rt._registry.remove(agent)
+        self.ensure_running(agent, recovery=Recovery(exc, final=True))
 
     def _unreadable(self, agent: Agent, exc: CorruptEvent) -> None:
         """The log does not read back (a hole, a row that does not decode).
@@ -194,69 +178,27 @@ class Supervisor:
         the next request reads the log again, and fails the same way until the
         log is repaired.
         """
-        rt = self._rt
-        agent.last_error = f"CorruptEvent: {exc}"
-        _log(rt, "error", "conversation log unreadable", conversation_id=agent.id,
+        _log(self._rt, "error", "conversation log unreadable", conversation_id=agent.id,
              error=str(exc))
-        self._forget(agent, exc)
-
-    def _forget(self, agent: Agent, exc: Exception) -> None:
-        """Fail everything waiting on the agent with ``exc`` and drop it from the runtime."""
-        rt = self._rt
-        self._drop_turn(agent, exc)
-        _fail_waiting(agent, exc)
-        postponed, agent.postponed = agent.postponed, None
-        for waiting in postponed or ():
-            waiting.turn._fail(exc)
-        if rt._registry.get(agent.id) is agent:
-            rt._registry.remove(agent)
-            rt._host.transition(agent, agent.state, AgentState.EVICTED)
+        self._forget(agent, exc, "conversation log unreadable")
 
     def _crashed(self, agent: Agent, exc: BaseException) -> None:
         rt = self._rt
         rt._counters.crashes += 1
         cause = f"{type(exc).__name__}: {exc}"
-        agent.last_error = cause
         _log(rt, "warning", "agent crashed", conversation_id=agent.id, error=cause, exc_info=exc)
-        self._drop_turn(agent, TurnAborted("crashed", "", cause))
-        if self.stopping:
-            return
+        error = TurnAborted("crashed", "", cause)
         now = time.monotonic()
         window = rt.config.restart_window
-        agent.crash_times = (*(t for t in agent.crash_times if now - t < window), now)
-        if len(agent.crash_times) > rt.config.max_restarts:
-            self.spawn(self._park(agent, cause))
+        crashes = sum(1 for t in agent.crash_times if now - t < window) + 1
+        if crashes > rt.config.max_restarts:
+            rt._counters.parks += 1
+            rt._registry.unqueue(agent)
+            self.ensure_running(agent, recovery=Recovery(error, park=cause, crash=now))
             return
-        agent.restarts += 1
         rt._counters.restarts += 1
-        n = len(agent.crash_times)
-        delay = min(rt.config.backoff_max, rt.config.backoff_initial * 2 ** (n - 1))
-        rt._host.transition(agent, agent.state, AgentState.REVIVING)
-        agent.state = AgentState.REVIVING
-        self.ensure_running(agent, delay=delay)
-
-    async def _park(self, agent: Agent, cause: str) -> None:
-        rt = self._rt
-        rt._counters.parks += 1
-        old = agent.state
-        agent.state = AgentState.PARKED  # refuse input from now on
-        agent.parked_cause = cause
-        rt._registry.unqueue(agent)
-        error = AgentParked(agent.id, cause)
-        _fail_waiting(agent, error)
-        try:
-            with anyio.CancelScope(shield=True):
-                events = await rt.store.append_events(
-                    agent.id, [Parked(cause, restarts=agent.restarts)], turn=agent.turn
-                )
-            agent.head = max(agent.head, events[-1].position)
-            rt._host.publish(agent.id, events)
-        except Exception as exc:  # the store may be what keeps failing: stay parked in memory
-            _log(rt, "error", "could not log parking", conversation_id=agent.id,
-                 error=repr(exc))
-        _log(rt, "error", "agent parked", conversation_id=agent.id, cause=cause,
-             restarts=agent.restarts)
-        rt._host.transition(agent, old, AgentState.PARKED)  # announced once it is in the log
+        delay = min(rt.config.backoff_max, rt.config.backoff_initial * 2 ** (crashes - 1))
+        self.ensure_running(agent, delay=delay, recovery=Recovery(error, crash=now))
 
     async def stop(self) -> None:
         """Cancel every agent task and wait for each to log how its turn ended.
@@ -275,23 +217,14 @@ class Supervisor:
                 self._rt._host.abandon(task, f"agent task {task.get_name()}")
         self.tasks.clear()
         for agent in self._rt._registry.held():  # a dormant agent has nobody waiting
-            _fail_waiting(agent, RuntimeClosed("the runtime stopped"))
-
-
-def _fail_waiting(agent: Agent, error: BaseException) -> None:
-    """Complete every request and postponed turn waiting on this agent with ``error``."""
-    taken, agent.taken = agent.taken, None
-    if taken is not None:
-        fail(taken, error)  # no-op if it was answered
-    mailbox = agent.mailbox
-    agent.mailbox = None
-    for message in mailbox.drain() if mailbox is not None else ():
-        fail(message, error)
-    if isinstance(error, AgentParked | RuntimeClosed):
-        postponed, agent.postponed = agent.postponed, None
-        reason = "shutdown" if isinstance(error, RuntimeClosed) else "crashed"
-        for waiting in postponed or ():  # in the log: it runs when the agent next runs
-            waiting.turn._fail(TurnAborted(reason, "", str(error)))
+            if agent.task is None and (agent.mailbox is not None or agent.postponed):
+                # Posted after its task ended: one last task answers them, and ends.
+                self.ensure_running(agent)
+        while self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=self._rt.config.shutdown_deadline)
+            for task in [t for t in self.tasks if not t.done()]:
+                self._rt._host.abandon(task, f"agent task {task.get_name()}")
+                self.tasks.discard(task)
 
 
 def _log(rt: Runtime, level: str, message: str, **fields: Any) -> None:
