@@ -18,7 +18,6 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from torpor.actors.json_schema import schema_errors
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
@@ -37,7 +36,14 @@ from torpor.compaction.recall import (
 )
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.task_card import TASK_CARD_TOOL
-from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
+from torpor.errors import (
+    InvalidInput,
+    ModelContextTooLong,
+    ModelError,
+    ModelTimeout,
+    StoreError,
+    ToolArgumentError,
+)
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
@@ -518,15 +524,12 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
             for call in calls:
                 tool = toolbox.get(call.name)
                 if isinstance(tool, ExternalTool):
-                    errors = schema_errors(tool.parameters, call.arguments)
-                    if not errors:
+                    try:
+                        tool.validate(call.arguments)
+                    except ToolArgumentError as exc:  # the model can fix it: no suspension
+                        results[call.id] = ToolResult(call.id, call.name, str(exc), is_error=True)
+                    else:
                         external.append(call.id)
-                        continue
-                    detail = "; ".join(errors[:5])
-                    results[call.id] = ToolResult(
-                        call.id, call.name,
-                        f"invalid arguments for tool {call.name!r}: {detail}", is_error=True,
-                    )
                 else:
                     tg.start_soon(one, call)
     finally:
