@@ -347,5 +347,6 @@ async def test_chaos_kill_and_stop_owners_lose_no_acknowledged_send_and_fence_th
         "redirects": driver.redirects, "retries": driver.retries, "proxied": driver.proxied,
         "seconds": round(time.monotonic() - started, 1),
     }))
-    # Liveness, loosely (timing targets belong to bench/cluster.py): far inside "never".
-    assert takeover_seconds < 4 * TTL + 2
+    # Liveness: each takeover happened (settled's fail_after is the hang guard). How fast is
+    # printed above, not asserted: a loaded machine must not fail this test; timing targets
+    # belong to bench/cluster.py.

@@ -73,6 +73,32 @@ async def test_reported_prompt_tokens_over_the_trigger_request_a_fold() -> None:
         assert calls[5].compaction_cycle == 1
 
 
+async def test_a_provider_counting_more_than_the_estimate_calibrates_the_next_fold() -> None:
+    """The provider's count, under the trigger, still scales our estimate: a tail our own
+    count puts well inside the working budget folds once the model has said it counts
+    four times more. Without the calibration nothing here would fold."""
+    config = AgentConfig(context_window=10_000, max_output_tokens=1_000, safety_margin=0,
+                         working_budget=3_000, tail_turns=1)
+    reported = 7_000  # under the trigger (0.8 * 9,000): no fold is asked for outright
+    words = " ".join(f"word{j}" for j in range(60))
+    steps = [[Text(f"a{i}")] for i in range(5)]
+    steps.append([Text("counted"), Report(prompt_tokens=reported, completion_tokens=1)])
+    steps.append([Text("after")])
+    async with Runtime("sqlite://", model=ScriptedModel(steps), agent=config) as rt:
+        for i in range(6):
+            await (await rt.send("c", f"note {i}: {words}")).result()
+        assert await rt.store.checkpoints("c") == []
+        calls = await rt.store.model_calls("c", limit=10)
+        estimate = calls[5].estimated_prompt_tokens
+        # Our own count: far inside the budget; the provider's: four times it or more.
+        assert estimate * 2 < config.working_budget and reported >= 4 * estimate
+        assert reported < config.compaction_trigger_ratio * 9_000
+        await (await rt.send("c", "next")).result()
+        assert len(await rt.store.checkpoints("c")) == 1
+        calls = await rt.store.model_calls("c", limit=10)
+        assert calls[6].compaction_cycle == 1
+
+
 async def test_memory_budget_hibernates_least_recently_used_agents() -> None:
     config = RuntimeConfig(max_working_set_bytes=1)
     async with Runtime("sqlite://", model=EchoModel(), config=config) as rt:

@@ -17,6 +17,7 @@ import anyio
 import msgspec
 
 from torpor._logging import get_logger
+from torpor.actors.json_schema import check_schema, schema_errors
 from torpor.actors.tool_schema import check_tool_name, derive_signature
 from torpor.errors import ConfigError, ToolArgumentError
 from torpor.events import ToolCall, ToolResult
@@ -114,6 +115,17 @@ class ExternalTool(msgspec.Struct, frozen=True):
         check_tool_name(self.name)
         if not isinstance(self.parameters, dict):
             raise ConfigError("tools", f"tool {self.name!r}: parameters must be a JSON schema dict")
+        check_schema(self.parameters, f"tool {self.name!r}: parameters")
+
+    def validate(self, arguments: Mapping[str, Any]) -> None:
+        """Raise ToolArgumentError when ``arguments`` break the schema (the model gets it back).
+
+        The schema is used as given: the arguments are not converted, so an
+        outside answerer receives exactly what the model sent.
+        """
+        errors = schema_errors(self.parameters, arguments)
+        if errors:
+            raise ToolArgumentError(self.name, "; ".join(errors[:5]))
 
     @property
     def spec(self) -> ToolSpec:

@@ -12,16 +12,16 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 import msgspec
 
-from torpor.actors.json_schema import schema_errors
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
+from torpor.actors.tool_calls import checked_call
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
 from torpor.actors.watchdog import Call
 from torpor.compaction import FoldPlan, Rendered, build_checkpoint, encode_recipe, plan_fold
@@ -37,7 +37,14 @@ from torpor.compaction.recall import (
 )
 from torpor.compaction.recall import recall as recall_hits
 from torpor.compaction.task_card import TASK_CARD_TOOL
-from torpor.errors import InvalidInput, ModelContextTooLong, ModelError, ModelTimeout, StoreError
+from torpor.errors import (
+    InvalidInput,
+    ModelContextTooLong,
+    ModelError,
+    ModelTimeout,
+    StoreError,
+    ToolArgumentError,
+)
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
 from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
 from torpor.memory.fold import fold_memory
@@ -295,7 +302,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
                     if hub is not None:
                         hub.text(text)
                 elif isinstance(item, ToolCallDelta):
-                    calls.append(_repaired_call(item.call))
+                    calls.append(checked_call(item.call, calls))  # or the model's error
                 elif isinstance(item, Usage):
                     usage = item
             agent.cancellable = False
@@ -372,29 +379,6 @@ async def _close(stream: object) -> None:
     # Closing a broken stream may fail again: it is closed either way.
     with anyio.move_on_after(5.0), contextlib.suppress(Exception):
         await aclose()
-
-
-def _repaired_call(call: ToolCall) -> ToolCall:
-    """A model's call with text the log cannot hold replaced visibly (U+FFFD)."""
-    name, call_id = repair_text(call.name), repair_text(call.id)
-    arguments = _repaired(call.arguments)
-    if name is call.name and call_id is call.id and arguments is call.arguments:
-        return call
-    return ToolCall(call_id, name, arguments)
-
-
-def _repaired(value: Any) -> Any:
-    if isinstance(value, str):
-        return repair_text(value)
-    if isinstance(value, dict):
-        items = {_repaired(k): _repaired(v) for k, v in value.items()}
-        return value if all(
-            a is b and c is d for (a, c), (b, d) in zip(items.items(), value.items(), strict=True)
-        ) else items
-    if isinstance(value, list):
-        repaired = [_repaired(v) for v in value]
-        return value if all(a is b for a, b in zip(repaired, value, strict=True)) else repaired
-    return value
 
 
 def _suspension(call_ids: tuple[str, ...], names: tuple[str, ...]) -> Suspended:
@@ -518,15 +502,12 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
             for call in calls:
                 tool = toolbox.get(call.name)
                 if isinstance(tool, ExternalTool):
-                    errors = schema_errors(tool.parameters, call.arguments)
-                    if not errors:
+                    try:
+                        tool.validate(call.arguments)
+                    except ToolArgumentError as exc:  # the model can fix it: no suspension
+                        results[call.id] = ToolResult(call.id, call.name, str(exc), is_error=True)
+                    else:
                         external.append(call.id)
-                        continue
-                    detail = "; ".join(errors[:5])
-                    results[call.id] = ToolResult(
-                        call.id, call.name,
-                        f"invalid arguments for tool {call.name!r}: {detail}", is_error=True,
-                    )
                 else:
                     tg.start_soon(one, call)
     finally:

@@ -54,7 +54,11 @@ class TextDelta(msgspec.Struct, tag="text", frozen=True, gc=False):
 
 
 class ToolCallDelta(msgspec.Struct, tag="tool_call", frozen=True, gc=False):
-    """A complete tool call (adapters assemble provider fragments before yielding)."""
+    """A complete tool call (adapters assemble provider fragments before yielding).
+
+    ``call.arguments`` is the decoded JSON object (JSON text is decoded for you); a
+    call that is malformed fails the turn as the model's error (``model_error``).
+    """
 
     call: ToolCall
 

@@ -48,10 +48,14 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """Ask for a tool call; without an ``id`` the model numbers it ``call_1``, ``call_2``, …"""
+    """Ask for a tool call; without an ``id`` the model numbers it ``call_1``, ``call_2``, …
+
+    ``arguments`` other than a dict (a JSON string, a list) are sent as they are:
+    a model of one's own that gets them wrong, as a test needs it.
+    """
 
     name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
+    arguments: dict[str, Any] | Any = field(default_factory=dict)
     id: str | None = None
 
 
@@ -176,7 +180,10 @@ class ScriptedModel:
             if isinstance(action, Text):
                 yield TextDelta(action.text)
             elif isinstance(action, Call):
-                call = ToolCall(self._call_id(action.id), action.name, dict(action.arguments))
+                arguments = action.arguments
+                if isinstance(arguments, dict):
+                    arguments = dict(arguments)  # a copy: the runtime may keep it
+                call = ToolCall(self._call_id(action.id), action.name, arguments)
                 yield ToolCallDelta(call)
             elif isinstance(action, Report):
                 yield Usage(

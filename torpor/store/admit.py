@@ -40,7 +40,13 @@ from torpor.store.arguments import INT32_LIMIT, POSITION_LIMIT, check_int
 from torpor.store.protocol import Background, Checkpoint, Marker, ModelCall
 from torpor.text import MAX_ID_LENGTH, check_id, check_text, is_storable, repair_text
 
-__all__ = ["admit_model_call", "check_body", "check_checkpoint", "check_checkpoint_reach"]
+__all__ = [
+    "admit_model_call",
+    "check_arguments",
+    "check_body",
+    "check_checkpoint",
+    "check_checkpoint_reach",
+]
 
 _ABORT_REASONS = frozenset(get_args(AbortReason))
 _MAX_DEPTH = 64  # nesting of tool-call arguments; deeper is not a real tool call
@@ -106,10 +112,15 @@ def _assistant(body: AssistantMessage, where: str) -> None:
             raise InvalidInput(at, f"must be a ToolCall, got {type(call).__name__}")
         check_id(call.id, f"{at}.id")
         check_text(call.name, f"{at}.name")
-        if not isinstance(call.arguments, dict):
-            raise InvalidInput(f"{at}.arguments", "must be a dict")
-        _value(call.arguments, f"{at}.arguments", 0)
+        check_arguments(call.arguments, f"{at}.arguments")
     _artifact(body.artifact, body.full_size, where)
+
+
+def check_arguments(arguments: object, what: str) -> None:
+    """A tool call's arguments as every backend can store them: a dict of JSON values."""
+    if not isinstance(arguments, dict):
+        raise InvalidInput(what, "must be a dict")
+    _value(arguments, what, 0)
 
 
 def _tool_result(body: ToolResult, where: str) -> None:
