@@ -1,14 +1,19 @@
 """Shared test setup: quiet structured logs (torpor logs nothing below warning in tests),
-store fixtures, and the one throwaway PostgreSQL cluster of the session."""
+store fixtures, the one throwaway PostgreSQL cluster of the session, and real disk
+faults (a tiny tmpfs that fills up, the immutable attribute)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import os
+import shutil
+import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -91,3 +96,49 @@ async def _backend(request: pytest.FixtureRequest, name: str, tmp_path: Path) ->
     pytest.importorskip("asyncpg")
     database: str = request.getfixturevalue("pg_database")
     return Backend("postgres", await fresh_schema(database))
+
+
+# -- real disk faults -----------------------------------------------------------------
+
+
+@pytest.fixture
+def immutable(tmp_path: Path) -> Iterator[Any]:
+    """``set(paths, on)``: the immutable attribute, which the kernel enforces even for root
+    and even on files already open for writing (chmod stops neither). Skips the test
+    where the filesystem or the process cannot set it."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", probe], capture_output=True).returncode:
+        pytest.skip("cannot set the immutable attribute here (chattr, ext4 and root needed)")
+    subprocess.run([chattr, "-i", probe], check=True)
+    touched: set[Path] = set()
+
+    def set_(paths: list[Path], on: bool) -> None:
+        touched.update(paths)
+        subprocess.run([chattr, "+i" if on else "-i", *map(str, paths)], check=True)
+
+    try:
+        yield set_
+    finally:
+        for path in touched:
+            subprocess.run([chattr, "-i", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (a real filesystem that fills up); skips where mounting is not allowed."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import sqlite3
-import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,30 +114,6 @@ async def test_sqlite_locked_past_the_busy_timeout_then_recovers(tmp_path: Path)
         assert await store.append("c", [UserMessage("after")]) == [head + 1]
 
 
-@pytest.fixture
-def immutable(tmp_path: Path) -> Iterator[Any]:
-    """``set(paths, on)``: the immutable attribute, which the kernel enforces even for root
-    and even on files already open for writing (chmod stops neither). Skips the test
-    where the filesystem or the process cannot set it."""
-    probe = tmp_path / "probe"
-    probe.write_bytes(b"")
-    chattr = shutil.which("chattr")
-    if chattr is None or subprocess.run([chattr, "+i", probe], capture_output=True).returncode:
-        pytest.skip("cannot set the immutable attribute here (chattr, ext4 and root needed)")
-    subprocess.run([chattr, "-i", probe], check=True)
-    touched: set[Path] = set()
-
-    def set_(paths: list[Path], on: bool) -> None:
-        touched.update(paths)
-        subprocess.run([chattr, "+i" if on else "-i", *map(str, paths)], check=True)
-
-    try:
-        yield set_
-    finally:
-        for path in touched:
-            subprocess.run([chattr, "-i", str(path)], capture_output=True)
-
-
 async def test_sqlite_file_turning_read_only_then_writable_again(
     tmp_path: Path, immutable: Any
 ) -> None:
@@ -173,25 +145,6 @@ async def test_sqlite_store_opened_on_a_read_only_file_recovers(
         immutable([path], False)
         # a connection opened read-only stays so: the writer replaced it by itself
         assert await store.append("c", [UserMessage("after")]) == [head + 1]
-
-
-@pytest.fixture
-def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (a real filesystem that fills up); skips where mounting is not allowed."""
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
-    )
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 async def test_sqlite_on_a_filesystem_that_fills_up(tiny_filesystem: Path) -> None:

@@ -187,6 +187,15 @@ class PostgresStore(StoreCore):
             except Exception:
                 pool.terminate()
 
+    @property
+    def unavailable_since(self) -> float | None:
+        """``time.monotonic()`` when writes started failing for want of a writable
+        database (connection lost, read-only, disk full), None while the last write
+        committed (or none failed): a hint that costs nothing, for a caller deciding
+        whether to wait for the store. Writes themselves say so with StoreUnavailable."""
+        writer = self._writer
+        return None if writer is None else writer.unavailable_since
+
     def _write(self) -> GroupCommitWriter:
         if self._writer is None:
             raise StoreError("the store is not open")

@@ -28,7 +28,9 @@ during COMMIT the outcome is unknown, as with any database). The writer then
 drops its connection and opens a fresh one for the next batch, so a session
 that was read-only (``default_transaction_read_only`` is read when a session
 starts) or half-broken is never reused, and writes resume by themselves once
-the server accepts them again.
+the server accepts them again. Those failures (and the reconnections) are logged
+once per episode, then counted (:class:`~torpor.store.episode.Episode`): callers
+retrying while the server is down would otherwise log a line or two each.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import asyncpg
 
 from torpor._logging import get_logger
 from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
+from torpor.store.episode import Episode
 from torpor.store.postgres.batch import BatchStats, run_batch
 from torpor.store.postgres.errors import is_unavailable, store_error
 from torpor.store.postgres.plan import WriteOp
@@ -70,6 +73,16 @@ class GroupCommitWriter:
         self.batches = 0  # committed batches, for stats and tests
         self.largest_batch = 0
         self.stats = BatchStats()
+        self._trouble = Episode(  # batches refused by a database that cannot write
+            log, "group_commit_failed", ongoing="group_commit_still_failing",
+            ended="group_commit_recovered", level="error",
+        )
+
+    @property
+    def unavailable_since(self) -> float | None:
+        """``time.monotonic()`` of the first batch refused since the last commit (None: the
+        last batch committed): the database could not write then, and has not since."""
+        return self._trouble.since
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -117,11 +130,16 @@ class GroupCommitWriter:
             conn = await self._connection(index)
             results = await run_batch(conn, ops, now_ms(), self.stats)
         except Exception as exc:
-            log.error("group_commit_failed", ops=len(ops), error=repr(exc))
             if is_unavailable(exc):
+                self._trouble.fail(ops=len(ops), error=repr(exc))
                 self._drop(index)
+            else:
+                log.error("group_commit_failed", ops=len(ops), error=repr(exc))
             doing = f"group commit of {len(ops)} operations failed"
             results = [Failed(store_error(exc, doing)) for _ in ops]
+        else:
+            if self._trouble.since is not None:
+                self._trouble.succeed()
         self.batches += 1
         self.largest_batch = max(self.largest_batch, len(batch))
         # One debug record per batch (free unless enabled): what serve's metrics read.
@@ -137,7 +155,8 @@ class GroupCommitWriter:
     async def _connection(self, index: int) -> asyncpg.Connection:
         conn = self._connections[index]
         if conn.is_closed():
-            log.warning("writer_reconnect", writer=index)
+            # once per failure episode: while the server is down every batch reconnects
+            (log.debug if self._trouble.active else log.warning)("writer_reconnect", writer=index)
             conn = await self._connect()
             self._connections[index] = conn
         return conn

@@ -35,10 +35,21 @@ how much WAL is in use, which is what the writer reports after every commit.
 The checkpointer never makes a write fail: passive checkpoints take no lock a
 writer waits for, and the blocking ones run only while the writer is held, so
 the writer never meets their lock (writes wait in the queue instead, for at
-most the checkpoint plus ``busy`` seconds of waiting for readers). Its own
-errors are logged and retried later, never raised. When readers keep an old
-snapshot open for longer than ``busy``, a RESTART cannot rewind the WAL; the
-writer is released anyway, and the hard bound is re-armed after ``interval``.
+most the checkpoint plus ``busy`` seconds of waiting for readers). When readers
+keep an old snapshot open for longer than ``busy``, a RESTART cannot rewind the
+WAL; the writer is released anyway, and the hard bound is re-armed after
+``interval``.
+
+**Failures** (a full disk, a read-only or immutable file: a checkpoint that
+raises) are never raised, and never retried at once: the next checkpoint of any
+kind waits ``retry_first`` seconds, doubling after every further failure up to
+``retry_cap``, and the first checkpoint that succeeds resets that. Meanwhile the
+writer is held only for the failing checkpoint itself, so writes go on being
+tried (and refused with StoreUnavailable, or committed) between attempts. The
+failures of one episode are logged once, then counted
+(:class:`~torpor.store.episode.Episode`). An idle TRUNCATE that failed and was
+retried at once, without ever yielding, once held the writer for good: every
+write hung and the log took hundreds of thousands of lines a minute.
 
 Durability is unchanged: commits reach the WAL exactly as before, and the
 checkpointer's connection uses the store's ``synchronous`` level, so a
@@ -59,6 +70,7 @@ import aiosqlite
 
 from torpor._logging import get_logger
 from torpor.errors import ConfigError
+from torpor.store.episode import Episode
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.writer import GroupCommitWriter
 
@@ -77,12 +89,16 @@ class CheckpointPolicy:
     wal_limit: int = 64 * 1024 * 1024  # hard bound on the WAL file, bytes
     idle_after: float = 5.0  # seconds without writes before the WAL is truncated
     busy: float = 0.1  # how long a blocking checkpoint waits for readers
+    retry_first: float = 0.05  # after a failed checkpoint, seconds before the next one
+    retry_cap: float = 5.0  # that wait doubles after every failure, up to this
 
     def __post_init__(self) -> None:
-        for name in ("interval", "idle_after", "busy"):
+        for name in ("interval", "idle_after", "busy", "retry_first", "retry_cap"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not 0 < value <= 3600:
                 raise ConfigError(f"checkpoint {name}", "must be more than 0, at most 3600 seconds")
+        if self.retry_first > self.retry_cap:
+            raise ConfigError("checkpoint retry_first", "must not be more than retry_cap")
         if type(self.wal_limit) is not int or self.wal_limit < 128 * 1024:
             raise ConfigError("wal_limit", "must be at least 128 KiB")
 
@@ -117,12 +133,23 @@ class Checkpointer:
         self._hard_armed_at = 0.0  # a failed rewind re-arms the hard bound after `interval`
         self._holding = False  # the hard bound holds the writer until a rewind
         self._rewinding = False  # a rewind (writer held) is under way
+        self._backoff = 0.0  # the wait after the last failure (0: the last step succeeded)
+        self._retry_at = 0.0  # no checkpoint before this (loop time), after a failure
+        self._failing = Episode(
+            log, "checkpoint_failed", ongoing="checkpoint_still_failing",
+            ended="checkpoint_recovered",
+        )
+        self._pinned = Episode(  # a reader's snapshot kept a rewind from rewinding
+            log, "wal_not_rewound", ongoing="wal_still_not_rewound", ended="wal_rewound"
+        )
         self._wakeup: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # For stats and tests.
         self.checkpoints: dict[str, int] = {"PASSIVE": 0, "RESTART": 0, "TRUNCATE": 0}
         self.rewinds = 0  # RESTART/TRUNCATE checkpoints that rewound the WAL
+        self.attempts = 0  # checkpoints started, failed ones included
+        self.failures = 0  # checkpoints that raised
         self.max_wal_bytes = 0  # the largest WAL file size a commit reported
 
     def start(self) -> None:
@@ -181,6 +208,9 @@ class Checkpointer:
 
     async def _sleep(self, loop: asyncio.AbstractEventLoop, seconds: float | None) -> None:
         if seconds is not None and seconds <= 0:
+            # Yield all the same: a writer released a moment ago must get to run before
+            # this task can hold it again.
+            await asyncio.sleep(0)
             return
         wakeup = self._wakeup = loop.create_future()
         timer = None if seconds is None else loop.call_later(seconds, _resolve, wakeup)
@@ -194,6 +224,12 @@ class Checkpointer:
 
     def _due(self, now: float) -> float | None:
         """Seconds until there is something to do (0: now), None: until a commit says so."""
+        due = self._work(now)
+        if due is not None and self._retry_at > now:  # backing off after a failure
+            due = max(due, self._retry_at - now)
+        return due
+
+    def _work(self, now: float) -> float | None:
         if self._holding:
             return 0.0
         if self._size > self._soft and now >= self._hard_armed_at:
@@ -211,16 +247,37 @@ class Checkpointer:
         try:
             while True:
                 await self._sleep(loop, self._due(loop.time()))
+                if loop.time() < self._retry_at:  # woken by a commit while backing off
+                    continue
+                attempts = self.attempts
                 try:
                     await self._step(loop)
                 except Exception as exc:  # never the writers' problem: log, try again later
-                    log.warning("checkpoint_failed", error=repr(exc))
-                    self._hard_armed_at = loop.time() + self._policy.interval
-                    self._last_passive = loop.time()
+                    self._failed(loop, exc)
+                else:
+                    if self.attempts != attempts:  # a checkpoint ran, and all went well
+                        self._backoff = self._retry_at = 0.0
+                        self._failing.succeed()
         finally:
             if self._holding:
                 self._holding = False
                 self._writer.release()
+
+    def _failed(self, loop: asyncio.AbstractEventLoop, exc: Exception) -> None:
+        """Back off: nothing is tried for a while, longer after every failure in a row."""
+        policy = self._policy
+        now = loop.time()
+        self.failures += 1
+        self._backoff = (
+            min(self._backoff * 2, policy.retry_cap) if self._backoff else policy.retry_first
+        )
+        self._retry_at = now + self._backoff
+        self._hard_armed_at = max(now + policy.interval, self._retry_at)
+        self._last_passive = now
+        if self._holding:  # the hard bound held the writer during a failed passive one:
+            self._holding = False  # let it go, writes must not wait out the back-off
+            self._writer.release()
+        self._failing.fail(error=repr(exc), retry_in=self._backoff)
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
@@ -281,13 +338,15 @@ class Checkpointer:
         if rewound:
             self.rewinds += 1
             self._size = 0
+            self._pinned.succeed(mode=mode)
         else:
             self._hard_armed_at = loop.time() + self._policy.interval
-            log.warning("wal_not_rewound", mode=mode, wal_bytes=self._size)
+            self._pinned.fail(mode=mode, wal_bytes=self._size)
         return rewound
 
     async def _checkpoint(self, mode: Mode) -> bool:
         """Run one checkpoint; whether it copied the whole WAL (and, unless PASSIVE, rewound it)."""
+        self.attempts += 1
         busy, frames, copied = await hop(self._conn, _wal_checkpoint, mode)
         self.checkpoints[mode] += 1
         return busy == 0 and frames == copied

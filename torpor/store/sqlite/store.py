@@ -287,6 +287,15 @@ class SQLiteStore(StoreCore):
             raise StoreError("the store is not open")
         return self._readers
 
+    @property
+    def unavailable_since(self) -> float | None:
+        """``time.monotonic()`` when writes started failing for want of a writable
+        database (disk full, read-only, I/O error, locked), None while the last write
+        committed (or none failed): a hint that costs nothing, for a caller deciding
+        whether to wait for the store. Writes themselves say so with StoreUnavailable."""
+        writer = self._writer
+        return None if writer is None else writer.unavailable_since
+
     def _forget_head(self, conversation_id: str) -> None:
         """Drop the conversation from the writer's head cache (its agent hibernated: the
         next append reads the head again). Not part of EventStore: the runtime looks for it."""

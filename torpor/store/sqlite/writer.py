@@ -19,7 +19,9 @@ When the database cannot write (see :mod:`.errors`), the whole batch fails
 with StoreUnavailable and the writer carries on: the next batch is tried as
 usual, so writes resume by themselves once the condition clears. After the
 errors that can leave the connection itself unable to write (read-only, I/O),
-the store's ``reconnect`` replaces it before the next batch.
+the store's ``reconnect`` replaces it before the next batch. Such failures
+are logged once per episode, then counted (:class:`~torpor.store.episode.Episode`):
+callers that retry while the disk stays full would otherwise log a line each.
 
 **Inline batches.** With ``inline`` (a file store at ``synchronous=NORMAL``, where
 a commit writes to the WAL and syncs nothing), a batch of at most
@@ -61,6 +63,7 @@ import aiosqlite
 from torpor._logging import get_logger
 from torpor.errors import CorruptStore, StoreError, StoreUnavailable
 from torpor.store.commit_queue import CommitQueue, Failed, Pending, deliver
+from torpor.store.episode import Episode
 from torpor.store.prepare import now_ms
 from torpor.store.sqlite.batch import (
     FlushSearchIndex,
@@ -69,7 +72,7 @@ from torpor.store.sqlite.batch import (
     WriteOp,
     run_batch,
 )
-from torpor.store.sqlite.errors import RECONNECT, primary_code, store_error
+from torpor.store.sqlite.errors import RECONNECT, UNAVAILABLE, primary_code, store_error
 from torpor.store.sqlite.hop import post
 from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp
 
@@ -123,6 +126,11 @@ class GroupCommitWriter:
         self._waits: int | None = None
         self._reconnect = reconnect  # None: keep the connection (an in-memory database)
         self._stale = False  # replace the connection before the next batch
+        self._reconnected = False  # in the current failure episode (logged once)
+        self._trouble = Episode(  # batches refused by a database that cannot write
+            log, "group_commit_failed", ongoing="group_commit_still_failing",
+            ended="group_commit_recovered", level="error",
+        )
         self._cache = HeadCache(cache_size)
         # Full-text rows are indexed in bulk once 2,048 wait (or 64 KiB of text). That bulk
         # insert goes to the writer thread (see _light), where the commit it joins takes
@@ -231,6 +239,12 @@ class GroupCommitWriter:
         return self._conn
 
     @property
+    def unavailable_since(self) -> float | None:
+        """``time.monotonic()`` of the first batch refused since the last commit (None: the
+        last batch committed): the database could not write then, and has not since."""
+        return self._trouble.since
+
+    @property
     def search_backlog(self) -> int:
         """Rows written but not yet full-text indexed, as of the last commit."""
         return self._backlog.size[0]
@@ -247,7 +261,9 @@ class GroupCommitWriter:
                     self._conn = await self._reconnect(self._conn)
                     self._stale = False
                     self._waits = None  # a new connection, configured as the first one
-                    log.info("writer_reconnected")
+                    # once per failure episode: a retried write reconnects each time
+                    (log.debug if self._reconnected else log.info)("writer_reconnected")
+                    self._reconnected = True
                 if (
                     self._inline and len(ops) <= INLINE_OPS and not self._threaded
                     and self._light(ops) and self._run_inline(ops, futures, done, started)
@@ -260,7 +276,7 @@ class GroupCommitWriter:
                 self._waits = None  # the job sets the connection's own busy_timeout back
             except BaseException as exc:  # the reconnect or the hand-off failed: tell everyone
                 if isinstance(exc, Exception):
-                    log.error("group_commit_failed", ops=len(ops), error=repr(exc))
+                    self._failed(len(ops), exc)
                 for future in futures:
                     if not future.done():
                         future.set_exception(
@@ -401,6 +417,9 @@ class GroupCommitWriter:
     ) -> None:
         """On the loop: every caller learns its outcome, then the writer task may go on."""
         if error is None:
+            if self._trouble.since is not None:
+                self._trouble.succeed()
+                self._reconnected = False
             self.batches += 1
             if len(futures) > self.largest_batch:
                 self.largest_batch = len(futures)
@@ -412,7 +431,7 @@ class GroupCommitWriter:
                 seconds=time.perf_counter() - started,
             )
         else:
-            log.error("group_commit_failed", ops=len(futures), error=repr(error))
+            self._failed(len(futures), error)
             if isinstance(error, sqlite3.Error) and primary_code(error) in RECONNECT:
                 self._stale = True
         deliver(futures, results)
@@ -421,6 +440,19 @@ class GroupCommitWriter:
         on_commit = self.on_commit
         if on_commit is not None and wal_size >= 0:
             on_commit(wal_size)
+
+
+    def _failed(self, ops: int, error: BaseException) -> None:
+        """Log a batch that failed whole: a database that cannot write once per episode
+        (its callers may retry for as long as it lasts), anything else every time."""
+        if (
+            primary_code(error) in UNAVAILABLE
+            if isinstance(error, sqlite3.Error)
+            else isinstance(_unavailable(error), StoreUnavailable)
+        ):
+            self._trouble.fail(ops=ops, error=repr(error))
+        else:
+            log.error("group_commit_failed", ops=ops, error=repr(error))
 
 
 def _unavailable(exc: BaseException) -> StoreError:
