@@ -56,7 +56,12 @@ _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | 
 }
 _CALL_KEYWORDS = ("exc_info", "stack_info")
 # Frames between torpor's call site and logging: skipped so records name the call site.
-_WRAPPER_FILES = (str(Path(structlog.__file__).parent), __file__)
+# Frames skipped to find a record's caller: structlog, this module, and the store's
+# failure-episode logger (its records belong to the code that reported the failure).
+_WRAPPER_FILES = (
+    str(Path(structlog.__file__).parent), __file__,
+    str(Path(__file__).parent / "store" / "episode.py"),
+)
 
 
 class TorporLogger(structlog.stdlib.BoundLogger):
