@@ -63,13 +63,17 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
     for event in in_turn_order(events):
         body = event.body
         if waiting:  # behind an open turn only user messages can follow
-            if isinstance(body, UserMessage):
+            if isinstance(body, UserMessage) and event.turn > waiting[-1].turn:
                 waiting.append(event)
+            # else: a second message logged under a number already given (older
+            # versions could do that): it belongs to that turn, not to one of its own
             continue
         if isinstance(body, UserMessage):
-            if not finished or event.position in held:
+            if (not finished or event.position in held) and event.turn > turn:
                 waiting.append(event)
                 continue
+            if not finished and event.turn <= turn:
+                continue  # as above: part of the open turn, which it joins in the context
             turn = max(turn, event.turn)
             finished = False
             last_assistant = None

@@ -30,6 +30,7 @@ from torpor.errors import (
     ConfigError,
     InvalidInput,
     RuntimeClosed,
+    StoreUnavailable,
     TurnAborted,
     UnknownConversation,
 )
@@ -323,16 +324,39 @@ class Runtime(MemoryAPI):
 
     async def _ask(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> Any:
         """Post ``request`` to the agent's actor and await its reply (the actor's alone to
-        act on: a caller never changes an agent itself)."""
+        act on: a caller never changes an agent itself).
+
+        While the store cannot write, a request is answered within
+        ``store_retry_deadline`` whatever the agent is doing: one its actor has not
+        taken by then is taken back and refused with ``StoreUnavailable`` (nothing of
+        it was written); one it took is answered by it (a write fails fast).
+        """
         agent.post(request)
         self._registry.unqueue(agent)
         self._supervisor.ensure_running(agent)
+        timer = asyncio.get_running_loop().call_later(
+            self.config.store_retry_deadline, self._overdue, agent, request, reply
+        )
         try:
             return await reply
         except asyncio.CancelledError:
             if agent.mailbox is not None:
                 agent.mailbox.remove(request)
             raise
+        finally:
+            timer.cancel()
+
+    def _overdue(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> None:
+        if reply.done() or self._store is None:
+            return
+        failing = getattr(self._store, "unavailable_since", None)
+        if failing is None and not agent.store_failures:
+            return  # the store writes: the agent is merely slow (a storm, a long revival)
+        if agent.mailbox is not None and agent.mailbox.remove(request):
+            reply.set_exception(StoreUnavailable(
+                f"{agent.id}: the store has not accepted writes for "
+                f"{self.config.store_retry_deadline:g} s; nothing was written"
+            ))
 
     async def resolve(
         self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False
