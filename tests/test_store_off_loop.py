@@ -3,25 +3,31 @@
 An append with more than ``INLINE_TEXT`` characters of text is prepared (token
 count, hints) on a worker thread; appends of the same conversation made
 meanwhile are queued after it, in the order of the calls; other conversations'
-appends commit at once. The token counter here wraps the real one and can hold
-a large text until the test lets it go (a gate, never a sleep), and records the
-thread it ran on.
+appends commit at once. The last test is the issue's own: while a megabyte
+without spaces is logged, another conversation's turn completes. The token
+counter here wraps the real one and can hold a large text until the test lets
+it go (a gate, never a sleep), and records the thread it ran on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import string
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from store_backends import Backend
 
+import torpor
 from torpor.compaction.markers import encode_hints
 from torpor.compaction.tokens import make_token_counter
 from torpor.events import AssistantMessage, Body, UserMessage
+from torpor.runtime import host
 from torpor.store.prepare import INLINE_TEXT
 from torpor.store.protocol import ModelCall
 
@@ -149,3 +155,29 @@ async def test_closing_commits_a_large_append_still_being_prepared(backend: Back
         assert await large == [0]
     async with backend.open() as reopened:
         assert await reopened.head("a") == 0
+
+
+async def test_another_conversation_answers_while_a_megabyte_message_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = GatedCounter()  # the runtime's counter, holding the large text until let go
+    monkeypatch.setattr(host, "make_token_counter", lambda encoding: counter)
+    text = "".join(random.Random(19).choices(string.ascii_letters, k=1_000_000))
+    model = torpor.ScriptedModel.replies("ok", loop=True)
+    try:
+        async with torpor.Runtime(f"sqlite:///{tmp_path / 'rt.db'}", model=model) as rt:
+            await (await rt.send("other", "hello")).result()
+            logging = asyncio.ensure_future(rt.send("big", text))
+            await _entered(counter)  # the megabyte is being counted now
+            answer = await (await rt.send("other", "ping")).result()
+            assert isinstance(answer, AssistantMessage) and answer.text == "ok"
+            assert not logging.done()  # the other turn did not wait for the count
+            assert counter.threads and LOOP_THREAD[0] not in counter.threads
+            counter.release.set()
+            big = await (await logging).result()
+            assert isinstance(big, AssistantMessage) and big.text == "ok"
+            (logged,) = [e for e in await rt.store.read_since("big", 0) if e.kind == "user"]
+            assert logged.body == UserMessage(text)
+            assert logged.tokens == make_token_counter()(UserMessage(text))
+    finally:
+        counter.release.set()
