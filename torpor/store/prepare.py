@@ -77,8 +77,8 @@ __all__ = [
 
 
 INLINE_TEXT = 64 * 1024
-"""Characters of text an append may hold and still be measured on the event loop: about
-10 ms of token counting for natural text, 20 ms for text without spaces."""
+"""Characters of text an append may hold and still be measured on the event loop: 5-7 ms
+of token counting at most (measured on a 2-core VM, natural text and letters alone)."""
 
 
 class OffLoop(Exception):  # a signal between the policy and the store, not an error
