@@ -23,7 +23,7 @@ from torpor.compaction.tokens import (
     aborted_text,
     artifact_note,
     count_cached,
-    get_encoding,
+    leading_text,
 )
 from torpor.events import Aborted, AssistantMessage, Event, ToolCall, ToolResult, UserMessage
 from torpor.llm.protocol import ContextMessage, ToolSpec
@@ -167,12 +167,7 @@ def clip_note(event: Event) -> str:
 
 def clip_text(text: str, keep: int, encoding: str) -> str:
     """The first ``keep`` tokens of ``text``; only a bounded prefix is ever encoded."""
-    enc = get_encoding(encoding)
-    prefix = text[: keep * 8]  # a token is rarely longer than 8 characters
-    tokens = enc.encode_ordinary(prefix)
-    if len(tokens) <= keep:
-        return prefix
-    return enc.decode(tokens[:keep], errors="replace")
+    return leading_text(text[: keep * 8], keep, encoding)  # a token is rarely over 8 characters
 
 
 def calls_text(body: AssistantMessage) -> str:

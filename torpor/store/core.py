@@ -8,11 +8,23 @@ operation is queued for its group commit (``_submit`` and the ``_*_op``
 builders) and how a read helper is run on its connections (``_reading``, with
 the helpers of its ``reads`` module, which share one set of names and
 signatures after the connection).
+
+**Large appends are prepared off the event loop.** Measuring an event (its
+token count above all) costs time in proportion to its text: a megabyte takes
+a few hundred milliseconds, which on the loop would stall every other
+conversation. An append with more than :data:`~torpor.store.prepare.INLINE_TEXT`
+characters of text is prepared on a worker thread instead (the token counter
+hands long texts to tiktoken's core in segments, and the core releases the GIL
+while it encodes), then queued for the group commit. Appends of the same
+conversation made meanwhile wait for it, each queued after the one before, so
+positions follow the order of the calls; other conversations' appends are
+queued at once as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn, Self, cast
 
@@ -43,7 +55,14 @@ from torpor.store.memory import (
     check_ledger_entry,
 )
 from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
-from torpor.store.prepare import AppendPolicy, PreparedAppend, new_artifact_id, now_ms
+from torpor.store.prepare import (
+    INLINE_TEXT,
+    AppendPolicy,
+    OffLoop,
+    PreparedAppend,
+    new_artifact_id,
+    now_ms,
+)
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -88,7 +107,11 @@ class StoreCore:
             hint_extractor=hint_extractor,
             artifact_threshold=artifact_threshold,
             max_event_bytes=max_event_bytes,
+            inline_text=INLINE_TEXT,
         )
+        # Conversations with an append being prepared off the loop, each with a future that
+        # is done once the last of them is queued (see the module docstring).
+        self._deferred: dict[str, asyncio.Future[None]] = {}
         self._reader_count = readers
         self._max_batch = max_batch
 
@@ -187,9 +210,14 @@ class StoreCore:
         it (one frame and one object less per append waiting for its batch)."""
         try:
             prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=key)
+            if self._deferred:  # some conversation's append is being prepared off the loop
+                return self._behind(prepared, with_events, None)
             return self._submit(self._append_op(prepared, with_events))
+        except OffLoop:
+            pass
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
+        return self._off_loop(name, events, turn, head, key, with_events, None)
 
     def _append_audited(
         self, name: str, events: Sequence[Body], turn: int, head: int | None, call: ModelCall
@@ -204,9 +232,96 @@ class StoreCore:
             if call.conversation_id != name:
                 raise InvalidInput("call.conversation_id", f"must be {name!r}")
             prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=None)
+            if self._deferred:
+                return self._behind(prepared, True, call)
             return self._submit(self._append_op(prepared, True, call))
+        except OffLoop:
+            pass
         except Exception as exc:  # raised where it is awaited, as from a coroutine
             return _raising(exc)
+        return self._off_loop(name, events, turn, head, None, True, call)
+
+    # appends prepared off the loop ---------------------------------------------------
+
+    def _off_loop(
+        self, name: str, events: Sequence[Body], turn: int, head: int | None, key: str | None,
+        with_events: bool, audit: ModelCall | None,
+    ) -> Awaitable[Any]:
+        """An append too long to prepare on the loop (:class:`OffLoop`): on a thread."""
+        created = now_ms()  # the time of the call, as for an append prepared at once
+
+        def prepare() -> PreparedAppend:
+            return self._policy.prepare(
+                name, events, turn=turn, expect_head=head, key=key, created=created, inline=False
+            )
+
+        return self._defer(name, prepare, True, with_events, audit)
+
+    def _behind(
+        self, prepared: PreparedAppend, with_events: bool, audit: ModelCall | None
+    ) -> Awaitable[Any]:
+        """Queue an append prepared on the loop, after its conversation's deferred ones."""
+        name = prepared.conversation_id
+        if name not in self._deferred:
+            return self._submit(self._append_op(prepared, with_events, audit))
+        return self._defer(name, lambda: prepared, False, with_events, audit)
+
+    def _defer(
+        self,
+        name: str,
+        prepare: Callable[[], PreparedAppend],
+        threaded: bool,
+        with_events: bool,
+        audit: ModelCall | None,
+    ) -> Awaitable[Any]:
+        """An append queued once ``prepare`` has run (on a thread if ``threaded``) and the
+        conversation's appends deferred before it are queued. A task, so it goes ahead
+        (and lets the appends after it go) whether or not its caller awaits it yet."""
+        previous = self._deferred.get(name)
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._deferred[name] = gate
+        return asyncio.ensure_future(
+            self._deferred_append(name, previous, gate, prepare, threaded, with_events, audit)
+        )
+
+    async def _deferred_append(
+        self,
+        name: str,
+        previous: asyncio.Future[None] | None,
+        gate: asyncio.Future[None],
+        prepare: Callable[[], PreparedAppend],
+        threaded: bool,
+        with_events: bool,
+        audit: ModelCall | None,
+    ) -> Any:
+        try:
+            prepared = await asyncio.to_thread(prepare) if threaded else prepare()
+            if previous is not None:
+                await asyncio.wait((previous,))  # not cancelled with us: others wait on it too
+            # Queued now (SQLite), or at the coroutine's first step, below (PostgreSQL):
+            # either way before the next append of this conversation runs again.
+            committed = self._submit(self._append_op(prepared, with_events, audit))
+        finally:  # refused or cancelled too: the next one still waits for ``previous``
+            self._release(name, gate, previous)
+        return await committed
+
+    def _release(
+        self, name: str, gate: asyncio.Future[None], previous: asyncio.Future[None] | None
+    ) -> None:
+        """Let the conversation's next deferred append go, once ``previous`` is queued."""
+        if previous is not None and not previous.done():
+            previous.add_done_callback(lambda _: self._release(name, gate, None))
+            return
+        if not gate.done():
+            gate.set_result(None)
+        if self._deferred.get(name) is gate:
+            del self._deferred[name]
+
+    async def _settle(self) -> None:
+        """Until every append being prepared off the loop is queued (a closing store
+        commits what it accepted before it closed; these were accepted)."""
+        while self._deferred:
+            await asyncio.wait(list(self._deferred.values()))
 
     async def put_checkpoint(self, checkpoint: Checkpoint) -> None:
         await self._submit(self._checkpoint_op(check_checkpoint(checkpoint)))

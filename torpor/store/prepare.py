@@ -8,6 +8,13 @@ row keeps a preview, the full text goes to an artifact written in the same
 transaction, and full-text search indexes the full text so a string beyond the
 preview is still found.
 
+Measuring a body (its token count, its hints) costs time in proportion to its
+text, up to a few hundred milliseconds for a megabyte. An append whose text is
+longer than ``AppendPolicy.inline_text`` characters is therefore refused here
+with :class:`OffLoop` when prepared on the event loop; the store prepares it
+again on a worker thread (``inline=False``), where nothing is refused for its
+size (see :class:`~torpor.store.core.StoreCore`).
+
 A keyed append also gets a *fingerprint* of its first body (the message the
 key is for), stored with the key, so a retry with the same key is recognised
 as the same request and a reuse of the key for a different message is refused
@@ -17,10 +24,11 @@ as the same request and a reuse of the key for a different message is refused
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -54,7 +62,9 @@ from torpor.store.protocol import HintExtractor, TokenCounter
 __all__ = [
     "MAX_ID_LENGTH",
     "PREVIEW_BYTES",
+    "INLINE_TEXT",
     "AppendPolicy",
+    "OffLoop",
     "PreparedAppend",
     "PreparedEvent",
     "check_conversation_id",
@@ -64,6 +74,18 @@ __all__ = [
     "new_artifact_id",
     "now_ms",
 ]
+
+
+INLINE_TEXT = 64 * 1024
+"""Characters of text an append may hold and still be measured on the event loop: 5-7 ms
+of token counting at most (measured on a 2-core VM, natural text and letters alone)."""
+
+
+class OffLoop(Exception):  # a signal between the policy and the store, not an error
+    """:meth:`AppendPolicy.prepare` on the loop: this append is too long to measure here.
+
+    Never reaches a caller: the store catches it and prepares the append on a thread.
+    """
 
 
 def now_ms() -> int:
@@ -152,8 +174,15 @@ class AppendPolicy:
     hint_extractor: HintExtractor | None = None  # None: no hints stored (NULL)
     artifact_threshold: int = 16 * 1024
     max_event_bytes: int = 1024 * 1024
+    # Longer text (characters, an append's events together) raises OffLoop when prepared
+    # inline; None: never (the policy's own callers), as when nothing measures the text.
+    inline_text: int | None = None
+    _limit: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        measures = self.token_counter is not None or self.hint_extractor is not None
+        limit = self.inline_text if measures and self.inline_text is not None else sys.maxsize
+        object.__setattr__(self, "_limit", limit)
         if type(self.artifact_threshold) is not int or self.artifact_threshold < PREVIEW_BYTES:
             raise ConfigError(
                 "artifact_threshold", f"must be at least {PREVIEW_BYTES} bytes (the preview size)"
@@ -169,7 +198,15 @@ class AppendPolicy:
         turn: int,
         expect_head: int | None,
         key: str | None,
+        created: int = 0,
+        inline: bool = True,
     ) -> PreparedAppend:
+        """The rows of an append, or an error naming what is wrong with it.
+
+        ``created``: the time to stamp (ms since the epoch; 0: now). ``inline``: on the
+        event loop, where an append with more text than ``inline_text`` raises
+        :class:`OffLoop` instead of being measured; False on a thread, where none does.
+        """
         # The plain arguments of most appends pass these tests inline; anything else goes
         # to the named checks, which raise (or pass) exactly as they would have.
         if not (
@@ -193,14 +230,20 @@ class AppendPolicy:
             check_int(expect_head, "expect_head", -1, POSITION_LIMIT)
         if key is not None:
             check_key(key)
-        created = now_ms()
+        if not created:
+            created = now_ms()
+        limit = self._limit if inline else sys.maxsize
         if len(events) == 1:  # most appends: one event, no comprehension
             prepared: tuple[PreparedEvent, ...] = (
-                self._prepare_one(events[0], "events[0]", turn, created),
+                self._prepare_one(events[0], "events[0]", turn, created, limit),
             )
         else:
+            limit //= len(events)  # each its share: the append's text stays within the limit
             prepared = tuple(
-                [self._prepare_one(b, f"events[{i}]", turn, created) for i, b in enumerate(events)]
+                [
+                    self._prepare_one(b, f"events[{i}]", turn, created, limit)
+                    for i, b in enumerate(events)
+                ]
             )
         mark = None
         if key is not None:
@@ -208,7 +251,9 @@ class AppendPolicy:
             mark = fingerprint(first.body if first.artifact_id is None else encode_body(events[0]))
         return PreparedAppend(conversation_id, prepared, expect_head, key, mark)
 
-    def _prepare_one(self, body: Body, where: str, turn: int, created: int) -> PreparedEvent:
+    def _prepare_one(
+        self, body: Body, where: str, turn: int, created: int, limit: int
+    ) -> PreparedEvent:
         check_body(body, where)
         kind = kind_of(body)
         # Of the full body, even if it is clipped below (a user or plain assistant message's
@@ -237,6 +282,8 @@ class AppendPolicy:
             encoded = encode_body(body)
             if len(encoded) > self.max_event_bytes:  # what is left (tool calls) is still too big
                 raise EventTooLarge(len(encoded), self.max_event_bytes)
+        if len(stored_text) > limit:  # measured below in proportion to its length
+            raise OffLoop
         if self.token_counter is None:
             tokens = len(stored_text.encode()) // 4 + 4  # estimate_tokens, text already at hand
         else:

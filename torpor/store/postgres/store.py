@@ -165,6 +165,7 @@ class PostgresStore(StoreCore):
 
     async def close(self) -> None:
         try:
+            await self._settle()  # appends still being prepared off the loop are queued first
             if self._writer is not None:
                 await self._writer.aclose()
         finally:

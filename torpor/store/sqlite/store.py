@@ -251,6 +251,7 @@ class SQLiteStore(StoreCore):
 
     async def close(self) -> None:
         try:
+            await self._settle()  # appends still being prepared off the loop are queued first
             checkpointer, self._checkpointer = self._checkpointer, None
             try:
                 if checkpointer is not None:  # first: it may be holding the writer
