@@ -330,6 +330,15 @@ def _recover(agent: Agent, host: Host, recovery: Recovery) -> None:
         # Store down: requests not yet taken could only fail the same way now, while
         # postponed turns are in the log and run once it writes again.
         _fail_waiting(agent, error, postponed=recovery.final)
+        if not recovery.final and isinstance(error, StoreUnavailable) and agent.postponed:
+            # Their turns cannot run before the log ends the one that broke: their callers
+            # learn why now, not when the store writes again (they run then).
+            blocked = StoreUnavailable(
+                f"{agent.id}: a turn before this one could not be logged ({error}); this"
+                " turn is logged and runs once the store writes again"
+            )
+            for waiting in agent.postponed:
+                waiting.turn._block(blocked)
     if recovery.final:
         if isinstance(error, RuntimeClosed):
             agent.set_state(host, AgentState.STOPPED)
@@ -427,6 +436,8 @@ async def revive(agent: Agent, host: Host) -> None:
                                            detail="found unfinished on revival")])
     agent.unlogged = ""
     agent.store_failures = 0
+    for waiting in agent.postponed or ():
+        waiting.turn._block(None)  # the store writes again: postponed turns will run
     _measure(agent)
     agent.set_state(host, restored.state)
     host.on_revived(agent, time.perf_counter() - started)

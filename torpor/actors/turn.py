@@ -28,6 +28,7 @@ class Turn:
     """
 
     __slots__ = (
+        "_blocked",
         "_error",
         "_outcome",
         "_sub",
@@ -65,6 +66,9 @@ class Turn:
         self._error: BaseException | None = None
         self._traceback: TracebackType | None = None
         self._waiters: list[asyncio.Future[None]] | None = None
+        # Set while a postponed turn cannot run because the store refuses writes: result()
+        # raises it then instead of waiting for the store (it may succeed when called later).
+        self._blocked: BaseException | None = None
 
     def __aiter__(self) -> AsyncIterator[StreamItem]:
         return self._sub.__aiter__()
@@ -72,8 +76,12 @@ class Turn:
     async def result(self) -> AssistantMessage | Suspended:
         """The final message, or the ``Suspended`` this part of the turn stopped at.
 
-        Cancelling this wait cancels only the wait, never the turn.
+        Cancelling this wait cancels only the wait, never the turn. A postponed turn
+        that cannot run while the store refuses writes raises ``StoreUnavailable``: it
+        stays in the log and runs once the store writes again (call again then).
         """
+        if self._blocked is not None and not self.done():
+            raise self._blocked.with_traceback(None)  # shared: no frames piled up on it
         if self._outcome is None and self._error is None:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if self._waiters is None:
@@ -107,6 +115,18 @@ class Turn:
             self._traceback = error.__traceback__
             self._wake()
         self._sub.close(error)
+
+    def _block(self, error: BaseException | None) -> None:
+        """``error``: the turn cannot run for now (its waiters get it, and so does every
+        result() until unblocked); None: it can again."""
+        self._blocked = error
+        if error is None or self.done():
+            return
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_exception(error)
+                waiter.exception()  # a caller that gave up must not leave "never retrieved"
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, None

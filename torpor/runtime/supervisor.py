@@ -140,16 +140,21 @@ class Supervisor:
         else:
             self._crashed(agent, crash)
 
-    def _store_refused(self, agent: Agent, exc: StoreUnavailable, what: str) -> None:
+    def _store_refused(
+        self, agent: Agent, exc: StoreUnavailable, what: str, level: str = "warning"
+    ) -> None:
         """Counted as the store's failure, never as the agent's crash."""
         self._rt._counters.store_failures += 1
-        _log(self._rt, "warning", what, conversation_id=agent.id, error=str(exc))
+        _log(self._rt, level, what, conversation_id=agent.id, error=str(exc))
 
     def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
         """Retry until the store writes again, on a backoff that does not count as crashes:
         the log may owe an Aborted for the turn, and postponed turns wait to run."""
-        self._store_refused(agent, exc, "store unavailable; retrying")
         failures = agent.store_failures + 1
+        # One warning per agent and episode: every retry the store refuses again (each
+        # send cuts the backoff short) is counted, and logged at debug only.
+        self._store_refused(agent, exc, "store unavailable; retrying",
+                            "warning" if failures == 1 else "debug")
         delay = min(
             self._rt.config.backoff_max, self._rt.config.backoff_initial * 2 ** (failures - 1)
         )
