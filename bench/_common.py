@@ -31,7 +31,9 @@ from torpor.cli.common import machine  # noqa: E402
 from torpor.cli.memory import peak_rss_bytes, rss_bytes, settle  # noqa: E402
 
 __all__ = [
+    "LOAD_AT_START",
     "ROOT",
+    "conditions",
     "emit",
     "fresh_db",
     "machine",
@@ -43,6 +45,42 @@ __all__ = [
     "settle",
     "table",
 ]
+
+
+LOAD_AT_START = os.getloadavg()
+"""The host's load average (1, 5, 15 min) as this process started, before it added its own."""
+
+
+def _gauge_work() -> int:
+    # Dicts, small strings, tuples, calls and a sort: the kind of work a torpor turn is made of.
+    table: dict[str, tuple[int, str]] = {}
+    for i in range(50_000):
+        key = f"k{i % 5000}-{i}"
+        table[key] = (i, key.upper())
+    return len(sorted(table.items(), key=lambda kv: kv[1][0] % 977))
+
+
+def host_gauge_ms(runs: int = 7) -> float:
+    """CPU ms of a fixed pure-Python workload, the fastest of ``runs``: how fast this host is.
+
+    The same code doing the same work took 1.5-1.7x the CPU on one host of this workplace
+    as on another (bench/RESULTS.md); published µs are only comparable at a similar gauge.
+    CPU time, not wall time, so other processes' load does not count (beyond what they
+    take from the core's caches).
+    """
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.process_time()
+        _gauge_work()
+        best = min(best, time.process_time() - t0)
+    return round(best * 1000, 1)
+
+
+def conditions() -> dict[str, Any]:
+    """What a figure ran under: the load before and after, and the host's speed."""
+    return {"load_average_at_start": [round(x, 2) for x in LOAD_AT_START],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+            "host_gauge_ms": host_gauge_ms()}
 
 
 def quiet() -> None:
@@ -79,7 +117,8 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
 
 def emit(data: dict[str, Any], tables: Sequence[Table], json_target: str | None) -> None:
     """Tables to stderr when JSON goes to stdout (``--json -``), else to stdout; then JSON."""
-    data = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **data}
+    data = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "conditions": conditions(), **data}
     people = Console(stderr=json_target == "-", highlight=False, width=110)
     for t in tables:
         people.print(t)

@@ -1,4 +1,4 @@
-"""Run the whole benchmark suite at sizes that finish in under ten minutes on two cores.
+"""Run the whole benchmark suite at sizes that finish in about twelve minutes on two cores.
 
 Each benchmark runs back to back in its own subprocess (and each of those
 starts further fresh processes where memory is compared). The figures land in
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, run_json
+from _common import ROOT, conditions, machine, run_json
 from _report import render
 
 BENCH = ROOT / "bench"
@@ -32,7 +32,8 @@ FULL: dict[str, list[str]] = {
                     "--length-agents", "100"],
     "resume": ["--sizes", "100", "1000", "10000", "100000", "--repeats", "5"],
     "storm": ["--agents", "10000", "--history", "20"],
-    "turns": ["--concurrency", "1", "100", "10000", "--duration", "4"],
+    "turns": ["--concurrency", "1", "100", "10000", "--turns", "15000"],
+    "instructions": ["--concurrency", "1", "100", "--turns", "300", "900"],
     "needles": [],
     "assembly": ["--runs", "500"],
     "store_append": [],
@@ -43,7 +44,8 @@ QUICK: dict[str, list[str]] = {
                     "--length-agents", "10"],
     "resume": ["--sizes", "100", "1000", "--repeats", "2"],
     "storm": ["--agents", "300", "--history", "4", "--live-cap", "50"],
-    "turns": ["--concurrency", "1", "50", "--naive", "1", "50", "--duration", "0.5"],
+    "turns": ["--concurrency", "1", "50", "--naive", "1", "50", "--turns", "500"],
+    "instructions": ["--concurrency", "10", "--turns", "20", "40"],
     "needles": ["--sizes", "100,200"],
     "assembly": ["--runs", "20", "--calls", "30"],
     "store_append": ["--single", "200", "--conversations", "50", "--events", "5",
@@ -55,7 +57,10 @@ REDUCED = {
                    "would need ~1.6 GB and two more minutes); tracemalloc runs use 3,000 "
                    "agents (per-agent cost is flat in N); the length sweep uses 100 agents "
                    "per length",
-    "turns": "4 s per concurrency level",
+    "turns": "15,000 timed turns per concurrency level (2 per conversation at 10,000), "
+             "the same work on any host",
+    "instructions": "300 and 900 turns per level, from turns early in a conversation "
+                    "(no fold at 1 conversation)",
     "resume": "5 runs per size (2 above 10,000 events)",
     "assembly": "500 renders per timing (2,000 by default)",
 }
@@ -117,6 +122,7 @@ def main() -> None:
         "machine": machine(),
         "quick": args.quick,
         "total_seconds": round(time.perf_counter() - suite_started, 1),
+        "conditions": conditions(),
         "reduced_for_time": {k: v for k, v in REDUCED.items() if k in args.only},
         "benchmarks": benchmarks,
     }

@@ -6,7 +6,11 @@ context assembly, audit record, fan-out), for 1, 100 and 10,000 conversations
 taking turns concurrently?
 
 Each conversation takes one turn first (activation, not timed), then turns
-back to back for ``--duration`` seconds. The EchoModel (delay 0) is wrapped to
+back to back for ``--duration`` seconds, or (``--turns N``) until the level has taken
+N turns, each of its C conversations ceil(N / C). A duration makes a faster host do
+more turns per conversation, so longer tails and more folds, and a slower one fewer;
+``--turns`` makes every host do the same work (the tails' lengths and the collector's
+runs come out the same), which is what ``run_all.py`` runs. The EchoModel (delay 0) is wrapped to
 time the model's own work, which is subtracted: *overhead per turn* is event
 loop time per turn minus model time; *CPU per turn* is process CPU time (the
 store's writer thread included) per turn. Each concurrency level runs on a
@@ -30,8 +34,18 @@ The WAL file's size is sampled every 20 ms while a level runs (``max_wal_bytes``
 the largest WAL file per minute: is the WAL bounded over a long run? (Only run
 by hand: neither CI nor ``run_all.py`` passes it.)
 
-Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5]
-[--gc-off] [--gc-freeze] [--json FILE]``; ``python bench/turns.py --concurrency 1 --soak 600``.
+Usage: ``python bench/turns.py [--concurrency 1 100 10000] [--naive 1 100] [--duration 5 |
+--turns 15000] [--gc-off] [--gc-freeze] [--json FILE]``;
+``python bench/turns.py --concurrency 1 --soak 600``.
+
+What moves these figures besides torpor's code (measured on two hosts of one workplace,
+the same code, the same work): the host, since the µs per turn scale with its speed
+(105 µs of CPU a turn at 100 conversations on one host, 175 on another, whose pure-Python
+benchmarks were 1.5-1.7x slower too; the output's ``host_gauge_ms`` tells hosts apart),
+and, for the floor alone, how its aiosqlite thread is scheduled: its hand-offs cost the
+most CPU when the other core is idle, so the floor's turn took 43 to 92 µs of CPU back to
+back on one host, and torpor/naive moves with it. ``bench/instructions.py`` counts
+instructions per turn instead, which neither changes.
 
 ``--trace`` (a diagnostic) runs one conversation for ``--duration`` seconds with
 timestamps on every step of every turn, every group-commit batch, checkpoint,
@@ -55,7 +69,7 @@ import gc
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +160,12 @@ class GcGauge:
 
 
 async def level(
-    db: Path, conversations: int, duration: float, *, window: float | None = None,
-    tracer: Tracer | None = None, freeze: bool = False,
+    db: Path, conversations: int, duration: float, *, turns: int | None = None,
+    window: float | None = None, tracer: Tracer | None = None, freeze: bool = False,
 ) -> dict[str, Any]:
     """Turns back to back for ``duration`` seconds; with ``window``, figures per window too.
+
+    ``turns``: instead of a duration, each conversation takes exactly that many turns.
 
     ``tracer``: record what every turn was made of (one conversation only: see --trace).
     """
@@ -166,11 +182,13 @@ async def level(
             gc.collect()
             gc.freeze()
         model.seconds = 0.0
-        deadline = time.perf_counter() + duration
+        more = _more(duration, turns)
 
         async def loop(c: str) -> None:
             nonlocal errors
-            while time.perf_counter() < deadline:
+            taken = 0
+            while more(taken):
+                taken += 1
                 if tracer is not None:
                     tracer.turn_start()
                 t0 = time.perf_counter()
@@ -213,7 +231,7 @@ async def level(
         gauge.sample()
         sample = await rt.admin.inspect(names[0])
     turns = len(latencies)
-    result = {
+    result: dict[str, Any] = {
         "conversations": conversations,
         "turns": turns,
         "seconds": round(elapsed, 3),
@@ -239,6 +257,19 @@ async def _turn(rt: torpor.Runtime, conversation_id: str) -> None:
     await (await rt.send(conversation_id, "ping")).result()
 
 
+def _more(duration: float, turns: int | None) -> Callable[[int], bool]:
+    """Whether a conversation that has taken ``n`` timed turns takes another.
+
+    With ``turns`` every conversation takes that many, whatever the machine's speed, so
+    the work (the tails' lengths, the folds) is the same on any host; else it goes on
+    until ``duration`` seconds from now.
+    """
+    if turns is not None:
+        return lambda n: n < turns
+    deadline = time.perf_counter() + duration
+    return lambda n: time.perf_counter() < deadline
+
+
 NAIVE_SCHEMA = (
     "CREATE TABLE messages (id INTEGER PRIMARY KEY, conversation TEXT NOT NULL, "
     "role TEXT NOT NULL, body TEXT NOT NULL)",
@@ -246,7 +277,9 @@ NAIVE_SCHEMA = (
 )
 
 
-async def naive_level(path: Path, conversations: int, duration: float) -> dict[str, Any]:
+async def naive_level(
+    path: Path, conversations: int, duration: float, turns: int | None = None,
+) -> dict[str, Any]:
     """The floor: what a hand-rolled chat loop does per turn with aiosqlite, nothing else.
 
     One shared aiosqlite connection (WAL, synchronous=NORMAL, like torpor's
@@ -279,10 +312,12 @@ async def naive_level(path: Path, conversations: int, duration: float) -> dict[s
             await db.commit()
 
         await asyncio.gather(*(turn(c) for c in names))  # same warm-up as torpor's activation
-        deadline = time.perf_counter() + duration
+        more = _more(duration, turns)
 
         async def loop(c: str) -> None:
-            while time.perf_counter() < deadline:
+            taken = 0
+            while more(taken):
+                taken += 1
                 t0 = time.perf_counter()
                 await turn(c)
                 latencies.append(time.perf_counter() - t0)
@@ -308,6 +343,9 @@ def main() -> None:
     p.add_argument("--naive", type=int, nargs="*", default=[1, 100], metavar="N",
                    help="concurrency levels at which the naive aiosqlite loop runs too")
     p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--turns", type=int, default=None, metavar="N",
+                   help="instead of --duration: N timed turns per level, each of its C "
+                        "conversations taking ceil(N / C), so every host does the same work")
     p.add_argument("--soak", type=float, metavar="SECONDS", default=None,
                    help="instead: one level of --concurrency (first value) for SECONDS, "
                         "reporting latency and the largest WAL file every minute")
@@ -334,26 +372,27 @@ def main() -> None:
     naive: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="torpor-turns-", dir=args.dir) as tmp:
         for c in args.concurrency:
+            each = None if args.turns is None else -(-args.turns // c)  # turns per conversation
             if c in args.naive:  # the floor first, back to back with torpor's run
                 path = Path(tmp) / f"naive-{c}.db"
-                naive[c] = asyncio.run(naive_level(path, c, args.duration))
+                naive[c] = asyncio.run(naive_level(path, c, args.duration, each))
                 print(f"  {c:,} conversations, naive: {naive[c]['turns_per_second']:,} turns/s",
                       file=sys.stderr)
             db = Path(fresh_db(Path(tmp), f"turns-{c}.db").removeprefix("sqlite:///"))
-            rows.append(asyncio.run(level(db, c, args.duration)))
+            rows.append(asyncio.run(level(db, c, args.duration, turns=each)))
             if args.gc_off:  # the same level again with the cyclic GC off: what it costs
                 db = Path(fresh_db(Path(tmp), f"turns-{c}-nogc.db").removeprefix("sqlite:///"))
                 gc.collect()
                 gc.disable()
                 try:
-                    off = asyncio.run(level(db, c, args.duration))
+                    off = asyncio.run(level(db, c, args.duration, turns=each))
                 finally:
                     gc.enable()
                 rows[-1]["cpu_us_per_turn_gc_off"] = off["cpu_us_per_turn"]
             if args.gc_freeze:  # again, with what was alive after activation frozen
                 db = Path(fresh_db(Path(tmp), f"turns-{c}-frozen.db").removeprefix("sqlite:///"))
                 try:
-                    frozen = asyncio.run(level(db, c, args.duration, freeze=True))
+                    frozen = asyncio.run(level(db, c, args.duration, turns=each, freeze=True))
                 finally:
                     gc.unfreeze()
                 rows[-1]["cpu_us_per_turn_gc_frozen"] = frozen["cpu_us_per_turn"]
@@ -372,6 +411,7 @@ def main() -> None:
     result = {"benchmark": "turns", "params": {"concurrency": args.concurrency,
                                                "naive": args.naive,
                                                "duration": args.duration,
+                                               "turns": args.turns,
                                                "gc_off": args.gc_off,
                                                "gc_freeze": args.gc_freeze}, "levels": rows,
               "targets": {"torpor_over_naive_max": 2.0, "p99_over_p50_max_at_1": 2.0}}
