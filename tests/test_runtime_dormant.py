@@ -1,10 +1,11 @@
 """Dormant agents (issue 9, item 6): hibernated agents kept as rows, rebuilt on demand.
 
-A hibernated agent nothing else refers to leaves the registry's dict for a row of
-the DormantTable; these tests check that the row gives back the same agent (restart
+A hibernated agent nobody holds leaves the registry's dict for a row of the
+DormantTable; these tests check that the row gives back the same agent (restart
 counts, calibration, supervision state), that admin reads it unchanged, that it is
-evicted from there, that a caller holding the agent or a send racing the move keeps
-it an object, and that hibernation drops the SQLite writer's cached head.
+evicted from there, that a caller holding the agent (an explicit count, issue 19: not
+the reference count) or a send racing the move keeps it an object, and that
+hibernation drops the SQLite writer's cached head.
 """
 
 from __future__ import annotations
@@ -110,14 +111,19 @@ async def test_admin_reads_dormant_agents_as_it_read_them_hibernated() -> None:
     async with Runtime("sqlite://", model=EchoModel(), config=QUIET) as rt:
         for c in ("a", "b", "c"):
             await (await rt.send(c, "hi")).result()
-        held = [rt._registry.get(c) for c in ("a", "b", "c")]  # keeps them objects
+        held = [rt._registry.get(c) for c in ("a", "b", "c")]
+        for agent in held:
+            assert agent is not None
+            rt._registry.hold(agent)  # keeps them objects
         for c in ("a", "b", "c"):
             assert await rt.admin.hibernate(c)
         await settle()
         assert len(rt._registry.dormant) == 0
         listed = await rt.admin.agents("hibernated")
         stats = await rt.admin.stats()
-        del held
+        for agent in held:
+            assert agent is not None
+            rt._registry.release(agent)
         rt._registry.rest_hibernated()
         assert len(rt._registry.dormant) == 3
         assert [i.conversation_id for i in await rt.admin.agents("hibernated")] == ["a", "b", "c"]
@@ -194,16 +200,39 @@ async def test_a_send_racing_the_move_to_dormant_keeps_the_agent_whole() -> None
         assert info.turn == 2 and info.head == 3 and info.live
 
 
-async def test_an_agent_someone_holds_stays_an_object_until_let_go() -> None:
+async def test_an_agent_someone_holds_stays_an_object_until_the_last_holder_lets_go() -> None:
+    async with Runtime("sqlite://", model=EchoModel(), config=QUIET) as rt:
+        await (await rt.send("c", "one")).result()
+        registry = rt._registry
+        agent = registry.get("c")
+        assert agent is not None
+        registry.hold(agent)
+        with registry.holding(agent):  # two holders
+            assert await rt.admin.hibernate("c")
+            await settle()
+            assert registry.agents.get("c") is agent and len(registry.dormant) == 0
+        await settle()
+        assert registry.agents.get("c") is agent and len(registry.dormant) == 0  # one left
+        await rt.admin.sweep()  # the sweep's retry leaves a held agent alone too
+        assert registry.agents.get("c") is agent and len(registry.dormant) == 0
+        registry.release(agent)
+        await settle()  # the last release lets it go dormant, without waiting for a sweep
+        assert "c" not in registry.agents and "c" in registry.dormant
+        assert registry.get("c") is not agent  # rebuilt: a new object, the same agent
+        assert record(rt, "c")["turn"] == 1
+
+
+async def test_a_reference_alone_does_not_keep_an_agent_from_going_dormant() -> None:
+    # Dormancy counts holders, not references (sys.getrefcount is no promise of CPython's):
+    # a reference nobody declared, like this local, does not count.
     async with Runtime("sqlite://", model=EchoModel(), config=QUIET) as rt:
         await (await rt.send("c", "one")).result()
         agent = rt._registry.get("c")
+        assert agent is not None
         assert await rt.admin.hibernate("c")
         await settle()
-        assert rt._registry.agents.get("c") is agent and len(rt._registry.dormant) == 0
-        del agent
-        await rt.admin.sweep()  # the sweep retries
         assert "c" not in rt._registry.agents and "c" in rt._registry.dormant
+        assert agent.id == "c"  # still referred to here
 
 
 async def test_hibernation_drops_the_writer_head_cache_and_appends_stay_dense(

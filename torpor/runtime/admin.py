@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -19,20 +19,28 @@ from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import CorruptEvent, InvalidInput, UnknownConversation
 from torpor.events import Parked, Unparked
+from torpor.runtime.ports import Stored
 from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
 from torpor.store.protocol import ModelCall
 from torpor.text import check_id
 
 if TYPE_CHECKING:
-    from torpor.actors.agent import Agent
-    from torpor.runtime.embedding import EmbeddingStats
-    from torpor.runtime.host import Runtime
+    import asyncio
+    from collections.abc import Collection
+
+    from torpor.actors.agent import Agent, Profile
+    from torpor.runtime.admission import Admission
+    from torpor.runtime.embedding import EmbeddingStats, EmbeddingWorker
+    from torpor.runtime.hosting import AgentHost
     from torpor.runtime.memory_api import MemoryView
+    from torpor.runtime.ports import Gate
+    from torpor.runtime.registry import Registry
     from torpor.runtime.spawn import Branch
+    from torpor.runtime.stats import Counters, Watchers
     from torpor.store.protocol import PendingApproval
 
-__all__ = ["Admin", "AgentInfo", "RenderedCall", "RuntimeStats"]
+__all__ = ["Admin", "Administered", "AgentInfo", "Caretaker", "RenderedCall", "RuntimeStats"]
 
 
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,11 +95,64 @@ class RenderedCall(msgspec.Struct, frozen=True):
     matches: bool
 
 
-class Admin:
-    __slots__ = ("_rt",)
+class Caretaker(Protocol):
+    """The lifecycle as an operator drives it (``Lifecycle``)."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
+    def hibernate(self, agent: Agent, done: asyncio.Future[bool] | None = None) -> bool: ...
+
+    def evict(self, agent: Agent) -> bool: ...
+
+    def sweep(self, now: float) -> tuple[int, int]: ...
+
+
+class Supervised(Protocol):
+    """The supervisor as the stats count it (``Supervisor``)."""
+
+    @property
+    def tasks(self) -> Collection[asyncio.Task[Any]]: ...
+
+
+class Administered(Stored, Protocol):
+    """What admin needs of the runtime beyond its parts: what only exists while it runs
+    (the cluster gate, the embedding worker), profiles and derived memory."""
+
+    @property
+    def gate(self) -> Gate | None: ...
+
+    @property
+    def embedding(self) -> EmbeddingWorker | None: ...
+
+    def profile_for(self, conversation_id: str) -> Profile: ...
+
+    async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView: ...
+
+
+class Admin:
+    __slots__ = (
+        "_admission", "_counters", "_host", "_lifecycle", "_registry", "_runtime", "_supervisor",
+        "_watchers",
+    )
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        counters: Counters,
+        watchers: Watchers,
+        host: AgentHost,
+        admission: Admission,
+        supervisor: Supervised,
+        lifecycle: Caretaker,
+        runtime: Administered,
+    ) -> None:
+        self._registry = registry
+        self._counters = counters
+        self._watchers = watchers
+        self._host = host
+        self._admission = admission
+        self._supervisor = supervisor
+        self._lifecycle = lifecycle
+        self._runtime = runtime
 
     def _info(self, agent: Agent, *, detail: bool) -> AgentInfo:
         now = time.monotonic()
@@ -127,7 +188,7 @@ class Admin:
         wanted = None if state is None else str(state)
         return [
             self._info(agent, detail=False)
-            for agent in self._rt._registry
+            for agent in self._registry
             if wanted is None or str(agent.state) == wanted
             or (wanted == "hibernated" and agent.hibernated)
         ]
@@ -135,10 +196,10 @@ class Admin:
     async def inspect(self, conversation_id: str) -> AgentInfo:
         """One agent in detail; an evicted one is read from the store, not revived."""
         check_id(conversation_id)
-        agent = self._rt._registry.get(conversation_id)
+        agent = self._registry.get(conversation_id)
         if agent is not None:
             return self._info(agent, detail=True)
-        resume = await self._rt.store.resume(conversation_id)
+        resume = await self._runtime.store.resume(conversation_id)
         if resume.head is None:
             raise UnknownConversation(conversation_id)
         restored = restore(resume.events)
@@ -170,8 +231,7 @@ class Admin:
 
     async def stats(self) -> RuntimeStats:
         """Counts by state and the runtime's counters, from memory."""
-        rt = self._rt
-        registry = rt._registry
+        registry = self._registry
         states = registry.states()
         hibernated, with_ws = len(registry.dormant), 0
         for agent in registry.held():
@@ -179,18 +239,18 @@ class Admin:
                 with_ws += 1
             elif agent.hibernated:
                 hibernated += 1
-        samples = list(rt._counters.revival_seconds)
+        c = self._counters
+        samples = list(c.revival_seconds)
         p50 = percentile(samples, 50)
         p99 = percentile(samples, 99)
-        c = rt._counters
-        wait50, wait99 = rt._admission.wait_percentiles()
+        wait50, wait99 = self._admission.wait_percentiles()
         return RuntimeStats(
             states=states,
-            live=len(rt._registry),
+            live=len(registry),
             hibernated=hibernated,
             with_working_set=with_ws,
-            tasks=len(rt._supervisor.tasks),
-            working_set_bytes=rt._host.ws_total,
+            tasks=len(self._supervisor.tasks),
+            working_set_bytes=self._host.ws_total,
             activations=c.activations,
             revivals=c.revivals,
             hibernations=c.hibernations,
@@ -199,7 +259,7 @@ class Admin:
             restarts=c.restarts,
             parks=c.parks,
             store_failures=c.store_failures,
-            queued=len(rt._admission),
+            queued=len(self._admission),
             queue_wait_p50_ms=None if wait50 is None else wait50 * 1000,
             queue_wait_p99_ms=None if wait99 is None else wait99 * 1000,
             abandoned=c.abandoned,
@@ -214,29 +274,29 @@ class Admin:
         Use as ``with rt.admin.watch() as w: async for t in w: ...``; it is
         registered at once, so nothing between this call and the first read is lost.
         """
-        return self._rt._watchers.watch(bound)
+        return self._watchers.watch(bound)
 
     async def hibernate(self, conversation_id: str) -> bool:
         """Drop an idle agent's working set now. False if it is busy or not in memory."""
-        agent = self._rt._registry.get(conversation_id)
+        agent = self._registry.get(conversation_id)
         if agent is None:
             return False
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if not self._rt._lifecycle.hibernate(agent, done):
+        if not self._lifecycle.hibernate(agent, done):
             return False
         return await done  # the agent does it when it takes the request
 
     async def evict(self, conversation_id: str) -> bool:
         """Forget an idle agent now (the log keeps everything). False if it cannot be."""
-        agent = self._rt._registry.get(conversation_id)
+        agent = self._registry.get(conversation_id)
         if agent is None:
             return False
-        lifecycle = self._rt._lifecycle
+        lifecycle = self._lifecycle
         if agent.ws is not None and not lifecycle.hibernate(agent) and agent.busy:
             return False
         evicted = lifecycle.evict(agent)
-        if evicted and self._rt._admission:
-            self._rt._admission.admit()  # the slot goes to a conversation waiting for one
+        if evicted and self._admission:
+            self._admission.admit()  # the slot goes to a conversation waiting for one
         return evicted
 
     async def sweep(self, now: float | None = None) -> tuple[int, int]:
@@ -245,19 +305,19 @@ class Admin:
         Returns (hibernated, evicted). The runtime sweeps on its own every
         ``sweep_every`` seconds; this is for operators and tests.
         """
-        return self._rt._lifecycle.sweep(time.monotonic() if now is None else now)
+        return self._lifecycle.sweep(time.monotonic() if now is None else now)
 
     async def cluster(self) -> ClusterView | None:
         """On a cluster node: its shards and their epochs, the members and the lease table,
         read from the database now. None when the runtime is not a node of a cluster."""
-        gate = self._rt._cluster
-        return None if gate is None else await gate.member.view()
+        gate = self._runtime.gate
+        return None if gate is None else await gate.view()
     async def branches(self, conversation_id: str) -> Branch:
         """The sub-agent tree around a conversation: the call it answers (if it is a
         child) and its children, recursively, with each task's status. From the logs;
         wakes no agent."""
         check_id(conversation_id)
-        return await branch_tree(self._rt.store, conversation_id)
+        return await branch_tree(self._runtime.store, conversation_id)
 
     async def embed(self) -> EmbeddingStats | None:
         """Run a pass of the embedding worker now (hybrid recall) and return its stats.
@@ -266,7 +326,7 @@ class Admin:
         ``embed_interval`` seconds; this is for operators, tests and benchmarks
         that need the vectors caught up with the log at a known moment.
         """
-        worker = self._rt._embedding
+        worker = self._runtime.embedding
         if worker is None:
             return None
         await worker.catch_up()
@@ -284,33 +344,31 @@ class Admin:
             raise InvalidInput("limit", f"must be an int from 1 to 10000, got {limit!r}")
         if after is not None:
             check_id(after, "after")
-        return await self._rt.store.pending(after=after, limit=limit)
+        return await self._runtime.store.pending(after=after, limit=limit)
 
     async def unpark(self, conversation_id: str) -> bool:
         """Let a parked agent run again (logged as ``Unparked``). False if it was not parked."""
-        rt = self._rt
         check_id(conversation_id)
-        agent = rt._registry.get(conversation_id)
+        agent = self._registry.get(conversation_id)
         if agent is not None and agent.state is not AgentState.PARKED:
             return False
         if agent is None:
-            resume = await rt.store.resume(conversation_id)
+            resume = await self._runtime.store.resume(conversation_id)
             if restore(resume.events).state is not AgentState.PARKED:
                 return False
         turn = agent.turn if agent is not None else 0
-        events = await rt.store.append_events(conversation_id, [Unparked()], turn=turn)
-        rt._host.publish(conversation_id, events)
+        events = await self._runtime.store.append_events(conversation_id, [Unparked()], turn=turn)
+        self._host.publish(conversation_id, events)
         if agent is not None:
-            rt._registry.remove(agent)
-            rt._host.transition(agent, AgentState.PARKED, AgentState.EVICTED)
+            self._registry.remove(agent)
+            self._host.transition(agent, AgentState.PARKED, AgentState.EVICTED)
         return True
 
     async def rendered(self, conversation_id: str, call: int | ModelCall = -1) -> RenderedCall:
         """Rebuild exactly what a model call was sent (from the log and its recipe)."""
-        rt = self._rt
         check_id(conversation_id)
         if isinstance(call, int):
-            calls = await rt.store.model_calls(conversation_id, limit=1_000_000)
+            calls = await self._runtime.store.model_calls(conversation_id, limit=1_000_000)
             if not calls:
                 raise UnknownConversation(f"{conversation_id}: no model calls recorded")
             try:
@@ -330,9 +388,9 @@ class Admin:
             raise CorruptEvent(
                 conversation_id, -1, f"recipe of model call of turn {record.turn}: {exc}"
             ) from None
-        profile = rt._profile_for(conversation_id)
+        profile = self._runtime.profile_for(conversation_id)
         rendered = await rebuild_rendered(
-            rt.store,
+            self._runtime.store,
             conversation_id,
             recipe,
             profile.config.system_prompt,
@@ -344,4 +402,4 @@ class Admin:
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
         """A conversation's derived memory (items, ledger, digest), from the store alone:
         never wakes the agent."""
-        return await self._rt.memory(conversation_id, max_lines=max_lines)
+        return await self._runtime.memory(conversation_id, max_lines=max_lines)

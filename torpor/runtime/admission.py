@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
@@ -27,16 +27,46 @@ from torpor.events import UserMessage
 from torpor.runtime.stats import Samples, percentile
 
 if TYPE_CHECKING:
-    from torpor.runtime.host import Runtime
+    from torpor.actors.agent import Profile
+    from torpor.runtime.config import RuntimeConfig
+    from torpor.runtime.hosting import AgentHost
+    from torpor.runtime.ports import Starter
+    from torpor.runtime.registry import Registry
+    from torpor.runtime.stats import Counters
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Admitting"]
+
+
+class Admitting(Protocol):
+    """What admission needs of the runtime: room under the cap, and a newcomer's profile."""
+
+    def shed_agents(self, *, keep: Agent | None, below: int | None = None) -> None: ...
+
+    def profile_for(self, conversation_id: str) -> Profile: ...
 
 
 class Admission:
-    __slots__ = ("_rt", "admitted", "queue", "since", "waits")
+    __slots__ = (
+        "_config", "_counters", "_host", "_registry", "_runtime", "_supervisor", "admitted",
+        "queue", "since", "waits",
+    )
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        registry: Registry,
+        counters: Counters,
+        host: AgentHost,
+        supervisor: Starter,
+        runtime: Admitting,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._counters = counters
+        self._host = host
+        self._supervisor = supervisor
+        self._runtime = runtime
         self.queue: OrderedDict[str, Agent] = OrderedDict()  # arrival order
         self.since: dict[str, float] = {}  # monotonic time each entered the queue
         self.waits = Samples(4096)  # seconds from queue to slot
@@ -45,29 +75,30 @@ class Admission:
     def __len__(self) -> int:
         return len(self.queue)
 
+    def queued(self) -> int:
+        return len(self.queue)
+
     def must_wait(self, conversation_id: str) -> bool:
         """Whether a conversation not in memory has to queue for a slot now."""
-        rt = self._rt
         if conversation_id in self.queue:
             return True
         if self.queue:
             self.admit()  # free slots go to those already waiting first
             if self.queue:
                 return True  # fair: nobody overtakes them
-        cap = rt.config.max_live_agents
-        if len(rt._registry) >= cap:
-            rt._lifecycle.shed_agents(keep=None, below=cap)
-        return len(rt._registry) >= cap
+        cap = self._config.max_live_agents
+        if len(self._registry) >= cap:
+            self._runtime.shed_agents(keep=None, below=cap)
+        return len(self._registry) >= cap
 
     def waiting(self, conversation_id: str) -> Agent:
         """The queued record of a conversation (made on its first message)."""
         agent = self.queue.get(conversation_id)
         if agent is None:
-            rt = self._rt
-            agent = Agent(conversation_id, rt._profile_for(conversation_id))
+            agent = Agent(conversation_id, self._runtime.profile_for(conversation_id))
             self.queue[conversation_id] = agent
             self.since[conversation_id] = time.monotonic()
-            rt._counters.activations += 1
+            self._counters.activations += 1
         return agent
 
     def take(self, conversation_id: str) -> Agent | None:
@@ -77,27 +108,31 @@ class Admission:
             self._admit(agent)
         return agent
 
+    def drop(self, conversation_id: str) -> Agent | None:
+        """Out of the queue for good, not admitted (its shard moved to another node)."""
+        self.since.pop(conversation_id, None)
+        return self.queue.pop(conversation_id, None)
+
     def admit(self) -> None:
         """Give free slots to the queue's head, evicting idle agents to make them."""
-        rt = self._rt
-        cap = rt.config.max_live_agents
+        registry = self._registry
+        cap = self._config.max_live_agents
         while self.queue:
-            if len(rt._registry) >= cap:
-                rt._lifecycle.shed_agents(keep=None, below=cap)
-                if len(rt._registry) >= cap:
+            if len(registry) >= cap:
+                self._runtime.shed_agents(keep=None, below=cap)
+                if len(registry) >= cap:
                     return
             _, agent = self.queue.popitem(last=False)
             self._admit(agent)
 
     def _admit(self, agent: Agent) -> None:
-        rt = self._rt
         started = self.since.pop(agent.id, None)
         if started is not None:
             self.waits.append(time.monotonic() - started)
         self.admitted += 1
-        rt._registry.add(agent)
-        rt._host.transition(agent, AgentState.QUEUED, agent.state)
-        rt._supervisor.ensure_running(agent)
+        self._registry.add(agent)
+        self._host.transition(agent, AgentState.QUEUED, agent.state)
+        self._supervisor.ensure_running(agent)
 
     def wait_percentiles(self) -> tuple[float | None, float | None]:
         samples = list(self.waits)
@@ -105,8 +140,8 @@ class Admission:
 
     async def send(self, agent: Agent, text: str, key: str | None) -> Turn:
         """Log a message for a queued conversation; its turn runs once it has a slot."""
-        rt = self._rt
-        store = rt.store
+        host = self._host
+        store = host.store
         if agent.lock is None:
             agent.lock = WriteLock()
         with anyio.CancelScope(shield=True):  # once written, it must be answered
@@ -115,9 +150,9 @@ class Admission:
                     # Where the conversation stands, without reading its working set:
                     # postponed input sits near the head, within the mailbox bound.
                     # Under the revival cap, so a storm holds few such reads at once.
-                    async with rt._host.revival_slot():
+                    async with host.revival_slot():
                         recent = await store.page_backward(
-                            agent.id, None, rt.config.mailbox_bound + 2
+                            agent.id, None, self._config.mailbox_bound + 2
                         )
                     if recent:
                         agent.head = recent[0].position
@@ -128,10 +163,10 @@ class Admission:
                 )
                 event = events[0]
                 if event.turn != number:  # an idempotent retry of an earlier send
-                    return await replayed_turn(agent, rt._host, event.position, event.turn)
+                    return await replayed_turn(agent, host, event.position, event.turn)
                 agent.head = event.position
-                rt._host.publish(agent.id, events)
-                hub = StreamHub(rt._host.followers(agent.id))
+                host.publish(agent.id, events)
+                hub = StreamHub(host.followers(agent.id))
                 turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
                 if agent.postponed is None:
                     agent.postponed = []

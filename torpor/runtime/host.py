@@ -48,13 +48,14 @@ from torpor.runtime.registry import Registry
 from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
-from torpor.runtime.task import TaskHandle
+from torpor.runtime.task import TaskCards, TaskHandle
 from torpor.store import open_store
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.url import parse_store_url
 from torpor.text import check_id, check_text
 
 if TYPE_CHECKING:
+    from torpor.runtime.memory_api import MemoryView
     from torpor.runtime.sharding import ShardGate
 
 __all__ = ["Runtime"]
@@ -121,18 +122,38 @@ class Runtime(MemoryAPI):
         self.model: Model = model if model is not None else EchoModel()
         self.config = config if config is not None else RuntimeConfig()
         self.agent_config = agent if agent is not None else AgentConfig()
-        self.admin = Admin(self)
         self._agent_for = agent_for
         self._encoding = encoding
         self._log: Any = get_logger("torpor.runtime")
         self._registry = Registry()
         self._counters = Counters()
         self._watchers = Watchers()
-        self._host = AgentHost(self, self.model, self._log)
+        # The parts get the parts they use, and what only the runtime answers through
+        # `inside` (typed by each part's protocol): none of them sees the Runtime.
+        inside = _Inside(self)
+        self._host = AgentHost(
+            self.model, self._log, config=self.config, registry=self._registry,
+            watchers=self._watchers, counters=self._counters, runtime=inside,
+        )
         self._supervisor = Supervisor(self)
         self._lifecycle = Lifecycle(self)
-        self._admission = Admission(self)
-        self._branches = Branches(self)
+        self._admission = Admission(
+            config=self.config, registry=self._registry, counters=self._counters,
+            host=self._host, supervisor=self._supervisor, runtime=inside,
+        )
+        self._branches = Branches(
+            self, conversations=inside, registry=self._registry, supervisor=self._supervisor,
+            log=self._log,
+        )
+        self._cards = TaskCards(
+            conversations=inside, host=self._host, registry=self._registry,
+            supervisor=self._supervisor,
+        )
+        self.admin = Admin(
+            registry=self._registry, counters=self._counters, watchers=self._watchers,
+            host=self._host, admission=self._admission, supervisor=self._supervisor,
+            lifecycle=self._lifecycle, runtime=inside,
+        )
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
@@ -150,7 +171,12 @@ class Runtime(MemoryAPI):
             if self._node is not None:
                 from torpor.runtime.sharding import ShardGate  # needs asyncpg: only for nodes
 
-                gate = ShardGate(self, self._node)
+                gate = ShardGate(
+                    self.store_url, self._node, config=self.config, registry=self._registry,
+                    counters=self._counters, watchers=self._watchers, host=self._host,
+                    admission=self._admission, supervisor=self._supervisor,
+                    branches=self._branches,
+                )
             self._store = await stack.enter_async_context(
                 open_store(
                     self.store_url,
@@ -185,7 +211,7 @@ class Runtime(MemoryAPI):
                 stack.push_async_callback(_cancel_and_wait, consolidator)
             if gate is not None:  # joins now; on exit hands its shards off before agents stop
                 self._cluster = await stack.enter_async_context(gate)
-            self._branches.start()  # sub-agent links a previous run left open
+            self._branches.start(self._cluster)  # sub-agent links a previous run left open
             stack.push_async_callback(self._branches.stop)
         except BaseException:
             await stack.aclose()
@@ -515,7 +541,7 @@ class Runtime(MemoryAPI):
         (see README "The task card")."""
         self._check_open()
         check_id(conversation_id)
-        return TaskHandle(self, conversation_id)
+        return TaskHandle(self._cards, conversation_id)
 
     async def recall(
         self,
@@ -557,3 +583,64 @@ class Runtime(MemoryAPI):
         if last < first:
             raise InvalidInput("end", f"must be >= start ({first}), got {last}")
         return await expand_events(self.store, conversation_id, first, last)
+
+
+class _Inside:
+    """The runtime as its parts see it: what only the runtime answers, for the protocols of
+    ``torpor.runtime.ports``, ``admission.Admitting``, ``admin.Administered`` and
+    ``hosting.Hosting``.
+
+    Not the Runtime itself, whose public face stays its public API. It also breaks the
+    cycle among the agents' host, the lifecycle and the admission queue (each calls the
+    others, so none can be handed the others when it is made): those calls go through
+    here, to whichever the runtime holds when they are made.
+    """
+
+    __slots__ = ("_rt",)
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+
+    @property
+    def store(self) -> EventStore:
+        return self._rt.store
+
+    @property
+    def gate(self) -> ShardGate | None:
+        return self._rt._cluster
+
+    @property
+    def stopping(self) -> bool:
+        return self._rt._supervisor.stopping
+
+    @property
+    def embedding(self) -> EmbeddingWorker | None:
+        return self._rt._embedding
+
+    def check_open(self) -> None:
+        self._rt._check_open()
+
+    def profile_for(self, conversation_id: str) -> Profile:
+        return self._rt._profile_for(conversation_id)
+
+    def agent(self, conversation_id: str) -> Agent:
+        return self._rt._agent(conversation_id)
+
+    async def known(self, conversation_id: str) -> Agent | None:
+        return await self._rt._known(conversation_id)
+
+    async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
+        return await self._rt.memory(conversation_id, max_lines=max_lines)
+
+    # -- ports.Room and ports.Queue --------------------------------------------------------
+    def shed_agents(self, *, keep: Agent | None, below: int | None = None) -> None:
+        self._rt._lifecycle.shed_agents(keep=keep, below=below)
+
+    def shed_memory(self, *, keep: Agent) -> None:
+        self._rt._lifecycle.shed_memory(keep=keep)
+
+    def queued(self) -> int:
+        return self._rt._admission.queued()
+
+    def admit(self) -> None:
+        self._rt._admission.admit()

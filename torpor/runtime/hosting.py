@@ -10,12 +10,13 @@ deadline (the runtime takes the task over). Those hooks live here, so that
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.state import AgentState, checked
 from torpor.actors.stream import Follower
 from torpor.actors.watchdog import ModelWatchdog
 from torpor.events import Event
+from torpor.runtime.ports import Queue, Room, Stored
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -24,24 +25,49 @@ if TYPE_CHECKING:
     from torpor.actors.agent import Agent
     from torpor.compaction.fusion import HybridRecall
     from torpor.llm.protocol import Model
-    from torpor.runtime.host import Runtime
+    from torpor.runtime.config import RuntimeConfig
+    from torpor.runtime.registry import Registry
+    from torpor.runtime.stats import Counters, Watchers
     from torpor.store.protocol import EventStore
 
-__all__ = ["AgentHost"]
+__all__ = ["AgentHost", "Hosting"]
 
 _BUSY_STATES = (AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING)
+
+
+class Hosting(Stored, Room, Queue, Protocol):
+    """What the host needs of the runtime: its store, room once an agent idles, and
+    whether it is stopping (its agents then end their postponed turns in the log)."""
+
+    @property
+    def stopping(self) -> bool: ...
 
 
 class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
 
     __slots__ = (
-        "_rt", "abandoned", "followers_by_id", "hybrid", "log", "model", "poke_embedding",
-        "revivals", "watchdog", "ws_total",
+        "_config", "_counters", "_registry", "_runtime", "_watchers", "abandoned",
+        "followers_by_id", "hybrid", "log", "model", "poke_embedding", "revivals", "watchdog",
+        "ws_total",
     )
 
-    def __init__(self, runtime: Runtime, model: Model, log: Any) -> None:
-        self._rt = runtime
+    def __init__(
+        self,
+        model: Model,
+        log: Any,
+        *,
+        config: RuntimeConfig,
+        registry: Registry,
+        watchers: Watchers,
+        counters: Counters,
+        runtime: Hosting,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._watchers = watchers
+        self._counters = counters
+        self._runtime = runtime
         self.model = model
         self.log = log
         self.revivals: asyncio.Semaphore | None = None
@@ -54,7 +80,7 @@ class AgentHost:
 
     @property
     def store(self) -> EventStore:
-        return self._rt.store
+        return self._runtime.store
 
     def revival_slot(self) -> AbstractAsyncContextManager[None]:
         assert self.revivals is not None
@@ -63,47 +89,45 @@ class AgentHost:
     # -- state ---------------------------------------------------------------------
     def on_state(self, agent: Agent, old: AgentState, new: AgentState) -> None:
         if new in _BUSY_STATES:
-            self._rt._registry.unqueue(agent)
+            self._registry.unqueue(agent)
         self.transition(agent, old, new)
 
     def transition(self, agent: Agent, old: AgentState, new: AgentState) -> None:
         """Report a transition to the watchers: one the table declares, or InvalidTransition."""
         checked(agent.id, old, new)
-        watchers = self._rt._watchers
+        watchers = self._watchers
         if watchers:
             watchers.publish(agent.id, str(old), str(new))
 
     def on_hibernated(self, agent: Agent) -> None:
-        rt = self._rt
         self.forget_bytes(agent)
-        forget = getattr(rt._store, "_forget_head", None)
+        forget = getattr(self._runtime.store, "_forget_head", None)
         if forget is not None:  # the store's cached head of the conversation: not kept
             forget(agent.id)
-        if rt._registry.agents.get(agent.id) is not agent:
+        if self._registry.agents.get(agent.id) is not agent:
             return  # evicted: already reported, and no longer queued anywhere
         agent.report(self, AgentState.HIBERNATED)
-        rt._registry.queue_hibernated(agent)
+        self._registry.queue_hibernated(agent)
 
     def on_dropped(self, agent: Agent) -> None:
         self.forget_bytes(agent)
 
     @property
     def draining(self) -> bool:
-        return self._rt._supervisor.stopping
+        return self._runtime.stopping
 
     @property
     def restart_window(self) -> float:
-        return self._rt.config.restart_window
+        return self._config.restart_window
 
     def on_revived(self, agent: Agent, seconds: float) -> None:
-        counters = self._rt._counters
+        counters = self._counters
         counters.revivals += 1
         counters.revival_seconds.append(seconds)
         self.account(agent)
 
     def on_idle(self, agent: Agent) -> None:
-        rt = self._rt
-        registry = rt._registry
+        registry, config, room = self._registry, self._config, self._runtime
         self.account(agent)
         if registry.get(agent.id) is not agent or agent.busy:
             return
@@ -112,13 +136,13 @@ class AgentHost:
                 registry.queue_idle(agent)
             else:
                 registry.queue_hibernated(agent)
-        if self.ws_total > rt.config.max_working_set_bytes:
-            rt._lifecycle.shed_memory(keep=agent)
-        if rt._admission:
-            rt._admission.admit()  # conversations wait for a slot: idle ones make room
-        elif len(registry) > rt.config.max_live_agents:
+        if self.ws_total > config.max_working_set_bytes:
+            room.shed_memory(keep=agent)
+        if room.queued():
+            room.admit()  # conversations wait for a slot: idle ones make room
+        elif len(registry) > config.max_live_agents:
             # Over the cap (a resolve let a queued conversation in): shed as agents idle.
-            rt._lifecycle.shed_agents(keep=agent)
+            room.shed_agents(keep=agent)
 
     # -- memory accounting -----------------------------------------------------------
     def account(self, agent: Agent) -> None:
@@ -163,7 +187,7 @@ class AgentHost:
     # -- tasks that would not stop -------------------------------------------------------
     def abandon(self, task: asyncio.Task[Any], what: str) -> None:
         """Own a task that ignored cancellation past its deadline, and report it."""
-        self._rt._counters.abandoned += 1
+        self._counters.abandoned += 1
         self.abandoned.add(task)
         self.log.error("abandoned a task that ignored cancellation", task=what)
 

@@ -5,35 +5,36 @@ hibernated); busy agents sit in neither. Queues are ordered by last activity,
 so a sweep pops from the front only what has been idle long enough and stops
 at the first that has not: it costs O(agents it acts on), not O(agents).
 
-A hibernated agent that nothing else refers to goes *dormant*: it leaves
+A hibernated agent that nothing else holds goes *dormant*: it leaves
 ``agents`` for a row of the :class:`~torpor.runtime.dormant.DormantTable`
 (no Python object per agent, so a burst's heap can be given back; see that
 module). :meth:`Registry.get` rebuilds it as an Agent, transparently, so
-callers only ever see one Agent per conversation: an agent goes dormant only
-when the registry holds the last references to it (its reference count says
-so), so no caller can be left holding a stale copy. Dormant agents count in
-``len()`` and are hibernated and in the hibernated queue, as before.
+callers only ever see one Agent per conversation. That needs every holder to
+say so: code that keeps an agent across an ``await`` and uses it afterwards
+calls :meth:`Registry.hold` before and :meth:`Registry.release` after (or
+``with registry.holding(agent):``), and a held agent never goes dormant, so
+no caller is left with a stale copy. What an agent owns for itself (a task, a
+mailbox with requests, a write lock, a working set: ``dormant.DROPPED``)
+already keeps it an object. The count lives here, by id, only while nonzero:
+an idle agent costs nothing for it. Dormant agents count in ``len()`` and are
+hibernated and in the hibernated queue, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from torpor.actors.agent import Agent
 from torpor.runtime.dormant import DormantTable, can_rest
 
 __all__ = ["Registry"]
 
-_OWN_REFERENCES = 3
-"""References to an agent while :meth:`Registry._rest` looks at it: ``agents``, its local
-variable and ``sys.getrefcount``'s argument (plus one per idle queue holding it)."""
-
 
 class Registry:
-    __slots__ = ("_resting", "agents", "dormant", "hibernated", "idle")
+    __slots__ = ("_holders", "_resting", "agents", "dormant", "hibernated", "idle")
 
     def __init__(self) -> None:
         self.agents: dict[str, Agent] = {}  # held as objects (live, or hibernated and held)
@@ -41,6 +42,7 @@ class Registry:
         self.hibernated: OrderedDict[str, Agent] = OrderedDict()  # working set dropped
         self.dormant = DormantTable()  # hibernated, as rows: after the queue above
         self._resting: list[str] | None = None  # ids to try making dormant, soon
+        self._holders: dict[str, int] = {}  # holders outside the registry, by id: never 0
 
     def __len__(self) -> int:
         return len(self.agents) + len(self.dormant)
@@ -133,10 +135,35 @@ class Registry:
             return since
         return held.last_active if since is None else min(since, held.last_active)
 
+    # -- holders ------------------------------------------------------------------------
+    def hold(self, agent: Agent) -> None:
+        """Someone keeps ``agent`` across an await: it stays an object until released."""
+        holders = self._holders
+        holders[agent.id] = holders.get(agent.id, 0) + 1
+
+    def release(self, agent: Agent) -> None:
+        """The holder let go; the last one lets a hibernated agent go dormant (soon)."""
+        holders = self._holders
+        left = holders[agent.id] - 1
+        if left:
+            holders[agent.id] = left
+            return
+        del holders[agent.id]
+        if agent.id in self.hibernated and self.agents.get(agent.id) is agent:
+            self.rest(agent.id)
+
+    @contextmanager
+    def holding(self, agent: Agent) -> Iterator[Agent]:
+        self.hold(agent)
+        try:
+            yield agent
+        finally:
+            self.release(agent)
+
     # -- going dormant -------------------------------------------------------------------
     def rest(self, conversation_id: str) -> None:
-        """Try to make the agent dormant soon: once the task or call that hibernated it
-        has let go of it (its frames still refer to it now)."""
+        """Try to make the agent dormant soon: after the task or call that hibernated it
+        (still running now) has finished with it."""
         resting = self._resting
         if resting is None:
             self._resting = resting = []
@@ -144,8 +171,8 @@ class Registry:
         resting.append(conversation_id)
 
     def rest_hibernated(self) -> int:
-        """Make every held hibernated agent that nothing else refers to dormant (the
-        sweep's retry for those that were referred to when they hibernated)."""
+        """Make every hibernated agent nobody holds dormant (the sweep's retry for those
+        that still owned something when they hibernated)."""
         return sum(self._rest(c) for c in list(self.hibernated))
 
     def _rest_all(self) -> None:
@@ -161,8 +188,8 @@ class Registry:
         agent = self.agents.get(conversation_id)
         if agent is None or conversation_id not in self.hibernated or not can_rest(agent):
             return False
-        if sys.getrefcount(agent) != _OWN_REFERENCES + 1:  # + the hibernated queue
-            return False  # someone holds it (a caller across an await): it stays an object
+        if conversation_id in self._holders:
+            return False  # a caller keeps it across an await: it stays an object
         del self.agents[conversation_id]
         del self.hibernated[conversation_id]
         self.dormant.put(agent)

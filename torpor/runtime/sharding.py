@@ -16,28 +16,72 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torpor.actors.actor import fail
 from torpor.actors.state import AgentState
 from torpor.cluster import NodeConfig, shard_of
 from torpor.cluster.leases import Leases
 from torpor.cluster.member import ClusterMember
+from torpor.cluster.view import ClusterView
 from torpor.errors import NotOwner, ShardMoved
 
 if TYPE_CHECKING:
-    from torpor.actors.agent import Agent
-    from torpor.runtime.host import Runtime
+    from collections.abc import Callable
 
-__all__ = ["ShardGate"]
+    from torpor.actors.agent import Agent
+    from torpor.runtime.admission import Admission
+    from torpor.runtime.config import RuntimeConfig
+    from torpor.runtime.hosting import AgentHost
+    from torpor.runtime.registry import Registry
+    from torpor.runtime.stats import Counters, Watchers
+
+__all__ = ["Recovering", "Retiring", "ShardGate"]
+
+
+class Retiring(Protocol):
+    """The supervisor as a moving shard sees it."""
+
+    def retire(self, agent: Agent) -> None:
+        """Stop the agent's task for good: however it ends, it is not restarted."""
+        ...
+
+
+class Recovering(Protocol):
+    """The sub-agent links (``spawn.Branches``) as a gained shard sees them."""
+
+    def recover(self, parents: Callable[[str], bool] | None) -> None: ...
 
 
 class ShardGate:
-    __slots__ = ("_rt", "member")
+    __slots__ = (
+        "_admission", "_branches", "_config", "_counters", "_host", "_registry", "_supervisor",
+        "_watchers", "member",
+    )
 
-    def __init__(self, runtime: Runtime, node: NodeConfig) -> None:
-        self._rt = runtime
-        self.member = ClusterMember(runtime.store_url, node, self)
+    def __init__(
+        self,
+        dsn: str,
+        node: NodeConfig,
+        *,
+        config: RuntimeConfig,
+        registry: Registry,
+        counters: Counters,
+        watchers: Watchers,
+        host: AgentHost,
+        admission: Admission,
+        supervisor: Retiring,
+        branches: Recovering,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._counters = counters
+        self._watchers = watchers
+        self._host = host
+        self._admission = admission
+        self._supervisor = supervisor
+        self._branches = branches
+        self.member = ClusterMember(dsn, node, self)
 
     @property
     def fence(self) -> Leases:
@@ -69,11 +113,15 @@ class ShardGate:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
 
+    async def view(self) -> ClusterView:
+        """The shards, the members and the lease table, read from the database now."""
+        return await self.member.view()
+
     # -- torpor.cluster.ShardHost ---------------------------------------------------------
     def shards_gained(self, shards: frozenset[int]) -> None:
         count = self.member.leases.shards
         # Sub-agent links the previous owner left open (it died or handed the shard off).
-        self._rt._branches.recover(lambda c: shard_of(c, count) in shards)
+        self._branches.recover(lambda c: shard_of(c, count) in shards)
 
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)
@@ -83,7 +131,7 @@ class ShardGate:
         # have all ended or the deadline passed; then whatever still runs is cut off.
         until = time.monotonic() + deadline
         agents = self._agents_of(shards)
-        with self._rt._watchers.watch(1024) as changes:
+        with self._watchers.watch(1024) as changes:
             while any(_in_turn(a) for a in agents):
                 remaining = until - time.monotonic()
                 if remaining <= 0:
@@ -97,22 +145,21 @@ class ShardGate:
 
     # -- taking agents out -------------------------------------------------------------------
     def _agents_of(self, shards: frozenset[int]) -> list[Agent]:
-        rt = self._rt
+        registry = self._registry
         count = self.member.leases.shards
-        rt._registry.wake_where(lambda c: shard_of(c, count) in shards)  # held: retired below
-        agents = [a for a in rt._registry.held() if shard_of(a.id, count) in shards]
-        agents += [a for a in rt._admission.queue.values() if shard_of(a.id, count) in shards]
+        registry.wake_where(lambda c: shard_of(c, count) in shards)  # held: retired below
+        agents = [a for a in registry.held() if shard_of(a.id, count) in shards]
+        agents += [a for a in self._admission.queue.values() if shard_of(a.id, count) in shards]
         return agents
 
     async def _evict(self, agents: list[Agent], shards: frozenset[int]) -> None:
-        rt = self._rt
         leases = self.member.leases
         tasks: list[asyncio.Task[None]] = []
         for agent in agents:
             task = self._retire(agent, self._moved(agent.id, shard_of(agent.id, leases.shards)))
             if task is not None:
                 tasks.append(task)
-        followers = rt._host.followers_by_id
+        followers = self._host.followers_by_id
         for conversation_id, shard in [
             (c, s) for c in followers if (s := shard_of(c, leases.shards)) in shards
         ]:
@@ -120,18 +167,16 @@ class ShardGate:
             for follower in list(followers.get(conversation_id, ())):
                 follower.close(error)  # it follows the conversation on its new owner
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=rt.config.shutdown_deadline)
+            _, pending = await asyncio.wait(tasks, timeout=self._config.shutdown_deadline)
             for task in pending:
-                rt._host.abandon(task, f"agent task {task.get_name()} of a moved shard")
+                self._host.abandon(task, f"agent task {task.get_name()} of a moved shard")
 
     def _moved(self, conversation_id: str, shard: int) -> ShardMoved:
         return ShardMoved(conversation_id, shard, self.member.leases.owner_address(shard))
 
     def _retire(self, agent: Agent, error: ShardMoved) -> asyncio.Task[None] | None:
-        rt = self._rt
-        rt._registry.remove(agent)
-        if rt._admission.queue.pop(agent.id, None) is not None:
-            rt._admission.since.pop(agent.id, None)
+        self._registry.remove(agent)
+        self._admission.drop(agent.id)
         mailbox, agent.mailbox = agent.mailbox, None
         taken, agent.taken = agent.taken, None  # taken, unanswered: the cancel below ends it
         for message in (*(mailbox.drain() if mailbox is not None else ()), taken):
@@ -142,13 +187,13 @@ class ShardGate:
             waiting.turn._fail(error)
         if agent.current is not None:
             agent.current._fail(error)
-        rt._host.forget_bytes(agent)
-        rt._counters.evictions += 1
-        rt._host.transition(agent, agent.state, AgentState.EVICTED)
+        self._host.forget_bytes(agent)
+        self._counters.evictions += 1
+        self._host.transition(agent, agent.state, AgentState.EVICTED)
         task = agent.task
         if task is None:
             return None
-        rt._supervisor.retire(agent)
+        self._supervisor.retire(agent)
         return task
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
@@ -59,10 +59,13 @@ from torpor.events import (
 )
 
 if TYPE_CHECKING:
-    from torpor.runtime.host import Runtime
+    from torpor.actors.stream import Follower
+    from torpor.actors.turn import Turn
+    from torpor.runtime.ports import Conversations, Gate, Starter
+    from torpor.runtime.registry import Registry
     from torpor.store.protocol import EventStore
 
-__all__ = ["CONTINUE", "Branch", "Branches", "branch_tree"]
+__all__ = ["CONTINUE", "Branch", "Branches", "Client", "branch_tree"]
 
 CONTINUE = (
     "[The runtime restarted while you were working on your task. Continue it from where "
@@ -125,6 +128,24 @@ class _Progress:
         return False
 
 
+class Client(Protocol):
+    """The runtime's public API, which drives a child and answers its parent like any
+    caller (``torpor.runtime.host.Runtime`` implements it)."""
+
+    @property
+    def store(self) -> EventStore: ...
+
+    async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Turn: ...
+
+    async def resolve(
+        self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False
+    ) -> Turn | None: ...
+
+    def subscribe(self, conversation_id: str, *, after: int | None = None) -> Follower: ...
+
+    async def expand(self, conversation_id: str, start: int, end: int) -> list[Event]: ...
+
+
 def _link_of(body: Body) -> Spawned | None:
     return body if isinstance(body, Spawned) else None
 
@@ -132,18 +153,31 @@ def _link_of(body: Body) -> Spawned | None:
 class Branches:
     """The runtime's sub-agent links: spawning, watching, recovering, the tree."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
+    def __init__(
+        self,
+        client: Client,
+        *,
+        conversations: Conversations,
+        registry: Registry,
+        supervisor: Starter,
+        log: Any,
+    ) -> None:
+        self._client = client
+        self._conversations = conversations
+        self._registry = registry
+        self._supervisor = supervisor
+        self._log = log
+        self._running = False
         self._configs: dict[str, AgentConfig] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self._recoveries: set[asyncio.Task[None]] = set()
 
     # -- lifecycle (owned by the Runtime) -------------------------------------------
-    def start(self) -> None:
+    def start(self, gate: Gate | None) -> None:
         """Watch again the links a previous run left open (in the background); on a
-        cluster node, those of the parents this node serves (the rest are recovered by
-        their owners, and here when a shard is acquired: :meth:`recover`)."""
-        gate = self._rt._cluster
+        cluster node (``gate``), those of the parents this node serves (the rest are
+        recovered by their owners, and here when a shard is acquired: :meth:`recover`)."""
+        self._running = True
         self.recover(None if gate is None else gate.serves)
 
     def recover(self, parents: Callable[[str], bool] | None) -> None:
@@ -155,9 +189,10 @@ class Branches:
     def _recovered(self, task: asyncio.Task[None]) -> None:
         self._recoveries.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self._rt._log.warning("sub_agent_recovery_failed", error=repr(task.exception()))
+            self._log.warning("sub_agent_recovery_failed", error=repr(task.exception()))
 
     async def stop(self) -> None:
+        self._running = False
         tasks = [*self._recoveries, *self._watchers.values()]
         self._recoveries.clear()
         self._watchers.clear()
@@ -174,14 +209,14 @@ class Branches:
     async def spawn(
         self, parent: str, call_id: str, task: str, agent: AgentConfig | None, child: str
     ) -> str:
-        rt = self._rt
-        store = rt.store
+        client = self._client
+        store = client.store
         first = await store.read_range(child, 0, 0)
         if first:
             link = _link_of(first[0].body)
             if link is None or (link.parent, link.call_id) != (parent, call_id):
                 raise InvalidInput("child", f"{child!r} is already a conversation of its own")
-        holder = await rt._known(parent)
+        holder = await self._conversations.known(parent)
         if holder is None:
             raise UnknownConversation(parent)
         if holder.scope is not None:  # a turn runs: it waits for no call until it suspends
@@ -190,8 +225,8 @@ class Branches:
             self._configs[child] = agent
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         holder.post(SpawnRequest(call_id, child, task, done))  # 1 and 2, by the parent's actor
-        rt._registry.unqueue(holder)
-        rt._supervisor.ensure_running(holder)
+        self._registry.unqueue(holder)
+        self._supervisor.ensure_running(holder)
         try:
             linked = await done
         except BaseException:
@@ -200,12 +235,12 @@ class Branches:
         if linked != child:  # the call was linked before (to another id): that one answers
             self._configs.pop(child, None)
             child = linked
-        await rt.send(child, task, key=link_key("task", parent, call_id))  # 3. the task
+        await client.send(child, task, key=link_key("task", parent, call_id))  # 3. the task
         self._watch(parent, call_id, child, task, kick=False)
         return child
 
     def _watch(self, parent: str, call_id: str, child: str, task: str, *, kick: bool) -> None:
-        if child in self._watchers or not self._rt._open:
+        if child in self._watchers or not self._running:
             return
         watcher = asyncio.get_running_loop().create_task(
             self._follow(parent, call_id, child, task, kick)
@@ -218,19 +253,19 @@ class Branches:
             del self._watchers[child]
         if not task.cancelled() and (error := task.exception()) is not None:
             if isinstance(error, NotOwner):  # the shard moved: its new owner watches now
-                self._rt._log.info("sub_agent_watch_moved", child=child, owner=error.owner)
+                self._log.info("sub_agent_watch_moved", child=child, owner=error.owner)
             else:
-                self._rt._log.warning("sub_agent_watch_failed", child=child, error=repr(error))
+                self._log.warning("sub_agent_watch_failed", child=child, error=repr(error))
 
     async def _follow(self, parent: str, call_id: str, child: str, task: str, kick: bool) -> None:
         """Follow the child's log until its task has an outcome; then resolve the parent."""
-        rt = self._rt
+        client = self._client
         progress = _Progress()
-        events = await rt.store.read_since(child, 0)
+        events = await client.store.read_since(child, 0)
         done = any(progress.see(event) for event in events)
         if not done:
             head = events[-1].position if events else -1
-            async with rt.subscribe(child, after=head) as follower:
+            async with client.subscribe(child, after=head) as follower:
                 if kick:
                     await self._kick(parent, call_id, child, task, progress, head)
                 async for item in follower:
@@ -244,38 +279,38 @@ class Branches:
         self, parent: str, call_id: str, child: str, task: str, progress: _Progress, head: int
     ) -> None:
         """After a restart: give the child its task, or tell it to continue a dead turn."""
-        rt = self._rt
-        live = rt._registry.get(child)
+        client = self._client
+        live = self._registry.get(child)
         if progress.status == "untasked":
-            await rt.send(child, task, key=link_key("task", parent, call_id))
+            await client.send(child, task, key=link_key("task", parent, call_id))
         elif progress.status == "stopped" or (
             progress.status == "running" and (live is None or live.ws is None)
         ):
-            await rt.send(child, CONTINUE, key=f"torpor-continue-{head}")
+            await client.send(child, CONTINUE, key=f"torpor-continue-{head}")
 
     async def _resolve(self, parent: str, call_id: str, child: str, progress: _Progress) -> None:
-        rt = self._rt
+        client = self._client
         answer = progress.answer
         if progress.status == "done":
-            events = await rt.expand(child, progress.position, progress.position)
+            events = await client.expand(child, progress.position, progress.position)
             body = events[0].body
             if isinstance(body, AssistantMessage):
                 answer = body.text  # in full, even if it was clipped into an artifact
         while True:
             try:
-                await rt.resolve(parent, call_id, answer, is_error=progress.status == "failed")
+                await client.resolve(parent, call_id, answer, is_error=progress.status == "failed")
             except UnknownCall:  # answered already (before a restart, or by hand): once only
                 pass
             except StoreUnavailable:
                 await asyncio.sleep(_RETRY_SECONDS)
                 continue
             except AgentParked as exc:
-                rt._log.warning("sub_agent_parent_parked", parent=parent, child=child,
+                self._log.warning("sub_agent_parent_parked", parent=parent, child=child,
                                 error=str(exc))
             return
 
     async def _recover(self, parents: Callable[[str], bool] | None) -> None:
-        store = self._rt.store
+        store = self._client.store
         after: str | None = None
         while True:
             page = await store.pending(after=after, limit=100)

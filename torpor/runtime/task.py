@@ -14,9 +14,65 @@ from torpor.errors import AgentParked
 from torpor.events import Event, TaskCard
 
 if TYPE_CHECKING:
-    from torpor.runtime.host import Runtime
+    from torpor.runtime.hosting import AgentHost
+    from torpor.runtime.ports import Conversations, Starter
+    from torpor.runtime.registry import Registry
 
-__all__ = ["TaskHandle"]
+__all__ = ["TaskCards", "TaskHandle"]
+
+
+class TaskCards:
+    """The runtime's side of every :class:`TaskHandle`: logging and reading cards."""
+
+    __slots__ = ("_conversations", "_host", "_registry", "_supervisor")
+
+    def __init__(
+        self,
+        *,
+        conversations: Conversations,
+        host: AgentHost,
+        registry: Registry,
+        supervisor: Starter,
+    ) -> None:
+        self._conversations = conversations
+        self._host = host
+        self._registry = registry
+        self._supervisor = supervisor
+
+    async def update(self, conversation_id: str, patch: dict[str, Any]) -> TaskCard:
+        self._conversations.check_open()
+        merged_card(None, **patch)  # bad fields fail here, before any agent is woken
+        agent = self._conversations.agent(conversation_id)
+        if agent.state is AgentState.PARKED:
+            raise AgentParked(conversation_id, agent.parked_cause or "parked")
+        if agent.ws is not None and agent.lock is not None:
+            # Live (idle or inside a turn): logged from here under the agent's append lock,
+            # the agent held meanwhile (kept an object: the write goes to this one).
+            with self._registry.holding(agent):
+                events = await logged(
+                    agent, self._host, card_change(agent, patch), turn=lambda: agent.turn
+                )
+            event = events[0]
+        else:  # not revived yet: the actor logs it once it is
+            done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+            agent.post(CardRequest(patch, done))
+            self._registry.unqueue(agent)
+            self._supervisor.ensure_running(agent)
+            event = await done
+        assert isinstance(event.body, TaskCard)
+        return event.body
+
+    async def get(self, conversation_id: str) -> TaskCard | None:
+        self._conversations.check_open()
+        agent = self._registry.get(conversation_id)
+        if agent is not None and agent.ws is not None:
+            return card_of(agent)
+        resume = await self._host.store.resume(conversation_id)
+        found: Event | None = resume.checkpoint.task_card if resume.checkpoint else None
+        for event in resume.events:
+            if type(event.body) is TaskCard and (found is None or event.position > found.position):
+                found = event
+        return found.body if found is not None and isinstance(found.body, TaskCard) else None
 
 
 class TaskHandle:
@@ -29,10 +85,10 @@ class TaskHandle:
     from that turn's next model call.
     """
 
-    __slots__ = ("_rt", "conversation_id")
+    __slots__ = ("_cards", "conversation_id")
 
-    def __init__(self, rt: Runtime, conversation_id: str) -> None:
-        self._rt = rt
+    def __init__(self, cards: TaskCards, conversation_id: str) -> None:
+        self._cards = cards
         self.conversation_id = conversation_id
 
     def __repr__(self) -> str:
@@ -53,8 +109,6 @@ class TaskHandle:
         way), AgentParked for a parked agent, StoreUnavailable when the store
         cannot write. Starts the conversation if it has no events yet.
         """
-        rt = self._rt
-        rt._check_open()
         patch: dict[str, Any] = {
             name: value
             for name, value in (
@@ -65,36 +119,9 @@ class TaskHandle:
             )
             if value is not None
         }
-        merged_card(None, **patch)  # bad fields fail here, before any agent is woken
-        agent = rt._agent(self.conversation_id)
-        if agent.state is AgentState.PARKED:
-            raise AgentParked(self.conversation_id, agent.parked_cause or "parked")
-        if agent.ws is not None and agent.lock is not None:
-            # Live (idle or inside a turn): logged from here under the agent's append lock.
-            events = await logged(
-                agent, rt._host, card_change(agent, patch), turn=lambda: agent.turn
-            )
-            event = events[0]
-        else:  # not revived yet: the actor logs it once it is
-            done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
-            agent.post(CardRequest(patch, done))
-            rt._registry.unqueue(agent)
-            rt._supervisor.ensure_running(agent)
-            event = await done
-        assert isinstance(event.body, TaskCard)
-        return event.body
+        return await self._cards.update(self.conversation_id, patch)
 
     async def get(self) -> TaskCard | None:
         """The card in effect (None: none was ever set). Read from the log when the agent
         is not live: the latest fold's card, or a later one logged since."""
-        rt = self._rt
-        rt._check_open()
-        agent = rt._registry.get(self.conversation_id)
-        if agent is not None and agent.ws is not None:
-            return card_of(agent)
-        resume = await rt.store.resume(self.conversation_id)
-        found: Event | None = resume.checkpoint.task_card if resume.checkpoint else None
-        for event in resume.events:
-            if type(event.body) is TaskCard and (found is None or event.position > found.position):
-                found = event
-        return found.body if found is not None and isinstance(found.body, TaskCard) else None
+        return await self._cards.get(self.conversation_id)

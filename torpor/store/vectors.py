@@ -26,18 +26,14 @@ The log never depends on this: vectors can be dropped and rebuilt.
 
 from __future__ import annotations
 
-import math
-from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
 from torpor.errors import ConfigError
 from torpor.store.protocol import EventStore
+from torpor.store.vector_format import Vectors, from_blob, to_blob, unit
 
 __all__ = ["VectorIndex", "Vectors", "from_blob", "to_blob", "unit", "vector_index"]
-
-Vectors = Sequence[tuple[int, Sequence[float]]]
-"""(position, vector) pairs of one conversation."""
 
 
 class VectorIndex(Protocol):
@@ -64,26 +60,6 @@ class VectorIndex(Protocol):
     ) -> list[tuple[int, float]]:
         """(position, cosine similarity) of the ``k`` nearest vectors, nearest first."""
         ...
-
-
-def unit(vector: Sequence[float]) -> list[float]:
-    """``vector`` scaled to length 1 (a zero vector stays zero)."""
-    norm = math.sqrt(math.fsum(x * x for x in vector))
-    return [x / norm for x in vector] if norm else [float(x) for x in vector]
-
-
-def to_blob(vector: Sequence[float]) -> bytes:
-    """Little-endian float32 bytes (sqlite-vec's format for a ``float[]`` vector)."""
-    values = array("f", vector)
-    if values.itemsize != 4:  # pragma: no cover - no such platform in practice
-        raise ConfigError("vector", "float is not 32-bit on this platform")
-    return values.tobytes()
-
-
-def from_blob(blob: bytes) -> array[float]:
-    values = array("f")
-    values.frombytes(blob)
-    return values
 
 
 def vector_index(store: EventStore) -> VectorIndex:

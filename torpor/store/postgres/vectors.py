@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import asyncpg
 
-from torpor.store.vectors import Vectors, unit
+from torpor.store.vector_format import Vectors, unit
 
 if TYPE_CHECKING:
     from torpor.store.postgres.store import PostgresStore

@@ -20,7 +20,7 @@ import msgspec
 
 from torpor._logging import get_logger
 from torpor.store.sqlite.batch import Batch, Plan
-from torpor.store.vectors import Vectors, from_blob, to_blob, unit
+from torpor.store.vector_format import Vectors, from_blob, to_blob, unit
 
 if TYPE_CHECKING:
     from torpor.store.sqlite.store import SQLiteStore
