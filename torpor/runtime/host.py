@@ -135,8 +135,14 @@ class Runtime(MemoryAPI):
             self.model, self._log, config=self.config, registry=self._registry,
             watchers=self._watchers, counters=self._counters, runtime=inside,
         )
-        self._supervisor = Supervisor(self)
-        self._lifecycle = Lifecycle(self)
+        self._supervisor = Supervisor(
+            config=self.config, registry=self._registry, counters=self._counters,
+            host=self._host, log=self._log,
+        )
+        self._lifecycle = Lifecycle(
+            config=self.config, registry=self._registry, counters=self._counters,
+            host=self._host, queue=inside,
+        )
         self._admission = Admission(
             config=self.config, registry=self._registry, counters=self._counters,
             host=self._host, supervisor=self._supervisor, runtime=inside,

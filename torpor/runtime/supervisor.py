@@ -39,7 +39,10 @@ from torpor.errors import (
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent
-    from torpor.runtime.host import Runtime
+    from torpor.runtime.config import RuntimeConfig
+    from torpor.runtime.hosting import AgentHost
+    from torpor.runtime.registry import Registry
+    from torpor.runtime.stats import Counters
 
 __all__ = ["Supervisor"]
 
@@ -52,10 +55,23 @@ class Supervisor:
     waiters, drop the caches, park), before anything else.
     """
 
-    __slots__ = ("_rt", "retired", "stopping", "tasks")
+    __slots__ = ("_config", "_counters", "_host", "_log", "_registry", "retired", "stopping",
+                 "tasks")
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        registry: Registry,
+        counters: Counters,
+        host: AgentHost,
+        log: Any,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._counters = counters
+        self._host = host
+        self._log = log
         self.tasks: set[asyncio.Task[Any]] = set()
         self.retired: set[Agent] = set()  # taken out of the runtime (its shard moved)
         self.stopping = False
@@ -91,7 +107,7 @@ class Supervisor:
         task = asyncio.current_task()
         crash: Exception | None = None
         try:
-            await run_agent(agent, self._rt._host, delay=delay, recovery=recovery)
+            await run_agent(agent, self._host, delay=delay, recovery=recovery)
         except Exception as exc:
             crash = exc
         finally:
@@ -107,29 +123,28 @@ class Supervisor:
         try:
             self._next(agent, crash)
         except Exception as exc:  # handling a failure failed: keep every promise anyway
-            _log(self._rt, "error", "supervisor failed", conversation_id=agent.id,
+            _log(self._log, "error", "supervisor failed", conversation_id=agent.id,
                  error=repr(exc))
             if not self.stopping and agent.task is None:
                 error = TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}")
-                self.ensure_running(agent, delay=self._rt.config.backoff_max,
+                self.ensure_running(agent, delay=self._config.backoff_max,
                                     recovery=Recovery(error, drain=True))
 
     def _next(self, agent: Agent, crash: Exception | None) -> None:
         """How the agent goes on after its task ended (``crash``: how it failed)."""
-        rt = self._rt
         if crash is None:
             if self.stopping or agent.state is AgentState.PARKED:
                 return
             if agent.has_work() or agent.runnable_postponed():
                 self.ensure_running(agent)  # a message arrived as it hibernated
             elif agent.ws is None:
-                rt._registry.rest(agent.id)  # hibernated: dormant once this task ends
+                self._registry.rest(agent.id)  # hibernated: dormant once this task ends
             return
         if self.stopping:
             self.ensure_running(
                 agent, recovery=Recovery(RuntimeClosed("the runtime stopped"), final=True)
             )
-        elif rt._registry.get(agent.id) is not agent:  # evicted as its turn ended
+        elif self._registry.get(agent.id) is not agent:  # evicted as its turn ended
             self.ensure_running(agent, recovery=Recovery(crash, final=True))
         elif isinstance(crash, FencedError):
             self._forget(agent, crash, "conversation fenced; dropped")
@@ -144,8 +159,8 @@ class Supervisor:
         self, agent: Agent, exc: StoreUnavailable, what: str, level: str = "warning"
     ) -> None:
         """Counted as the store's failure, never as the agent's crash."""
-        self._rt._counters.store_failures += 1
-        _log(self._rt, level, what, conversation_id=agent.id, error=str(exc))
+        self._counters.store_failures += 1
+        _log(self._log, level, what, conversation_id=agent.id, error=str(exc))
 
     def _store_down(self, agent: Agent, exc: StoreUnavailable) -> None:
         """Retry until the store writes again, on a backoff that does not count as crashes:
@@ -156,7 +171,7 @@ class Supervisor:
         self._store_refused(agent, exc, "store unavailable; retrying",
                             "warning" if failures == 1 else "debug")
         delay = min(
-            self._rt.config.backoff_max, self._rt.config.backoff_initial * 2 ** (failures - 1)
+            self._config.backoff_max, self._config.backoff_initial * 2 ** (failures - 1)
         )
         self.ensure_running(agent, delay=delay, recovery=Recovery(exc, drain=True))
 
@@ -169,9 +184,8 @@ class Supervisor:
         """
         if isinstance(exc, StoreUnavailable):
             self._store_refused(agent, exc, what)
-        rt = self._rt
-        if rt._registry.get(agent.id) is agent:
-            rt._registry.remove(agent)
+        if self._registry.get(agent.id) is agent:
+            self._registry.remove(agent)
         self.ensure_running(agent, recovery=Recovery(exc, final=True))
 
     def _unreadable(self, agent: Agent, exc: CorruptEvent) -> None:
@@ -183,26 +197,26 @@ class Supervisor:
         the next request reads the log again, and fails the same way until the
         log is repaired.
         """
-        _log(self._rt, "error", "conversation log unreadable", conversation_id=agent.id,
+        _log(self._log, "error", "conversation log unreadable", conversation_id=agent.id,
              error=str(exc))
         self._forget(agent, exc, "conversation log unreadable")
 
     def _crashed(self, agent: Agent, exc: BaseException) -> None:
-        rt = self._rt
-        rt._counters.crashes += 1
+        self._counters.crashes += 1
         cause = f"{type(exc).__name__}: {exc}"
-        _log(rt, "warning", "agent crashed", conversation_id=agent.id, error=cause, exc_info=exc)
+        _log(self._log, "warning", "agent crashed", conversation_id=agent.id, error=cause,
+             exc_info=exc)
         error = TurnAborted("crashed", "", cause)
         now = time.monotonic()
-        window = rt.config.restart_window
+        window = self._config.restart_window
         crashes = sum(1 for t in agent.crash_times if now - t < window) + 1
-        if crashes > rt.config.max_restarts:
-            rt._counters.parks += 1
-            rt._registry.unqueue(agent)
+        if crashes > self._config.max_restarts:
+            self._counters.parks += 1
+            self._registry.unqueue(agent)
             self.ensure_running(agent, recovery=Recovery(error, park=cause, crash=now))
             return
-        rt._counters.restarts += 1
-        delay = min(rt.config.backoff_max, rt.config.backoff_initial * 2 ** (crashes - 1))
+        self._counters.restarts += 1
+        delay = min(self._config.backoff_max, self._config.backoff_initial * 2 ** (crashes - 1))
         self.ensure_running(agent, delay=delay, recovery=Recovery(error, crash=now))
 
     async def stop(self) -> None:
@@ -217,22 +231,22 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self._rt.config.shutdown_deadline)
+            _, pending = await asyncio.wait(tasks, timeout=self._config.shutdown_deadline)
             for task in pending:
-                self._rt._host.abandon(task, f"agent task {task.get_name()}")
+                self._host.abandon(task, f"agent task {task.get_name()}")
         self.tasks.clear()
-        for agent in self._rt._registry.held():  # a dormant agent has nobody waiting
+        for agent in self._registry.held():  # a dormant agent has nobody waiting
             if agent.task is None and (agent.mailbox is not None or agent.postponed):
                 # Posted after its task ended: one last task answers them, and ends.
                 self.ensure_running(agent)
         while self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=self._rt.config.shutdown_deadline)
+            await asyncio.wait(list(self.tasks), timeout=self._config.shutdown_deadline)
             for task in [t for t in self.tasks if not t.done()]:
-                self._rt._host.abandon(task, f"agent task {task.get_name()}")
+                self._host.abandon(task, f"agent task {task.get_name()}")
                 self.tasks.discard(task)
 
 
-def _log(rt: Runtime, level: str, message: str, **fields: Any) -> None:
+def _log(log: Any, level: str, message: str, **fields: Any) -> None:
     """Log, and never let logging fail the caller (a supervisor must not die of it)."""
     with contextlib.suppress(Exception):  # the one place a failure is dropped: logging
-        getattr(rt._log, level)(message, **fields)
+        getattr(log, level)(message, **fields)
