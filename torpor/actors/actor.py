@@ -213,7 +213,8 @@ async def _serve(agent: Agent, host: Host) -> None:
             await _handle_card(agent, host, message)
         agent.taken = None
         agent.last_active = time.monotonic()
-        host.on_idle(agent)
+        if agent.turn_task is None:  # a turn it started says so itself when it ends
+            host.on_idle(agent)
 
 
 def _idle(agent: Agent) -> bool:
@@ -228,9 +229,9 @@ def _idle(agent: Agent) -> bool:
 
 def _start_turn(agent: Agent, host: Host) -> None:
     """Run the current turn as the actor's child; its end wakes the actor."""
-    task = asyncio.get_running_loop().create_task(_run_turn(agent, host))
-    task.add_done_callback(agent.wake)
-    agent.turn_task = task
+    # No done callback: a turn that ends well lets go of itself (``_turn_over``) and
+    # wakes the actor only when postponed turns wait; one that fails wakes it to collect.
+    agent.turn_task = asyncio.get_running_loop().create_task(_run_turn(agent, host))
 
 
 def _refuse_call(agent: Agent, message: Message) -> None:
@@ -573,87 +574,91 @@ async def replayed_turn(agent: Agent, host: Host, position: int, number: int) ->
 
 async def _run_turn(agent: Agent, host: Host) -> None:
     """Run (or continue) the current turn; every way it can end is logged."""
-    reason: AbortReason | None = None
-    detail = ""
-    partial = ""
-    final: AssistantMessage | None = None
-    crash: BaseException | None = None
-    model_error: BaseException | None = None
     try:
-        with scope() as turn_scope:
-            agent.scope = turn_scope
+        reason: AbortReason | None = None
+        detail = ""
+        partial = ""
+        final: AssistantMessage | None = None
+        crash: BaseException | None = None
+        model_error: BaseException | None = None
+        try:
+            with scope() as turn_scope:
+                agent.scope = turn_scope
+                try:
+                    final = await run_steps(agent, host)
+                except ModelFailed as exc:
+                    reason, detail, partial = "model_error", str(exc), exc.partial
+                    model_error = exc.cause
+                except StepLimit as exc:
+                    reason, detail = "step_limit", str(exc)
+            if turn_scope.cancelled_caught:
+                reason, detail = "cancelled", "cancelled by caller"
+        except anyio.get_cancelled_exc_class():
             try:
-                final = await run_steps(agent, host)
-            except ModelFailed as exc:
-                reason, detail, partial = "model_error", str(exc), exc.partial
-                model_error = exc.cause
-            except StepLimit as exc:
-                reason, detail = "step_limit", str(exc)
-        if turn_scope.cancelled_caught:
-            reason, detail = "cancelled", "cancelled by caller"
-    except anyio.get_cancelled_exc_class():
-        try:
-            with anyio.CancelScope(shield=True):
-                await abort_turn(agent, host, "shutdown", "runtime stopped", _partial(agent))
-        finally:
-            _answer_cancels(agent, True)
-        raise
-    except Exception as exc:
-        crash = exc
-        reason, detail = "crashed", f"{type(exc).__name__}: {exc}"
-    finally:
-        agent.scope = None
-        agent.cancellable = False
-    if reason in ("cancelled", "crashed"):
-        partial = _partial(agent)  # what the stream delivered: the abort holds it
-    if reason is None and final is None and agent.cancels:
-        # Suspended with a cancel waiting: the caller asked to stop this turn.
-        reason, detail = "cancelled", "suspended turn cancelled by caller"
-    if reason is not None:
-        if isinstance(crash, StoreUnavailable):
-            _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
-            raise crash  # nothing more can be logged now; the supervisor retries later
-        settle = None
-        try:
-            settle = await abort_turn(
-                agent, host, reason, detail, partial, model_error, settle=crash is None
-            )
+                with anyio.CancelScope(shield=True):
+                    await abort_turn(agent, host, "shutdown", "runtime stopped", _partial(agent))
+            finally:
+                _answer_cancels(agent, True)
+            raise
         except Exception as exc:
-            # The abort is not in the log, so no cancel took effect: its callers get the
-            # error (a cancel is True only once the log ends the turn with it).
-            _answer_cancels(agent, False, exc)
-            if crash is None:
-                raise
-        else:
-            _answer_cancels(agent, reason == "cancelled")
-        if crash is not None:
-            if settle is None:
-                raise crash  # nothing logged: the next task fails the waiters
-            raise _TurnCrashed(crash, settle)
-        _turn_over(agent, host)
-        return
-    _answer_cancels(agent, False)  # the turn got to its end first: too late
-    turn = agent.current
-    agent.current = None
-    hub = agent.hub
-    agent.hub = None
-    if final is None:  # suspended: this part of the turn is over, the turn stays open
-        agent.set_state(host, AgentState.SUSPENDED)
+            crash = exc
+            reason, detail = "crashed", f"{type(exc).__name__}: {exc}"
+        finally:
+            agent.scope = None
+            agent.cancellable = False
+        if reason in ("cancelled", "crashed"):
+            partial = _partial(agent)  # what the stream delivered: the abort holds it
+        if reason is None and final is None and agent.cancels:
+            # Suspended with a cancel waiting: the caller asked to stop this turn.
+            reason, detail = "cancelled", "suspended turn cancelled by caller"
+        if reason is not None:
+            if isinstance(crash, StoreUnavailable):
+                _answer_cancels(agent, False, crash)  # nothing could be logged: not cancelled
+                raise crash  # nothing more can be logged now; the supervisor retries later
+            settle = None
+            try:
+                settle = await abort_turn(
+                    agent, host, reason, detail, partial, model_error, settle=crash is None
+                )
+            except Exception as exc:
+                # The abort is not in the log, so no cancel took effect: its callers get the
+                # error (a cancel is True only once the log ends the turn with it).
+                _answer_cancels(agent, False, exc)
+                if crash is None:
+                    raise
+            else:
+                _answer_cancels(agent, reason == "cancelled")
+            if crash is not None:
+                if settle is None:
+                    raise crash  # nothing logged: the next task fails the waiters
+                raise _TurnCrashed(crash, settle)
+            _turn_over(agent, host)
+            return
+        _answer_cancels(agent, False)  # the turn got to its end first: too late
+        turn = agent.current
+        agent.current = None
+        hub = agent.hub
+        agent.hub = None
+        if final is None:  # suspended: this part of the turn is over, the turn stays open
+            agent.set_state(host, AgentState.SUSPENDED)
+            _measure(agent)
+            if turn is not None:
+                turn._finish(_suspension_of(agent))
+            if hub is not None:
+                hub.close()
+            _turn_over(agent, host)
+            return
+        agent.pending = ()
+        agent.set_state(host, AgentState.AWAITING_INPUT)
         _measure(agent)
         if turn is not None:
-            turn._finish(_suspension_of(agent))
+            turn._finish(final)
         if hub is not None:
             hub.close()
         _turn_over(agent, host)
-        return
-    agent.pending = ()
-    agent.set_state(host, AgentState.AWAITING_INPUT)
-    _measure(agent)
-    if turn is not None:
-        turn._finish(final)
-    if hub is not None:
-        hub.close()
-    _turn_over(agent, host)
+    except BaseException:
+        agent.wake()  # the actor collects a turn that did not let go of itself
+        raise
 
 
 def _suspension_of(agent: Agent) -> Suspended:
@@ -742,6 +747,8 @@ def _turn_over(agent: Agent, host: Host) -> None:
     agent.turn_task = None
     agent.last_active = time.monotonic()
     host.on_idle(agent)
+    if agent.postponed:
+        agent.wake()  # the actor starts the next one
 
 
 async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:
