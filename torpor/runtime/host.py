@@ -366,6 +366,15 @@ class Runtime(MemoryAPI):
         agent.post(request)
         self._registry.unqueue(agent)
         self._supervisor.ensure_running(agent)
+        if not (agent.store_failures or self._store_failing()):
+            # A store that writes answers fast, and one that starts failing now is
+            # learnt from the request's own write: no deadline to keep (no timer per send).
+            try:
+                return await reply
+            except asyncio.CancelledError:
+                if agent.mailbox is not None:
+                    agent.mailbox.remove(request)
+                raise
         timer = asyncio.get_running_loop().call_later(
             self.config.store_retry_deadline, self._overdue, agent, request, reply
         )
@@ -378,11 +387,14 @@ class Runtime(MemoryAPI):
         finally:
             timer.cancel()
 
+    def _store_failing(self) -> bool:
+        """The store's own hint that its writes fail now (free to read; False if unknown)."""
+        return getattr(self._store, "unavailable_since", None) is not None
+
     def _overdue(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> None:
         if reply.done() or self._store is None:
             return
-        failing = getattr(self._store, "unavailable_since", None)
-        if failing is None and not agent.store_failures:
+        if not (agent.store_failures or self._store_failing()):
             return  # the store writes: the agent is merely slow (a storm, a long revival)
         if agent.mailbox is not None and agent.mailbox.remove(request):
             reply.set_exception(StoreUnavailable(
