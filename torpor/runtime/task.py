@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torpor.actors.mailbox import CardRequest
 from torpor.actors.state import AgentState
-from torpor.actors.task import card_change, card_of
-from torpor.actors.turn_loop import logged
+from torpor.actors.task import card_of
 from torpor.compaction.task_card import merged_card
 from torpor.errors import AgentParked
 from torpor.events import Event, TaskCard
@@ -45,20 +44,13 @@ class TaskCards:
         agent = self._conversations.agent(conversation_id)
         if agent.state is AgentState.PARKED:
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
-        if agent.ws is not None and agent.lock is not None:
-            # Live (idle or inside a turn): logged from here under the agent's append lock,
-            # the agent held meanwhile (kept an object: the write goes to this one).
-            with self._registry.holding(agent):
-                events = await logged(
-                    agent, self._host, card_change(agent, patch), turn=lambda: agent.turn
-                )
-            event = events[0]
-        else:  # not revived yet: the actor logs it once it is
-            done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
-            agent.post(CardRequest(patch, done))
-            self._registry.unqueue(agent)
-            self._supervisor.ensure_running(agent)
-            event = await done
+        # The actor logs it (it reads its mailbox in every state, a turn running included),
+        # so a change is ordered with the turn's own writes by the one writer.
+        done: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+        agent.post(CardRequest(patch, done))
+        self._registry.unqueue(agent)
+        self._supervisor.ensure_running(agent)
+        event = await done
         assert isinstance(event.body, TaskCard)
         return event.body
 
