@@ -38,6 +38,7 @@ from torpor.actors.mailbox import (
     ResolveRequest,
     SendRequest,
     SpawnRequest,
+    StopRequest,
 )
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
@@ -179,6 +180,10 @@ async def _serve(agent: Agent, host: Host) -> None:
             finally:
                 agent.waiter = None
             continue
+        if isinstance(message, StopRequest):
+            agent.post(message)  # read before its cancel landed: stop as if it had
+            await _stop(agent, host)
+            return
         if isinstance(message, HibernateRequest):
             idle = _idle(agent)
             if message.done is not None and not message.done.done():
@@ -262,6 +267,8 @@ def fail(message: Message, error: BaseException) -> None:
     if isinstance(message, HibernateRequest):
         if message.done is not None and not message.done.done():
             message.done.set_result(False)  # not hibernated: the agent did not get to it
+        return
+    if isinstance(message, StopRequest):
         return
     future: asyncio.Future[object]
     future = message.accepted if isinstance(message, SendRequest) else message.done  # type: ignore[assignment]
@@ -370,7 +377,18 @@ async def _park(agent: Agent, host: Host, cause: str) -> None:
 
 
 async def _stop(agent: Agent, host: Host) -> None:
-    """The task is being stopped: end the open turn, then the postponed ones, in the log."""
+    """The task is being stopped: the runtime leaves, or the conversation moved away.
+
+    Leaving: the open turn logs how it ended, postponed turns are ended in the log
+    as what their callers are told, the rest is refused. Moved (a ``StopRequest``
+    in the mailbox): everything waiting fails with its error and nothing more is
+    logged here; the new owner runs the logged turns.
+    """
+    moved = _stop_request(agent)
+    if moved is not None:
+        current, agent.current = agent.current, None
+        if current is not None:
+            current._fail(moved)  # before its turn's own end: the caller learns where it went
     task = agent.turn_task
     if task is not None and not task.done():
         task.cancel()  # it logs Aborted("shutdown") for itself, shielded
@@ -383,11 +401,16 @@ async def _stop(agent: Agent, host: Host) -> None:
     current, agent.current = agent.current, None
     hub, agent.hub = agent.hub, None
     if current is not None or hub is not None:  # its end could not be logged
-        stopped = TurnAborted("shutdown", _partial_of(hub), "runtime stopped")
+        stopped = moved or TurnAborted("shutdown", _partial_of(hub), "runtime stopped")
         if current is not None:
             current._fail(stopped)
         if hub is not None:
             hub.close(stopped)
+    if moved is not None:
+        _fail_waiting(agent, moved)
+        _drop_caches(agent)
+        agent.report(host, AgentState.EVICTED)
+        return
     postponed, agent.postponed = agent.postponed, None
     error = RuntimeClosed("the runtime stopped")
     if (postponed and agent.ws is not None and agent.state is not AgentState.PARKED
@@ -410,12 +433,22 @@ async def _stop(agent: Agent, host: Host) -> None:
     _fail_waiting(agent, error)
 
 
+def _stop_request(agent: Agent) -> BaseException | None:
+    """The error of a StopRequest waiting in the mailbox, if any (taken out of it)."""
+    return None if agent.mailbox is None else agent.mailbox.take_stop()
+
+
 async def revive(agent: Agent, host: Host) -> None:
     """Rebuild the working set from the latest checkpoint plus events since: one store trip."""
     if agent.state is not AgentState.REVIVING:
         agent.set_state(host, AgentState.REVIVING)
     started = time.perf_counter()
-    async with host.revival_slot():
+    # A queued conversation's messages are logged by the admission queue under this
+    # lock until its actor runs: reading under it, the revival sees each one whole.
+    lock = agent.lock
+    if lock is None:
+        lock = WriteLock()
+    async with lock, host.revival_slot():
         resume = await host.store.resume(agent.id)
     # Turns this record holds handles for were postponed, even where the turn before
     # them had ended (a conversation that queued for a slot): they run, not abort.
@@ -423,7 +456,7 @@ async def revive(agent: Agent, host: Host) -> None:
     restored = restore(resume.events, postponed=held)
     ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(resume.events, restored.turn))
     agent.ws = ws
-    agent.lock = WriteLock()
+    agent.lock = lock
     agent.head = resume.head if resume.head is not None else -1
     agent.turn = restored.turn
     agent.cycle = resume.checkpoint.cycle if resume.checkpoint is not None else 0

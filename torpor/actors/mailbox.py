@@ -18,6 +18,7 @@ __all__ = [
     "ResolveRequest",
     "SendRequest",
     "SpawnRequest",
+    "StopRequest",
 ]
 
 
@@ -96,8 +97,20 @@ class HibernateRequest:
 
 HIBERNATE = HibernateRequest()  # the sweep's: nobody waits for the answer
 
+
+class StopRequest:
+    """The conversation moved to another node: stop for good, failing what waits with
+    ``error`` (the new owner runs the logged turns). Its task is cancelled as it is
+    posted: the actor finds it as it stops."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
 Message: TypeAlias = (
     SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest | HibernateRequest
+    | StopRequest
 )
 
 
@@ -124,7 +137,7 @@ class Mailbox:
     def put(self, message: Message) -> None:
         if isinstance(message, SendRequest):
             self.sends += 1
-        if not isinstance(message, HibernateRequest):
+        if not isinstance(message, HibernateRequest | StopRequest):
             self.work += 1
         self._items.append(message)
 
@@ -135,7 +148,7 @@ class Mailbox:
         message = items.pop(0)
         if isinstance(message, SendRequest):
             self.sends -= 1
-        if not isinstance(message, HibernateRequest):
+        if not isinstance(message, HibernateRequest | StopRequest):
             self.work -= 1
         return message
 
@@ -146,9 +159,17 @@ class Mailbox:
             return False
         if isinstance(message, SendRequest):
             self.sends -= 1
-        if not isinstance(message, HibernateRequest):
+        if not isinstance(message, HibernateRequest | StopRequest):
             self.work -= 1
         return True
+
+    def take_stop(self) -> BaseException | None:
+        """The error of a StopRequest waiting here (taken out), None if none waits."""
+        for message in self._items:
+            if isinstance(message, StopRequest):
+                self.remove(message)
+                return message.error
+        return None
 
     def drain(self) -> list[Message]:
         items = list(self._items)

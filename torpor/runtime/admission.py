@@ -138,14 +138,21 @@ class Admission:
         samples = list(self.waits)
         return percentile(samples, 50), percentile(samples, 99)
 
-    async def send(self, agent: Agent, text: str, key: str | None) -> Turn:
-        """Log a message for a queued conversation; its turn runs once it has a slot."""
+    async def send(self, agent: Agent, text: str, key: str | None) -> Turn | None:
+        """Log a message for a queued conversation; its turn runs once it has a slot.
+
+        A queued conversation has no actor yet: until it is let in, this queue writes
+        its record, under the record's write lock, which its actor's revival takes
+        first. None: it was let in meanwhile (send to its actor instead).
+        """
         host = self._host
         store = host.store
         if agent.lock is None:
             agent.lock = WriteLock()
         with anyio.CancelScope(shield=True):  # once written, it must be answered
             async with agent.lock:
+                if self.queue.get(agent.id) is not agent:
+                    return None  # let in: its actor is the writer now
                 if agent.head < 0 and agent.postponed is None:
                     # Where the conversation stands, without reading its working set:
                     # postponed input sits near the head, within the mailbox bound.

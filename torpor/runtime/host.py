@@ -345,7 +345,10 @@ class Runtime(MemoryAPI):
             # Over the live-agent cap: durable now, run when a slot frees (fair order).
             agent = self._admission.waiting(conversation_id)
             self._check_bound(agent)
-            return await self._admission.send(agent, text, key)
+            queued = await self._admission.send(agent, text, key)
+            if queued is not None:
+                return queued
+            agent = self._registry.get(conversation_id)  # let in meanwhile: ask its actor
         if agent is None:
             agent = self._agent(conversation_id)
         if agent.state is AgentState.PARKED:

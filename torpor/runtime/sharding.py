@@ -18,7 +18,6 @@ import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
-from torpor.actors.actor import fail
 from torpor.actors.state import AgentState
 from torpor.cluster import NodeConfig, shard_of
 from torpor.cluster.leases import Leases
@@ -42,8 +41,8 @@ __all__ = ["Recovering", "Retiring", "ShardGate"]
 class Retiring(Protocol):
     """The supervisor as a moving shard sees it."""
 
-    def retire(self, agent: Agent) -> None:
-        """Stop the agent's task for good: however it ends, it is not restarted."""
+    def retire(self, agent: Agent, error: BaseException) -> asyncio.Task[None] | None:
+        """Stop the agent for good, failing what waits on it with ``error``; its task."""
         ...
 
 
@@ -175,30 +174,16 @@ class ShardGate:
         return ShardMoved(conversation_id, shard, self.member.leases.owner_address(shard))
 
     def _retire(self, agent: Agent, error: ShardMoved) -> asyncio.Task[None] | None:
+        """Out of this runtime; its own task fails what waits on it with ``error``."""
         self._registry.remove(agent)
         self._admission.drop(agent.id)
-        mailbox, agent.mailbox = agent.mailbox, None
-        taken, agent.taken = agent.taken, None  # taken, unanswered: the cancel below ends it
-        for message in (*(mailbox.drain() if mailbox is not None else ()), taken):
-            if message is not None:
-                fail(message, error)
-        postponed, agent.postponed = agent.postponed, None
-        for waiting in postponed or ():  # logged: the new owner runs them
-            waiting.turn._fail(error)
-        if agent.current is not None:
-            agent.current._fail(error)
         self._host.forget_bytes(agent)
         self._counters.evictions += 1
-        self._host.transition(agent, agent.state, AgentState.EVICTED)
-        task = agent.task
-        if task is None:
-            return None
-        self._supervisor.retire(agent)
-        return task
+        return self._supervisor.retire(agent, error)  # its task reports it evicted
 
 
 def _in_turn(agent: Agent) -> bool:
-    return agent.scope is not None or agent.state in (
+    return agent.turn_running or agent.state in (
         AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING
     )
 

@@ -28,6 +28,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from torpor.actors.actor import Recovery, run_agent
+from torpor.actors.mailbox import StopRequest
 from torpor.actors.state import AgentState
 from torpor.errors import (
     CorruptEvent,
@@ -76,11 +77,17 @@ class Supervisor:
         self.retired: set[Agent] = set()  # taken out of the runtime (its shard moved)
         self.stopping = False
 
-    def retire(self, agent: Agent) -> None:
-        """Stop the agent's task for good: however it ends, it is not restarted."""
-        if agent.task is not None:
+    def retire(self, agent: Agent, error: BaseException) -> asyncio.Task[None] | None:
+        """Stop the agent for good (its conversation moved away): whatever waits on it
+        fails with ``error``, done by its own task (a last one if it had none), which is
+        not restarted; returns that task."""
+        if agent.task is None:
+            self.ensure_running(agent, recovery=Recovery(error, final=True))
+        else:
             self.retired.add(agent)
+            agent.post(StopRequest(error))
             agent.task.cancel()
+        return agent.task
 
     def ensure_running(
         self, agent: Agent, *, delay: float = 0.0, recovery: Recovery | None = None
