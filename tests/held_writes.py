@@ -71,8 +71,8 @@ def _describe(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Wri
 class Hold:
     """One write held until :meth:`release` (the first write ``match`` accepts).
 
-    ``reached`` is also set when the hold is dropped unused (uninstalled): whoever
-    waits for it never hangs; ``write`` is None then.
+    ``reached`` is also set when the hold is dropped unused (``write`` is None then)
+    and when the write raised before an ``after`` hold: whoever waits never hangs.
     """
 
     match: Callable[[Write], bool]
@@ -190,6 +190,7 @@ class HeldWrites:
             return result
         finally:
             self.in_flight -= 1
+            hold.reached.set()  # a write that failed before the hold: nobody waits for good
             hold.done.set()
 
     async def _delayed(
