@@ -20,8 +20,7 @@ bench/turn_race.py.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +69,11 @@ def _describe(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Wri
 
 @dataclass
 class Hold:
-    """One write held until :meth:`release` (the first write ``match`` accepts)."""
+    """One write held until :meth:`release` (the first write ``match`` accepts).
+
+    ``reached`` is also set when the hold is dropped unused (``write`` is None then)
+    and when the write raised before an ``after`` hold: whoever waits never hangs.
+    """
 
     match: Callable[[Write], bool]
     after: bool = False  # hold after the commit, before the caller gets the result
@@ -109,7 +112,8 @@ class HeldWrites:
     ) -> None:
         self.store = store
         self.delay = delay
-        self.holds: list[Hold] = []
+        self.holds: list[Hold] = []  # armed: no write has matched them yet
+        self._given: list[Hold] = []
         self.writes: list[Write] = []  # every write asked for, in call order
         self.in_flight = 0  # writes held or delayed right now (not yet returned)
         self._originals: dict[str, Any] = {}
@@ -117,12 +121,23 @@ class HeldWrites:
     def hold(self, match: Callable[[Write], bool], *, after: bool = False) -> Hold:
         hold = Hold(match, after)
         self.holds.append(hold)
+        self._given.append(hold)
         return hold
 
+    def drop(self, hold: Hold) -> None:
+        """Release ``hold``; if no write has taken it yet, none will."""
+        if hold in self.holds:
+            self.holds.remove(hold)
+            hold.reached.set()
+        hold.release()
+
     def release_all(self) -> None:
-        for hold in self.holds:
+        """Release every hold given out; those no write reached are dropped."""
+        for hold in self._given:
             hold.release()
+            hold.reached.set()
         self.holds.clear()
+        self._given.clear()
 
     def install(self) -> None:
         for method in METHODS:
@@ -136,14 +151,6 @@ class HeldWrites:
         for method in self._originals:
             delattr(self.store, method)  # the class's method shows through again
         self._originals.clear()
-
-    @contextmanager
-    def installed(self) -> Iterator[HeldWrites]:
-        self.install()
-        try:
-            yield self
-        finally:
-            self.uninstall()
 
     def __enter__(self) -> HeldWrites:
         self.install()
@@ -183,6 +190,7 @@ class HeldWrites:
             return result
         finally:
             self.in_flight -= 1
+            hold.reached.set()  # a write that failed before the hold: nobody waits for good
             hold.done.set()
 
     async def _delayed(
