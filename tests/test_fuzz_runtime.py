@@ -502,6 +502,8 @@ def agents_unrest(rt: Runtime, blocked: Counter[str], store_down: bool) -> str |
         if agent.lock is not None and agent.lock.locked():
             return f"{cid}: an append in flight"
         state = agent.state
+        if agent.turn_running and state not in (AgentState.STREAMING, AgentState.RUNNING_TOOLS):
+            return f"{cid}: its turn's task is running in {state}"
         if state is AgentState.PARKED:
             if agent.task is not None:
                 return f"{cid}: parked, its task still running"
@@ -527,7 +529,7 @@ def agents_unrest(rt: Runtime, blocked: Counter[str], store_down: bool) -> str |
 def open_turns(rt: Runtime) -> list[str]:
     """Conversations with a turn open (running, or suspended on an approval)."""
     return sorted(a.id for a in rt._registry
-                  if a.scope is not None or a.state is AgentState.SUSPENDED)
+                  if a.turn_running or a.state is AgentState.SUSPENDED)
 
 
 def awaited_calls(rt: Runtime) -> list[tuple[str, str]]:
