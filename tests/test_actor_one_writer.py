@@ -9,6 +9,7 @@ their callers are told.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import anyio
@@ -17,13 +18,16 @@ import pytest
 from torpor import (
     Aborted,
     AgentConfig,
+    AgentParked,
     AssistantMessage,
     ExternalTool,
+    Parked,
     Runtime,
     RuntimeConfig,
     Suspended,
     TurnAborted,
     UnknownCall,
+    Unparked,
     UserMessage,
 )
 from torpor.actors.state import REPORTED, TRANSITIONS, AgentState
@@ -141,3 +145,29 @@ def test_the_table_has_no_transition_into_an_unknown_state() -> None:
     for old, targets in TRANSITIONS.items():
         assert targets <= set(AgentState), old
     assert set(TRANSITIONS) == set(AgentState)
+
+
+async def test_unparking_is_a_request_the_parked_agent_acts_on_once(tmp_path: Path) -> None:
+    """Two operators unpark at once: the actor logs one Unparked, answers one True and one
+    False, and the conversation answers again (it was parked in memory, not evicted)."""
+    url = db(tmp_path)
+    model = ScriptedModel(["ok"] * 8, loop=True)
+    config = RuntimeConfig(max_restarts=0, backoff_initial=0.0)
+    async with Runtime(url, model=model, config=config) as rt:
+        await (await rt.send("c", "hello")).result()
+        # Parked by the log, as after a crash loop: a runtime reopened on it keeps it so.
+        head = await rt.store.head("c")
+        await rt.store.append_events("c", [Parked("crash loop", restarts=5)], turn=1,
+                                     expect_head=head)
+    async with Runtime(url, model=model, config=config) as rt:
+        with pytest.raises(AgentParked):
+            await rt.send("c", "anyone?")
+        assert (await rt.admin.inspect("c")).state == "parked"
+        with anyio.fail_after(10):
+            first, second = await asyncio.gather(rt.admin.unpark("c"), rt.admin.unpark("c"))
+        assert sorted([first, second]) == [False, True]
+        events = await rt.store.read_since("c", 0)
+        assert sum(isinstance(e.body, Unparked) for e in events) == 1
+        with anyio.fail_after(10):
+            assert (await (await rt.send("c", "back")).result()).text == "ok"  # type: ignore[union-attr]
+        assert (await rt.admin.inspect("c")).state == "awaiting_input"

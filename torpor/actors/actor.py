@@ -39,6 +39,7 @@ from torpor.actors.mailbox import (
     SendRequest,
     SpawnRequest,
     StopRequest,
+    UnparkRequest,
 )
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
@@ -66,6 +67,7 @@ from torpor.events import (
     Resolved,
     Suspended,
     ToolResult,
+    Unparked,
     UserMessage,
 )
 
@@ -150,9 +152,13 @@ async def _backoff(agent: Agent, delay: float, recovery: Recovery | None) -> Non
 async def _serve(agent: Agent, host: Host) -> None:
     while True:
         if agent.state is AgentState.PARKED:
-            _refuse_all(agent)
-            _drop_caches(agent)
-            return
+            unpark = agent.mailbox.take_unpark() if agent.mailbox is not None else None
+            if unpark is None:
+                _refuse_all(agent)
+                _drop_caches(agent)
+                return
+            await _unpark(agent, host, unpark)
+            continue
         turn_task = agent.turn_task
         if turn_task is not None and turn_task.done():
             agent.turn_task = None  # it crashed (one that ended well let go of itself)
@@ -203,19 +209,19 @@ async def _serve(agent: Agent, host: Host) -> None:
             del send
         elif isinstance(message, CancelRequest):
             await _handle_cancel(agent, host, message)
+        elif isinstance(message, CardRequest):
+            await _handle_card(agent, host, message)  # mid-turn: in effect from its next call
+        elif isinstance(message, UnparkRequest):
+            if not message.done.done():
+                message.done.set_result(False)  # not parked (any more)
         elif agent.turn_task is not None:
             # An answer or a spawn while the turn runs: it waits for no call until it
             # suspends (answer the ids of the Suspended that ends its stream).
-            if not isinstance(message, CardRequest):
-                _refuse_call(agent, message)
-            else:
-                await _handle_card(agent, host, message)  # in effect from its next call
+            _refuse_call(agent, message)
         elif isinstance(message, ResolveRequest):
             await _handle_resolve(agent, host, message)
         elif isinstance(message, SpawnRequest):
             await handle_spawn(agent, host, message)
-        elif isinstance(message, CardRequest):
-            await _handle_card(agent, host, message)
         agent.taken = None
         agent.last_active = time.monotonic()
         if agent.turn_task is None:  # a turn it started says so itself when it ends
@@ -269,6 +275,10 @@ def fail(message: Message, error: BaseException) -> None:
             message.done.set_result(False)  # not hibernated: the agent did not get to it
         return
     if isinstance(message, StopRequest):
+        return
+    if isinstance(message, UnparkRequest) and isinstance(error, AgentParked):
+        if not message.done.done():
+            message.done.set_result(False)  # parked again before it was read: not unparked
         return
     future: asyncio.Future[object]
     future = message.accepted if isinstance(message, SendRequest) else message.done  # type: ignore[assignment]
@@ -374,6 +384,24 @@ async def _park(agent: Agent, host: Host, cause: str) -> None:
     with contextlib.suppress(Exception):
         host.log.error("agent parked", conversation_id=agent.id, cause=cause,
                        restarts=agent.restarts)
+
+
+async def _unpark(agent: Agent, host: Host, request: UnparkRequest) -> None:
+    """Log ``Unparked``, then revive from the log (which no longer says parked)."""
+    try:
+        with anyio.CancelScope(shield=True):  # written and answered, or neither
+            events = await host.store.append_events(agent.id, [Unparked()], turn=agent.turn)
+    except Exception as exc:
+        fail(request, exc)
+        return
+    agent.head = max(agent.head, events[-1].position)
+    host.publish(agent.id, events)
+    agent.parked_cause = None
+    agent.crash_times = ()
+    _drop_caches(agent)
+    agent.set_state(host, AgentState.REVIVING)
+    if not request.done.done():
+        request.done.set_result(True)
 
 
 async def _stop(agent: Agent, host: Host) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "SendRequest",
     "SpawnRequest",
     "StopRequest",
+    "UnparkRequest",
 ]
 
 
@@ -98,6 +99,18 @@ class HibernateRequest:
 HIBERNATE = HibernateRequest()  # the sweep's: nobody waits for the answer
 
 
+class UnparkRequest:
+    """Let a parked agent run again: the actor logs ``Unparked`` and revives from the log.
+
+    ``done`` resolves to True once logged, False when the agent was not parked.
+    """
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: asyncio.Future[bool]) -> None:
+        self.done = done
+
+
 class StopRequest:
     """The conversation moved to another node: stop for good, failing what waits with
     ``error`` (the new owner runs the logged turns). Its task is cancelled as it is
@@ -110,7 +123,7 @@ class StopRequest:
 
 Message: TypeAlias = (
     SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest | HibernateRequest
-    | StopRequest
+    | StopRequest | UnparkRequest
 )
 
 
@@ -162,6 +175,14 @@ class Mailbox:
         if not isinstance(message, HibernateRequest | StopRequest):
             self.work -= 1
         return True
+
+    def take_unpark(self) -> UnparkRequest | None:
+        """The first UnparkRequest waiting here (taken out), None if none waits."""
+        for message in self._items:
+            if isinstance(message, UnparkRequest):
+                self.remove(message)
+                return message
+        return None
 
     def take_stop(self) -> BaseException | None:
         """The error of a StopRequest waiting here (taken out), None if none waits."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from torpor.actors.mailbox import UnparkRequest
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.cluster.view import ClusterView
@@ -106,7 +107,9 @@ class Caretaker(Protocol):
 
 
 class Supervised(Protocol):
-    """The supervisor as the stats count it (``Supervisor``)."""
+    """The supervisor as the stats count it and an operator starts an agent (``Supervisor``)."""
+
+    def ensure_running(self, agent: Agent) -> None: ...
 
     @property
     def tasks(self) -> Collection[asyncio.Task[Any]]: ...
@@ -123,6 +126,8 @@ class Administered(Stored, Protocol):
     def embedding(self) -> EmbeddingWorker | None: ...
 
     def profile_for(self, conversation_id: str) -> Profile: ...
+
+    def agent(self, conversation_id: str) -> Agent: ...
 
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView: ...
 
@@ -347,7 +352,9 @@ class Admin:
         return await self._runtime.store.pending(after=after, limit=limit)
 
     async def unpark(self, conversation_id: str) -> bool:
-        """Let a parked agent run again (logged as ``Unparked``). False if it was not parked."""
+        """Let a parked agent run again (logged as ``Unparked``). False if it was not parked.
+
+        Asked of the agent's actor, which logs it and revives from the log."""
         check_id(conversation_id)
         agent = self._registry.get(conversation_id)
         if agent is not None and agent.state is not AgentState.PARKED:
@@ -356,13 +363,11 @@ class Admin:
             resume = await self._runtime.store.resume(conversation_id)
             if restore(resume.events).state is not AgentState.PARKED:
                 return False
-        turn = agent.turn if agent is not None else 0
-        events = await self._runtime.store.append_events(conversation_id, [Unparked()], turn=turn)
-        self._host.publish(conversation_id, events)
-        if agent is not None:
-            self._registry.remove(agent)
-            self._host.transition(agent, AgentState.PARKED, AgentState.EVICTED)
-        return True
+            agent = self._runtime.agent(conversation_id)  # revives parked, then unparks
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        agent.post(UnparkRequest(done))
+        self._supervisor.ensure_running(agent)
+        return await done
 
     async def rendered(self, conversation_id: str, call: int | ModelCall = -1) -> RenderedCall:
         """Rebuild exactly what a model call was sent (from the log and its recipe)."""
