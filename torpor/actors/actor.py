@@ -176,6 +176,9 @@ async def _serve(agent: Agent, host: Host) -> None:
             _start_postponed(agent, host)
             _start_turn(agent, host)
             continue
+        # Not kept while waiting: a finished turn's task (and its frame's objects) would
+        # stay alive with every idle agent that last ran one.
+        turn_task = None
         message = agent.next_message()
         if message is None:
             # Awaited here, not through a helper coroutine: one frame less per idle
