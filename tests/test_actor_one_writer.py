@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
+from support import writes_fail, writes_succeed
 
 from torpor import (
     Aborted,
@@ -24,6 +26,7 @@ from torpor import (
     Parked,
     Runtime,
     RuntimeConfig,
+    StoreUnavailable,
     Suspended,
     TurnAborted,
     UnknownCall,
@@ -171,3 +174,44 @@ async def test_unparking_is_a_request_the_parked_agent_acts_on_once(tmp_path: Pa
         with anyio.fail_after(10):
             assert (await (await rt.send("c", "back")).result()).text == "ok"  # type: ignore[union-attr]
         assert (await rt.admin.inspect("c")).state == "awaiting_input"
+
+
+async def test_a_request_its_actor_cannot_take_while_the_store_fails_is_refused_in_time(
+    tmp_path: Path,
+) -> None:
+    """While writes fail, a send whose agent is stuck before its mailbox (a revival held
+    here) is taken back and refused with StoreUnavailable once store_retry_deadline
+    passes; nothing of it is logged, and the agent answers once the store writes."""
+    config = RuntimeConfig(store_retry_deadline=0.2)
+    async with Runtime(db(tmp_path), model=EchoModel(), config=config) as rt:
+        await (await rt.send("y", "before")).result()
+        assert await rt.admin.evict("y")
+        store = rt.store
+        await writes_fail(store)
+        with pytest.raises(StoreUnavailable):
+            await rt.send("x", "refused")  # the store knows its writes fail now
+        held, reached = anyio.Event(), anyio.Event()
+        resume = store.resume
+
+        async def held_resume(conversation_id: str) -> Any:
+            if conversation_id == "y":
+                reached.set()
+                await held.wait()
+            return await resume(conversation_id)
+
+        store.resume = held_resume  # type: ignore[method-assign]
+        try:
+            with anyio.fail_after(10):  # a hang guard: the deadline is 0.2 s
+                with pytest.raises(StoreUnavailable):
+                    await rt.send("y", "stuck")
+                assert reached.is_set()
+        finally:
+            held.set()
+            store.resume = resume  # type: ignore[method-assign]
+            await writes_succeed(store)
+        with anyio.fail_after(10):
+            answer = await (await rt.send("y", "after")).result()
+        assert answer.text == "echo: after"  # type: ignore[union-attr]
+        texts = [e.body.text for e in await store.read_since("y", 0)
+                 if isinstance(e.body, UserMessage)]
+        assert texts == ["before", "after"]
