@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -112,6 +112,9 @@ async def run_agent(
     """The actor. ``delay``: restart backoff; ``recovery``: what the last task left."""
     try:
         if recovery is not None:
+            if recovery.final and isinstance(recovery.error, RuntimeClosed):
+                await _stop(agent, host)  # the runtime stops: as a running actor would
+                return
             _recover(agent, host, recovery)
             if recovery.final:
                 return
@@ -125,8 +128,29 @@ async def run_agent(
         # turns are ended in the log as what their callers are told, the rest is refused.
         await _stop(agent, host)
         raise
+    except BaseException:
+        # The actor crashed with a turn running: that turn ends with it (logged as
+        # crashed by itself), never left writing beside the actor that replaces this one.
+        await _end_turn_task(agent, _CRASHED)
+        raise
     finally:
         agent.waiter = None
+
+
+_CRASHED = "torpor: the actor crashed"  # the cancel message a turn's task is stopped with
+
+
+async def _end_turn_task(agent: Agent, why: str | None = None) -> None:
+    """Cancel the running turn's task (it logs its own end) and wait for it to finish."""
+    task = agent.turn_task
+    if task is not None and not task.done():
+        task.cancel(why)
+    if task is not None:
+        with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+            await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the turn logged (or could not log) its end
+    agent.turn_task = None
 
 
 async def _backoff(agent: Agent, delay: float, recovery: Recovery | None) -> None:
@@ -198,8 +222,13 @@ async def _serve(agent: Agent, host: Host) -> None:
             if message.done is not None and not message.done.done():
                 message.done.set_result(idle)
             if idle:
+                host.on_hibernated(agent)  # reported while the record still shows its state
                 _drop_caches(agent)
-                host.on_hibernated(agent)
+                if agent.mailbox is not None:  # others asked too: it is done for them as well
+                    for other in agent.mailbox.drain():
+                        if isinstance(other, HibernateRequest) and other.done is not None:
+                            _answer(other.done, True)
+                    agent.mailbox = None
                 return
             continue
         agent.taken = message  # left set if cancelled: the task's stop answers it
@@ -262,13 +291,24 @@ def _drop_caches(agent: Agent) -> None:
 
 
 def _refuse_all(agent: Agent) -> None:
+    """Parked: refuse what waits (a turn logged while it queued for a slot included)."""
+    error = AgentParked(agent.id, agent.parked_cause or "parked")
+    postponed, agent.postponed = agent.postponed, None
+    for waiting in postponed or ():
+        waiting.turn._fail(error)
+        waiting.hub.close(error)
     mailbox = agent.mailbox
     agent.mailbox = None
     if mailbox is None:
         return
-    error = AgentParked(agent.id, agent.parked_cause or "parked")
     for message in mailbox.drain():
         fail(message, error)
+
+
+def _answer(future: asyncio.Future[Any], value: Any) -> None:
+    """Answer a request, unless its caller gave up meanwhile (never a crash of the actor)."""
+    if not future.done():
+        future.set_result(value)
 
 
 def fail(message: Message, error: BaseException) -> None:
@@ -420,15 +460,7 @@ async def _stop(agent: Agent, host: Host) -> None:
         current, agent.current = agent.current, None
         if current is not None:
             current._fail(moved)  # before its turn's own end: the caller learns where it went
-    task = agent.turn_task
-    if task is not None and not task.done():
-        task.cancel()  # it logs Aborted("shutdown") for itself, shielded
-    if task is not None:
-        with contextlib.suppress(BaseException):
-            await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # retrieved: the turn logged (or could not log) its end
-    agent.turn_task = None
+    await _end_turn_task(agent)  # it logs Aborted("shutdown") for itself, shielded
     current, agent.current = agent.current, None
     hub, agent.hub = agent.hub, None
     if current is not None or hub is not None:  # its end could not be logged
@@ -444,8 +476,7 @@ async def _stop(agent: Agent, host: Host) -> None:
         return
     postponed, agent.postponed = agent.postponed, None
     error = RuntimeClosed("the runtime stopped")
-    if (postponed and agent.ws is not None and agent.state is not AgentState.PARKED
-            and host.draining):
+    if postponed and agent.state is not AgentState.PARKED and host.draining:
         # Their callers are told "shutdown": the log says the same, so nothing is left
         # half-done for the next run to report as interrupted.
         for waiting in postponed:
@@ -490,6 +521,7 @@ async def revive(agent: Agent, host: Host) -> None:
     agent.lock = lock
     agent.head = resume.head if resume.head is not None else -1
     agent.turn = restored.turn
+    agent.numbered = restored.numbered
     agent.cycle = resume.checkpoint.cycle if resume.checkpoint is not None else 0
     agent.pending = restored.pending
     agent.parked_cause = restored.parked_cause
@@ -657,12 +689,16 @@ async def _run_turn(agent: Agent, host: Host) -> None:
                     reason, detail = "step_limit", str(exc)
             if turn_scope.cancelled_caught:
                 reason, detail = "cancelled", "cancelled by caller"
-        except anyio.get_cancelled_exc_class():
+        except anyio.get_cancelled_exc_class() as stopped:
+            crashed = _CRASHED in stopped.args
             try:
                 with anyio.CancelScope(shield=True):
-                    await abort_turn(agent, host, "shutdown", "runtime stopped", _partial(agent))
+                    await abort_turn(
+                        agent, host, "crashed" if crashed else "shutdown",
+                        "the actor crashed" if crashed else "runtime stopped", _partial(agent),
+                    )
             finally:
-                _answer_cancels(agent, True)
+                _answer_cancels(agent, not crashed)
             raise
         except Exception as exc:
             crash = exc
@@ -808,6 +844,8 @@ class _TurnCrashed(Exception):
 
 def _turn_over(agent: Agent, host: Host) -> None:
     """The turn's task is done with the turn: the agent is idle before its caller resumes."""
+    if agent.turn_task is not asyncio.current_task():
+        return  # not the actor's turn any more (the actor stopped it): nothing to report
     agent.turn_task = None
     agent.last_active = time.monotonic()
     host.on_idle(agent)
@@ -832,7 +870,7 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
         return
     agent.pending = tuple(c for c in agent.pending if c != request.call_id)
     if agent.pending:
-        request.done.set_result(None)
+        _answer(request.done, None)
         _measure(agent)
         return
     # The continuation is a new stream: the part before the suspension has ended.
@@ -879,7 +917,7 @@ async def _handle_card(agent: Agent, host: Host, request: CardRequest) -> None:
     except Exception as exc:
         fail(request, exc)
         raise  # a conflict: our view of the log is stale, revive from it
-    request.done.set_result(events[0])
+    _answer(request.done, events[0])
 
 
 async def _handle_cancel(agent: Agent, host: Host, request: CancelRequest) -> None:
@@ -895,11 +933,11 @@ async def _handle_cancel(agent: Agent, host: Host, request: CancelRequest) -> No
         # when it next may be interrupted, or ends first and the cancel is too late.
         return
     if agent.state is not AgentState.SUSPENDED:
-        request.done.set_result(False)
+        _answer(request.done, False)
         return
     try:
         await abort_turn(agent, host, "cancelled", "suspended turn cancelled by caller", "")
     except StoreUnavailable as exc:
         fail(request, exc)  # nothing was written: still suspended
         return
-    request.done.set_result(True)
+    _answer(request.done, True)

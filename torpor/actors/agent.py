@@ -137,6 +137,7 @@ class Agent:
         "last_error",
         "lock",
         "mailbox",
+        "numbered",
         "parked_cause",
         "pending",
         "postponed",
@@ -178,6 +179,9 @@ class Agent:
         self.last_active = time.monotonic()
         self.head = -1  # last logged position; -1: empty conversation
         self.turn = 0
+        # The highest turn number in the log: a postponed turn a drain ended before it ran
+        # keeps its number, above the open turn's (the next message is numbered above both).
+        self.numbered = 0
         self.cycle = 0  # compaction cycles so far (checkpoints written)
         self.calls = 0  # model calls in the current turn
         self.topic: str | None = None  # the last model call's topic label (its anatomy)
@@ -261,7 +265,8 @@ class Agent:
     def last_turn(self) -> int:
         """The highest turn number logged (postponed turns included)."""
         postponed = self.postponed
-        return postponed[-1].event.turn if postponed else self.turn
+        last = postponed[-1].event.turn if postponed else self.turn
+        return last if last >= self.numbered else self.numbered
 
     # -- mailbox ---------------------------------------------------------------
     def post(self, message: Message) -> None:

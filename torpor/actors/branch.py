@@ -60,7 +60,8 @@ async def handle_spawn(agent: Agent, host: Host, request: SpawnRequest) -> None:
                                     key=link_key("spawn", agent.id, request.call_id))
             await append(agent, host, [Spawned(agent.id, request.call_id, child)])
         except ConflictError:
-            done.set_exception(InvalidInput("child", f"{child!r} is already a conversation"))
+            if not done.done():  # its caller may have given up meanwhile
+                done.set_exception(InvalidInput("child", f"{child!r} is already a conversation"))
             return
         except StoreUnavailable as exc:  # our log is unchanged: still suspended, unlinked
             if not done.done():

@@ -35,6 +35,7 @@ class Restored(msgspec.Struct, frozen=True):
     parked_cause: str | None = None
     unfinished: bool = False  # the open turn neither finished, aborted nor suspended
     postponed: tuple[Event, ...] = ()  # user messages logged behind the open turn, in order
+    numbered: int = 0  # the highest turn number in the events (a turn ended unrun included)
 
 
 def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) -> Restored:
@@ -65,6 +66,8 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
         if waiting:  # behind an open turn only user messages can follow
             if isinstance(body, UserMessage) and event.turn > waiting[-1].turn:
                 waiting.append(event)
+            elif isinstance(body, Aborted):  # a postponed turn ended before it ran (a drain)
+                waiting = [w for w in waiting if w.turn != event.turn]
             # else: a second message logged under a number already given (older
             # versions could do that): it belongs to that turn, not to one of its own
             continue
@@ -95,13 +98,14 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
             last_assistant = None
             suspended_on = frozenset()
     queued = tuple(waiting)
+    numbered = max((e.turn for e in events), default=0)
     if parked is not None:
         return Restored(
             AgentState.PARKED, turn, parked_cause=parked, unfinished=not finished,
-            postponed=queued,
+            postponed=queued, numbered=numbered,
         )
     if finished:
-        return Restored(AgentState.AWAITING_INPUT, turn, postponed=queued)
+        return Restored(AgentState.AWAITING_INPUT, turn, postponed=queued, numbered=numbered)
     if last_assistant is not None and suspended_on:
         pending = tuple(
             c.id for c in last_assistant.tool_calls if c.id not in answered and c.id in suspended_on
@@ -112,5 +116,7 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
             if c.id not in answered and c.id not in suspended_on
         ]
         if pending and not unanswered_local:
-            return Restored(AgentState.SUSPENDED, turn, pending=pending, postponed=queued)
-    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True, postponed=queued)
+            return Restored(AgentState.SUSPENDED, turn, pending=pending, postponed=queued,
+                            numbered=numbered)
+    return Restored(AgentState.AWAITING_INPUT, turn, unfinished=True, postponed=queued,
+                    numbered=numbered)

@@ -11,6 +11,7 @@ itself; the head of the queue then revives and runs its turns.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
@@ -23,7 +24,8 @@ from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
 from torpor.actors.write_lock import WriteLock
-from torpor.events import UserMessage
+from torpor.errors import AgentParked, TurnAborted
+from torpor.events import Aborted, Event, Parked, Unparked, UserMessage
 from torpor.runtime.stats import Samples, percentile
 
 if TYPE_CHECKING:
@@ -47,8 +49,8 @@ class Admitting(Protocol):
 
 class Admission:
     __slots__ = (
-        "_config", "_counters", "_host", "_registry", "_runtime", "_supervisor", "admitted",
-        "queue", "since", "waits",
+        "_closed", "_config", "_counters", "_host", "_registry", "_runtime", "_supervisor",
+        "admitted", "queue", "since", "waits",
     )
 
     def __init__(
@@ -61,6 +63,7 @@ class Admission:
         supervisor: Starter,
         runtime: Admitting,
     ) -> None:
+        self._closed: BaseException | None = None  # the runtime stopped: with this error
         self._config = config
         self._registry = registry
         self._counters = counters
@@ -164,6 +167,9 @@ class Admission:
                     if recent:
                         agent.head = recent[0].position
                         agent.turn = max(e.turn for e in recent)
+                        agent.parked_cause = _parked(recent)
+                if agent.parked_cause is not None:  # a parked conversation takes no input
+                    raise AgentParked(agent.id, agent.parked_cause)
                 number = agent.last_turn() + 1
                 events = await store.append_events(
                     agent.id, [UserMessage(text)], turn=number, expect_head=agent.head, key=key
@@ -175,15 +181,49 @@ class Admission:
                 host.publish(agent.id, events)
                 hub = StreamHub(host.followers(agent.id))
                 turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
+                if self._closed is not None or (
+                    self.queue.get(agent.id) is not agent
+                    and self._registry.agents.get(agent.id) is not agent
+                ):
+                    # Closed (or moved away) while it was written: nobody will run it here.
+                    # (Let in meanwhile, its revival waits for this lock and adopts it.)
+                    await self._settle_left(agent, turn, hub, number)
+                    return turn
                 if agent.postponed is None:
                     agent.postponed = []
                 agent.postponed.append(Waiting(event, turn, hub))
         return turn
 
+    async def _settle_left(self, agent: Agent, turn: Turn, hub: StreamHub, number: int) -> None:
+        """A turn logged for a record the queue let go of meanwhile, not to the registry."""
+        error = self._closed or TurnAborted(
+            "interrupted", "", "the conversation left this runtime before its turn ran"
+        )
+        if self._closed is not None:  # the runtime stops: the log says so, as the caller
+            with contextlib.suppress(Exception):
+                await self._host.store.append_events(
+                    agent.id, [Aborted("shutdown", detail="runtime stopped before this "
+                                       "postponed turn ran")],
+                    turn=number, expect_head=agent.head,
+                )
+        turn._fail(error)
+        hub.close(error)
+
     def close(self, error: BaseException) -> None:
+        self._closed = error
         for agent in self.queue.values():
             for waiting in agent.postponed or ():
                 waiting.turn._fail(error)
             agent.postponed = None
         self.queue.clear()
         self.since.clear()
+
+
+def _parked(recent: list[Event]) -> str | None:
+    """The parking cause in force at the newest of ``recent`` (newest first), if any."""
+    for event in recent:
+        if isinstance(event.body, Unparked):
+            return None
+        if isinstance(event.body, Parked):
+            return event.body.cause
+    return None

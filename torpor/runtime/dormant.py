@@ -30,7 +30,7 @@ from torpor.actors.agent import Agent
 
 __all__ = ["DROPPED", "SETTLED", "STORED", "DormantTable", "can_rest"]
 
-INTS = ("head", "turn", "cycle", "calls", "restarts", "ws_tokens", "store_failures")
+INTS = ("head", "turn", "numbered", "cycle", "calls", "restarts", "ws_tokens", "store_failures")
 FLOATS = ("last_active", "calibration")
 TEXTS = ("topic", "last_error", "parked_cause")  # str or None, kept in the blob
 OBJECTS = ("profile", "state", "pending", "crash_times", "compact_requested")
