@@ -450,12 +450,17 @@ async def _unpark(agent: Agent, host: Host, request: UnparkRequest) -> None:
 async def _stop(agent: Agent, host: Host) -> None:
     """The task is being stopped: the runtime leaves, or the conversation moved away.
 
-    Leaving: the open turn logs how it ended, postponed turns are ended in the log
-    as what their callers are told, the rest is refused. Moved (a ``StopRequest``
+    Leaving: the open turn logs how it ended, postponed turns behind it are ended in
+    the log as what their callers are told (behind a suspension they stay, and run
+    once it is answered, after a restart too), the rest is refused. Moved (a ``StopRequest``
     in the mailbox): everything waiting fails with its error and nothing more is
     logged here; the new owner runs the logged turns.
     """
     moved = _stop_request(agent)
+    # Behind a suspension, postponed turns wait for its answer, which survives a restart
+    # in the log: they run after it then. Behind a running turn (or none), they are ended
+    # in the log as their callers are told.
+    behind_suspension = agent.state is AgentState.SUSPENDED
     if moved is not None:
         current, agent.current = agent.current, None
         if current is not None:
@@ -476,7 +481,8 @@ async def _stop(agent: Agent, host: Host) -> None:
         return
     postponed, agent.postponed = agent.postponed, None
     error = RuntimeClosed("the runtime stopped")
-    if postponed and agent.state is not AgentState.PARKED and host.draining:
+    if (postponed and not behind_suspension and agent.state is not AgentState.PARKED
+            and host.draining):
         # Their callers are told "shutdown": the log says the same, so nothing is left
         # half-done for the next run to report as interrupted.
         for waiting in postponed:
