@@ -50,6 +50,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     restarts from the log after an exponential backoff from ``backoff_initial`` up
     to ``backoff_max`` seconds.
 
+    Store faults: while the store cannot write, a caller learns it (``StoreUnavailable``,
+    nothing written) within ``store_retry_deadline`` seconds whatever its agent is doing;
+    the runtime keeps retrying behind it and serves again once writes succeed.
+
     Hybrid recall: ``embedder`` (None: off) and ``embed_interval``, see README
     "Hybrid recall".
     """
