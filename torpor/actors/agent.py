@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.mailbox import Mailbox, Message, SendRequest
-from torpor.actors.state import REPORTED, AgentState, checked
+from torpor.actors.state import REPORTED, AgentState, transition
 from torpor.actors.write_lock import WriteLock
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ class Agent:
         old = self.shown
         if new is old and new is not AgentState.STREAMING:
             return
-        self.state = checked(self.id, old, new)
+        self.state = transition(self.id, old, new)
         host.on_state(self, old, new)
 
     def report(self, host: Host, new: AgentState) -> None:
@@ -229,7 +229,7 @@ class Agent:
         assert new in REPORTED
         old = self.shown
         if new is not old:
-            host.on_state(self, old, checked(self.id, old, new))
+            host.on_state(self, old, transition(self.id, old, new))
 
     @property
     def busy(self) -> bool:

@@ -4,8 +4,8 @@ Like gen_statem: a state is a value, a transition is explicit, and an
 undeclared transition is a bug that crashes the agent (the supervisor then
 restarts it from the log). Every change of an agent's state, and every state
 the runtime reports about an agent (``admin.watch()``, the admission queue),
-is a state of this table and a transition it declares: :func:`checked` is the
-one check.
+is a state of this table and a transition it declares: :func:`transition` is
+the one check.
 
 Three states are never held in an agent's record, only reported: an agent
 that dropped its caches is ``hibernated`` (its record keeps ``awaiting_input``
@@ -19,7 +19,7 @@ import enum
 
 from torpor.errors import InvalidTransition
 
-__all__ = ["REPORTED", "TRANSITIONS", "AgentState", "InvalidTransition", "checked"]
+__all__ = ["REPORTED", "TRANSITIONS", "AgentState", "InvalidTransition", "transition"]
 
 
 class AgentState(enum.Enum):
@@ -58,7 +58,7 @@ TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
 }
 
 
-def checked(conversation_id: str, old: AgentState, new: AgentState) -> AgentState:
+def transition(conversation_id: str, old: AgentState, new: AgentState) -> AgentState:
     """``new`` if the table declares ``old -> new``; InvalidTransition otherwise."""
     if new not in TRANSITIONS[old]:
         raise InvalidTransition(f"{conversation_id}: {old} -> {new}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torpor.actors.state import AgentState, checked
+from torpor.actors.state import AgentState, transition
 from torpor.actors.stream import Follower
 from torpor.actors.watchdog import ModelWatchdog
 from torpor.events import Event
@@ -94,7 +94,7 @@ class AgentHost:
 
     def transition(self, agent: Agent, old: AgentState, new: AgentState) -> None:
         """Report a transition to the watchers: one the table declares, or InvalidTransition."""
-        checked(agent.id, old, new)
+        transition(agent.id, old, new)
         watchers = self._watchers
         if watchers:
             watchers.publish(agent.id, str(old), str(new))
