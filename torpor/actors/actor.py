@@ -456,7 +456,7 @@ async def _stop(agent: Agent, host: Host) -> None:
     in the mailbox): everything waiting fails with its error and nothing more is
     logged here; the new owner runs the logged turns.
     """
-    moved = _stop_request(agent)
+    moved = None if agent.mailbox is None else agent.mailbox.take_stop()
     # Behind a suspension, postponed turns wait for its answer, which survives a restart
     # in the log: they run after it then. Behind a running turn (or none), they are ended
     # in the log as their callers are told.
@@ -499,11 +499,6 @@ async def _stop(agent: Agent, host: Host) -> None:
         waiting.turn._fail(TurnAborted("shutdown", "", str(error)))
         waiting.hub.close()
     _fail_waiting(agent, error)
-
-
-def _stop_request(agent: Agent) -> BaseException | None:
-    """The error of a StopRequest waiting in the mailbox, if any (taken out of it)."""
-    return None if agent.mailbox is None else agent.mailbox.take_stop()
 
 
 async def revive(agent: Agent, host: Host) -> None:

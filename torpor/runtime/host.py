@@ -369,18 +369,14 @@ class Runtime(MemoryAPI):
         agent.post(request)
         self._registry.unqueue(agent)
         self._supervisor.ensure_running(agent)
-        if not (agent.store_failures or self._store_failing()):
-            # A store that writes answers fast, and one that starts failing now is
-            # learnt from the request's own write: no deadline to keep (no timer per send).
-            try:
-                return await reply
-            except asyncio.CancelledError:
-                if agent.mailbox is not None:
-                    agent.mailbox.remove(request)
-                raise
-        timer = asyncio.get_running_loop().call_later(
-            self.config.store_retry_deadline, self._overdue, agent, request, reply
-        )
+        # A store that writes answers fast, and one that starts failing now is learnt from
+        # the request's own write: a deadline is kept only while writes fail (no timer per
+        # send otherwise).
+        timer = None
+        if agent.store_failures or self._store_failing():
+            timer = asyncio.get_running_loop().call_later(
+                self.config.store_retry_deadline, self._overdue, agent, request, reply
+            )
         try:
             return await reply
         except asyncio.CancelledError:
@@ -388,7 +384,8 @@ class Runtime(MemoryAPI):
                 agent.mailbox.remove(request)
             raise
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
     def _store_failing(self) -> bool:
         """The store's own hint that its writes fail now (free to read; False if unknown)."""
