@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import asyncpg
 from pg_cluster import running_cluster
 
-from torpor.cluster import desired_owner, shard_of
+from torpor.cluster import desired_owner, shard_of, sql
 from torpor.events import UserMessage
 from torpor.serve.client import Client
 from torpor.store.postgres import PostgresStore
@@ -111,11 +111,10 @@ async def cluster(db: str, count: int, ttl: float) -> AsyncIterator[list[Node]]:
 async def lease_owners(db: str) -> dict[int, str | None]:
     conn = await asyncpg.connect(db)
     try:
-        rows = await conn.fetch(
-            "SELECT shard, CASE WHEN lease_until > now() THEN owner END FROM shard_leases")
+        rows = await conn.fetch(sql.LEASES)  # live while the owner's node row is
     finally:
         await conn.close()
-    return {r[0]: r[1] for r in rows}
+    return {r[0]: r[1] if r[5] else None for r in rows}
 
 
 async def settled(db: str, live: set[str]) -> float:

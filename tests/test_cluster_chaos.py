@@ -42,7 +42,7 @@ from torpor import Aborted, AssistantMessage, UserMessage
 asyncpg = pytest.importorskip("asyncpg")
 pytest.importorskip("uvicorn")
 
-from torpor.cluster import shard_of  # noqa: E402
+from torpor.cluster import shard_of, sql  # noqa: E402
 from torpor.serve.client import Client, HTTPStatusError  # noqa: E402
 from torpor.store.postgres import PostgresStore  # noqa: E402
 
@@ -177,10 +177,9 @@ class Driver:
 
 
 async def lease_table(conn: Any) -> dict[int, tuple[str | None, int, bool]]:
-    rows = await conn.fetch(
-        "SELECT shard, owner, epoch, coalesce(lease_until > now(), false) FROM shard_leases"
-    )
-    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+    # sql.LEASES: a lease is live while its owner's node row (same incarnation) is
+    rows = await conn.fetch(sql.LEASES)
+    return {r[0]: (r[1], r[3], r[5]) for r in rows}
 
 
 async def settled(conn: Any, live: set[str], *, each: bool = False) -> float:

@@ -1,15 +1,29 @@
 """ClusterMember: one node's membership and leases, run for as long as its runtime runs.
 
-Two tasks, owned here and stopped on exit:
+Tasks owned here and stopped on exit:
 
-* the renewer, every ``lease_ttl / 4``: one statement renews the node row and
-  every lease the node holds; a lease missing from its answer was taken over;
-  a node that has not renewed for ``lease_ttl - margin`` (monotonic clock)
-  stops serving everything;
-* the manager, about every second (sooner when something was lost): reads the
-  lease table (the routing cache), evicts the agents of lost shards, acquires
-  the shards rendezvous hashing gives this node that are free or expired, and
-  hands off the ones it gives to another live node.
+* the renewer, every ``lease_ttl / 4``: one UPDATE of the node's own row
+  renews every lease it holds (a lease is live while its owner's node row is),
+  and a plain read in the same statement says which shards this incarnation
+  still holds; a lease missing from it was taken over. A node that has not renewed for
+  ``lease_ttl - margin`` (monotonic clock) stops serving until it renews again
+  (its agents stay: the database's fence refuses anything they write if a
+  takeover happened meanwhile, and the next read says which shards went).
+* the manager, about every second, and at once when another node announces a
+  join, a leave or a release (``LISTEN torpor_leases``): reads the lease table
+  (the routing cache), evicts the agents of lost shards, acquires the shards
+  rendezvous hashing gives this node that are free or whose owner's node row
+  expired, releases rows this node owns but does not serve (a release that
+  failed earlier is retried here, so no row is orphaned), and starts handing
+  off the shards it gives to another live node.
+* one hand-off task per batch of shards leaving: each shard is released as soon
+  as its turns have ended (or the hand-off deadline cut them off), not when
+  the slowest turn of the batch ends.
+
+After this node could not reach the database for a while (the others likely
+could not either), it waits about one TTL before taking shards whose owners'
+rows expired meanwhile: they renew and keep their shards instead of having
+them taken and handed back.
 
 The runtime supplies a :class:`ShardHost` (what to do with the agents of a
 shard that leaves); this package never imports the runtime.
@@ -20,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -51,9 +65,13 @@ class ShardHost(Protocol):
         """The leases are gone: evict the agents now and fail their waiting requests."""
         ...
 
-    async def shards_leaving(self, shards: frozenset[int], deadline: float) -> None:
-        """Hand-off: let turns of ``shards`` finish (up to ``deadline`` seconds), then
-        evict their agents. New requests for them are already refused."""
+    def shards_leaving(
+        self, shards: frozenset[int], deadline: float
+    ) -> AsyncIterator[frozenset[int]]:
+        """Hand-off (new requests for ``shards`` are already refused): yield them as they
+        become free to move, each after its agents were evicted: a shard once its turns
+        have ended, all that are left once ``deadline`` seconds have passed (their turns
+        cut off)."""
         ...
 
     def shards_gained(self, shards: frozenset[int]) -> None:
@@ -69,32 +87,37 @@ class ClusterMember:
         self._host = host
         self._renew_conn: asyncpg.Connection | None = None
         self._conn: asyncpg.Connection | None = None
-        self._conn_lock = asyncio.Lock()  # the manager and admin views share one connection
+        self._conn_lock = asyncio.Lock()  # the manager, hand-offs and admin views share it
         self._tasks: list[asyncio.Task[None]] = []
+        self._handoffs: set[asyncio.Task[None]] = set()
+        self._renewed_at = 0.0  # monotonic time of the last successful renewal
+        self._quiet_until = 0.0  # monotonic: take no expired shard of another node before
+        self._paused = False  # serving stopped: no renewal for lease_ttl - margin
         self._log = log.bind(node=config.node_id)
 
     # -- lifecycle --------------------------------------------------------------------
     async def __aenter__(self) -> ClusterMember:
         config = self.config
         try:
-            self._conn = await self._connect("torpor-node")
+            conn = await self._manager_conn()
             self._renew_conn = await self._connect("torpor-node-renew")
-            shards = await self._conn.fetchval(
-                sql.CREATE_CLUSTER, config.shards or DEFAULT_SHARDS
-            )
+            shards = await conn.fetchval(sql.CREATE_CLUSTER, config.shards or DEFAULT_SHARDS)
             if config.shards is not None and shards != config.shards:
                 raise ConfigError(
                     "shards", f"the cluster was created with {shards} shards, not {config.shards}"
                 )
             self.leases.shards = shards  # shards=None adopts the cluster's count
-            await self._conn.execute(sql.CREATE_LEASES, shards)
+            await conn.execute(sql.CREATE_LEASES, shards)
             started = time.monotonic()
-            self.leases.incarnation = await self._conn.fetchval(
+            self.leases.incarnation = await conn.fetchval(
                 sql.REGISTER, config.node_id, config.address, config.lease_ttl
             )
+            self._renewed_at = started
             self.leases.valid_until = started + config.lease_ttl - config.margin
+            await conn.execute(sql.ANNOUNCE, config.node_id)  # the others hand off now
             await self._manage_once()
         except BaseException as exc:
+            await self._stop_hand_offs()
             await self._close()
             if isinstance(exc, _DB_ERRORS):
                 raise StoreUnavailable(f"cannot join the cluster: {exc!r}") from exc
@@ -125,25 +148,52 @@ class ClusterMember:
         try:
             if manager is not None:
                 await _cancel(manager)
-            held = set(self.leases.held)
-            if held:
-                await self._hand_off(held)
+            rest = self.leases.held - self.leases.leaving
+            if rest:
+                self._start_hand_off(rest)
+            # Each ends by itself: the deadline bounds the turns it waits for.
+            await asyncio.gather(*self._handoffs, return_exceptions=True)
             await self._evict_lost()
             with contextlib.suppress(*_DB_ERRORS):
-                await self._run(lambda c: c.execute(
-                    sql.LEAVE, self.config.node_id, self.leases.incarnation
-                ))
+                # Expiring the node row frees every lease it still owns (one whose release
+                # failed included); the announcement wakes the others to take them now.
+                await self._run(self._leave)
         finally:
+            await self._stop_hand_offs()
             if renewer is not None:
                 await _cancel(renewer)
             await self._close()
             self._log.info("node_left")
+
+    async def _leave(self, conn: asyncpg.Connection) -> None:
+        await conn.execute(sql.LEAVE, self.config.node_id, self.leases.incarnation)
+        await conn.execute(sql.ANNOUNCE, self.config.node_id)
+
+    async def _stop_hand_offs(self) -> None:
+        tasks, self._handoffs = self._handoffs, set()
+        for task in tasks:
+            await _cancel(task)
 
     async def _connect(self, name: str) -> asyncpg.Connection:
         settings = node_session_settings(self.leases.idle_timeout)
         settings["application_name"] = name
         settings["lock_timeout"] = str(int(self.config.lock_timeout * 1000))
         return await asyncpg.connect(self.dsn, server_settings=settings)
+
+    async def _manager_conn(self) -> asyncpg.Connection:
+        """The manager's connection, listening for other nodes' announcements."""
+        conn = await self._connect("torpor-node")
+        try:
+            await conn.add_listener(sql.CHANNEL, self._announced)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn = conn
+        return conn
+
+    def _announced(self, conn: object, pid: int, channel: str, payload: str) -> None:
+        if payload != self.config.node_id:
+            self.leases.changed.set()  # read the table now, not on the next period
 
     async def _close(self) -> None:
         for conn in (self._conn, self._renew_conn):
@@ -156,9 +206,10 @@ class ClusterMember:
 
     async def _run(self, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
         async with self._conn_lock:
-            if self._conn is None or self._conn.is_closed():
-                self._conn = await self._connect("torpor-node")
-            return await fn(self._conn)
+            conn = self._conn
+            if conn is None or conn.is_closed():
+                conn = await self._manager_conn()
+            return await fn(conn)
 
     # -- renewal ------------------------------------------------------------------------
     async def _renewer(self) -> None:
@@ -172,9 +223,11 @@ class ClusterMember:
                 self._log.warning("lease_renewal_failed", error=repr(exc))
                 if self._renew_conn is not None and self._renew_conn.is_closed():
                     self._renew_conn = None
-            if leases.held and time.monotonic() >= leases.valid_until:
-                self._log.warning("leases_expired_locally", shards=len(leases.held))
-                leases.drop(set(leases.held))
+            if leases.held and not self._paused and time.monotonic() >= leases.valid_until:
+                # Not dropped: nothing here says another node has them. Serving stops
+                # (Leases.serving) until a renewal says which are still ours.
+                self._paused = True
+                self._log.warning("serving_paused", shards=len(leases.held))
             await asyncio.sleep(max(0.0, config.renew_every - (time.monotonic() - started)))
 
     async def _renew(self, started: float) -> None:
@@ -198,7 +251,18 @@ class ClusterMember:
         if gone:
             self._log.warning("leases_taken_over", shards=sorted(gone))
             leases.drop(gone)
+        now = time.monotonic()
+        if now - self._renewed_at > config.lease_ttl / 2:
+            # Cut off from the database for a while: so were the others, likely. Their rows
+            # may have expired meanwhile; give them about one TTL to renew before taking
+            # their shards (each keeps its own instead of a storm of takeovers and returns).
+            self._quiet_until = now + config.lease_ttl
+            self._log.info("outage_grace", seconds=config.lease_ttl)
+        self._renewed_at = now
         leases.valid_until = started + config.lease_ttl - config.margin
+        if self._paused:
+            self._paused = False
+            self._log.info("serving_resumed", shards=len(leases.held))
 
     # -- the lease table ------------------------------------------------------------------
     async def _manager(self) -> None:
@@ -240,21 +304,36 @@ class ClusterMember:
         # A lost shard's agents are gone before it may be acquired again: none of them
         # may write under the new epoch.
         await self._evict_lost()
+        quiet = time.monotonic() < self._quiet_until
+        mine = {
+            r.shard for r in rows
+            if r.owner == me and (r.owner_incarnation or 0) <= incarnation
+        }
         want = [
             r.shard for r in rows
             if r.shard not in leases.held
             and r.shard not in leases.lost
             and desired_owner(r.shard, live) == me
-            # free, expired, or ours without our knowing (an older incarnation, or dropped
-            # here when renewals failed): taking it again moves the epoch on
-            and (r.owner is None or not r.live
-                 or (r.owner == me and (r.owner_incarnation or 0) <= incarnation))
+            # free, its owner's node row expired (not while other nodes may still be
+            # coming back from an outage), or ours without our knowing (an older
+            # incarnation, dropped here, or a release that failed): taking it again
+            # moves the epoch on
+            and (r.owner is None or r.shard in mine or (not r.live and not quiet))
         ]
         if want:
             await self._acquire(want)
-        away = {s for s in leases.held if desired_owner(s, live) != me}
+        # Rows this node owns but does not serve (a release that failed, a hand-off cut
+        # short): released now, or they would stay owned, and refused, for as long as
+        # this node lives.
+        strays = sorted(
+            s for s in mine
+            if s not in leases.held and s not in leases.lost and desired_owner(s, live) != me
+        )
+        if strays:
+            await self._release(strays)
+        away = {s for s in leases.held - leases.leaving if desired_owner(s, live) != me}
         if away:
-            await self._hand_off(away)
+            self._start_hand_off(away)
 
     async def _evict_lost(self) -> None:
         lost = self.leases.take_lost()
@@ -265,7 +344,7 @@ class ClusterMember:
         leases = self.leases
         config = self.config
         acquired = await self._run(lambda c: c.fetch(
-            sql.ACQUIRE, config.node_id, leases.incarnation, shards, config.lease_ttl
+            sql.ACQUIRE, config.node_id, leases.incarnation, shards
         ))
         for shard, epoch, previous in acquired:
             leases.epochs[shard] = epoch
@@ -277,27 +356,60 @@ class ClusterMember:
             self._log.info("shards_acquired", count=len(acquired))
             self._host.shards_gained(frozenset(shard for shard, _, _ in acquired))
 
-    async def _hand_off(self, shards: set[int]) -> None:
-        leases = self.leases
+    async def _release(self, shards: list[int]) -> None:
+        """Free the rows (an append holding one defers it to a later pass)."""
         config = self.config
+        incarnation = self.leases.incarnation
+
+        async def release(conn: asyncpg.Connection) -> list[int]:
+            rows = await conn.fetch(sql.RELEASE, config.node_id, incarnation, shards)
+            if rows:
+                await conn.execute(sql.ANNOUNCE, config.node_id)  # the new owners take them now
+            return [shard for (shard,) in rows]
+
+        try:
+            released = await self._run(release)
+        except _DB_ERRORS as exc:  # still ours in the table: the manager retries
+            self._log.warning("lease_release_failed", shards=shards, error=repr(exc))
+            return
+        if released:
+            self._log.info("shards_released", count=len(released))
+
+    # -- hand-off -----------------------------------------------------------------------
+    def _start_hand_off(self, shards: set[int]) -> None:
+        leases = self.leases
         leases.leaving |= shards
         leases.notify()
-        try:
-            await self._host.shards_leaving(frozenset(shards), config.handoff_deadline)
-        finally:
-            leases.held -= shards
-            leases.leaving -= shards
-            for shard in shards:
-                leases.epochs.pop(shard, None)  # nothing more is written under these leases
-                leases.owners.pop(shard, None)
-            try:
-                await self._run(lambda c: c.execute(
-                    sql.RELEASE, config.node_id, leases.incarnation, sorted(shards)
-                ))
-            except _DB_ERRORS as exc:  # they expire by themselves then
-                self._log.warning("lease_release_failed", error=repr(exc))
-            self._log.info("shards_handed_off", count=len(shards))
+        task = asyncio.get_running_loop().create_task(
+            self._hand_off(frozenset(shards)), name=f"torpor-hand-off-{self.config.node_id}"
+        )
+        self._handoffs.add(task)
+        task.add_done_callback(self._handed_off)
 
+    def _handed_off(self, task: asyncio.Task[None]) -> None:
+        self._handoffs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._log.warning("hand_off_failed", error=repr(task.exception()))
+
+    async def _hand_off(self, shards: frozenset[int]) -> None:
+        leases = self.leases
+        try:
+            async for ready in self._host.shards_leaving(shards, self.config.handoff_deadline):
+                self._let_go(ready)
+                await self._release(sorted(ready))
+        finally:
+            # Cut short (the node stops, or the host failed): stop serving what is left;
+            # the manager's next pass evicts it and releases its rows.
+            leases.drop({s for s in shards if s in leases.leaving})
+
+    def _let_go(self, shards: frozenset[int]) -> None:
+        leases = self.leases
+        leases.held -= shards
+        leases.leaving -= shards
+        for shard in shards:
+            leases.epochs.pop(shard, None)  # nothing more is written under these leases
+            leases.owners.pop(shard, None)
+        leases.notify()
     # -- admin --------------------------------------------------------------------------
     async def view(self) -> ClusterView:
         """This node's shards and the cluster as the database sees it now."""

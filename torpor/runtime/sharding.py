@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,22 +126,36 @@ class ShardGate:
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)
 
-    async def shards_leaving(self, shards: frozenset[int], deadline: float) -> None:
-        # Woken by every state change (the admin watchers' feed), until the shard's turns
-        # have all ended or the deadline passed; then whatever still runs is cut off.
+    async def shards_leaving(
+        self, shards: frozenset[int], deadline: float
+    ) -> AsyncIterator[frozenset[int]]:
+        # A shard goes as soon as its own turns have ended, so the newcomer gets the idle
+        # ones at once. Woken by every state change (the admin watchers' feed); at the
+        # deadline whatever still runs is cut off. New requests for these shards are
+        # refused already, so only agents in a turn now can hold a shard back.
+        count = self.member.leases.shards
         until = time.monotonic() + deadline
-        agents = self._agents_of(shards)
+        left = set(shards)
+        busy = [a for a in self._registry.held() if shard_of(a.id, count) in left and _in_turn(a)]
         with self._watchers.watch(1024) as changes:
-            while any(_in_turn(a) for a in agents):
-                remaining = until - time.monotonic()
-                if remaining <= 0:
-                    break
+            while left:
+                busy = [a for a in busy if _in_turn(a)]
+                held_back = {shard_of(a.id, count) for a in busy}
+                ready = frozenset(
+                    left if time.monotonic() >= until else left - held_back
+                )
+                if ready:
+                    await self._evict(self._agents_of(ready), ready)
+                    left -= ready
+                    yield ready
+                    continue
                 try:  # asyncio.timeout: a cancel is never lost (see cluster.member._manager)
-                    async with asyncio.timeout(remaining):
+                    async with asyncio.timeout(until - time.monotonic()):
                         await anext(changes)
-                except (TimeoutError, StopAsyncIteration):
-                    break
-        await self._evict(self._agents_of(shards), shards)
+                except TimeoutError:
+                    pass
+                except StopAsyncIteration:
+                    until = 0.0  # no more news: cut off what is left
 
     # -- taking agents out -------------------------------------------------------------------
     def _agents_of(self, shards: frozenset[int]) -> list[Agent]:
