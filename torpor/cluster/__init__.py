@@ -11,34 +11,46 @@ compares its own clock with another's.
   whole: hibernated and evicted conversations need no bookkeeping of their own.
 * Membership. ``nodes(node_id, incarnation, address, lease_until)``: a node
   registers with a new incarnation and renews every ``lease_ttl / 4`` with ONE
-  statement that also renews every lease it holds (:data:`sql.RENEW`).
-* Leases. ``shard_leases(shard, owner, owner_incarnation, epoch, lease_until)``.
-  Every node computes the same desired owner per shard by rendezvous hashing
-  over the live nodes; the lease row is the truth. Acquiring increments the
-  epoch, only where the lease is free or expired (or still held by this node
-  id: an older incarnation after a restart, or this one after it stopped
-  serving the shard), under ``lock_timeout``.
+  UPDATE of its own row (:data:`sql.RENEW`). Liveness lives there alone.
+* Leases. ``shard_leases(shard, owner, owner_incarnation, epoch)``. A lease is
+  live while its owner's node row, of the same incarnation, is (as
+  CockroachDB's epoch-based range leases): renewing touches no lease row, so
+  no append holding one can delay it. Every node computes the same desired
+  owner per shard by rendezvous hashing over the live nodes; the lease row is
+  the truth. Acquiring increments the epoch, only where the lease is free, its
+  owner's row expired, or it is held by this node id (an older incarnation
+  after a restart, or this one after it stopped serving the shard); a row an
+  append holds is skipped and taken on the next pass. Every row a node owns
+  but does not serve is released on its next pass, so a release that failed
+  orphans nothing. Joins, leaves and releases are announced
+  (``NOTIFY torpor_leases``): the others act at once, not on their next read.
 * Fencing. The node's store presents ``(shard, epoch)`` with every append; the
   group-commit batch reads the shards' lease rows ``FOR SHARE`` in the same
   statement that locks the conversation rows, and an op whose epoch is not
   current fails alone with :class:`~torpor.errors.FencedError` (the rest of the
-  batch commits). A takeover's UPDATE therefore waits for appends in flight,
-  and every later append sees the new epoch. Each event row records its epoch.
+  batch commits). A takeover therefore never changes a row under an append in
+  flight (it skips that row until the batch commits), and every later append
+  sees the new epoch. Each event row records its epoch.
   Checkpoints, model-call rows and artifacts go through the same batch and are
   fenced the same way; derived-memory writes check the epoch ``FOR SHARE`` in
   their own transaction (a stale checkpoint would otherwise become the latest).
   Connections set ``idle_in_transaction_session_timeout`` (``lease_ttl / 2``)
   and TCP keepalives, so a stopped node cannot hold a share lock through a
   takeover.
-* Losing a shard (FencedError, a renewal that no longer returns it, or no
-  successful renewal for ``lease_ttl - margin`` by the monotonic clock): the
-  node stops serving it at once, evicts its agents and fails their waiting
-  requests with :class:`~torpor.errors.ShardMoved`. The new owner revives from
-  the log; a turn cut off mid-stream is logged ``Aborted(interrupted)`` by it,
+* Losing a shard (FencedError, or a renewal or table read that no longer
+  returns it): the node stops serving it at once, evicts its agents and fails
+  their waiting requests with :class:`~torpor.errors.ShardMoved`. A node that
+  has not renewed for ``lease_ttl - margin`` (monotonic clock) stops serving
+  everything but keeps its agents until a renewal says which shards went (the
+  fence refuses whatever they write meanwhile if a takeover happened); back
+  from such an outage it waits about one TTL before taking shards of nodes
+  whose rows expired meanwhile, so each keeps its own. The new owner revives
+  from the log; a turn cut off mid-stream is logged ``Aborted(interrupted)`` by it,
   exactly as after a crash.
 * Hand-off (graceful leave, rebalancing on join): stop admitting the shard's
-  requests, let turns finish up to ``handoff_deadline``, evict, release the
-  lease; the next owner acquires it on its next refresh.
+  requests, let its turns finish up to ``handoff_deadline``, evict, release
+  the lease, shard by shard as each one's turns end (an idle shard moves at
+  once); the next owner, woken by the announcement, acquires it.
 * Routing. A request for a shard this node does not serve raises
   :class:`~torpor.errors.NotOwner` with the owner's advertised address, from a
   cache of the lease table refreshed about every second; the HTTP layer proxies.
