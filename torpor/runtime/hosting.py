@@ -42,6 +42,8 @@ class Hosting(Stored, Room, Queue, Protocol):
     @property
     def stopping(self) -> bool: ...
 
+    def handing_off(self, conversation_id: str) -> bool: ...
+
 
 class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
@@ -115,6 +117,9 @@ class AgentHost:
     @property
     def draining(self) -> bool:
         return self._runtime.stopping
+
+    def handing_off(self, conversation_id: str) -> bool:
+        return self._runtime.handing_off(conversation_id)
 
     @property
     def restart_window(self) -> float:
