@@ -209,7 +209,14 @@ class ClusterMember:
             conn = self._conn
             if conn is None or conn.is_closed():
                 conn = await self._manager_conn()
-            return await fn(conn)
+            try:
+                return await fn(conn)
+            except asyncio.CancelledError:
+                # A statement cut off mid-flight leaves the connection busy; whoever runs
+                # next (leave() after cancelling the manager) gets a fresh one.
+                conn.terminate()
+                self._conn = None
+                raise
 
     # -- renewal ------------------------------------------------------------------------
     async def _renewer(self) -> None:
