@@ -171,7 +171,7 @@ async def test_records_reach_the_host_with_their_bound_context(
     await crash_once(f"sqlite:///{tmp_path / 'log.db'}", "conv-1")
 
     assert capture.records and all(r.name.startswith("torpor.") for r in capture.records)
-    [crashed] = capture.named("agent crashed")
+    [crashed] = capture.named("agent_crashed")
     assert crashed.name == "torpor.runtime" and crashed.levelno == logging.WARNING
     assert crashed.conversation_id == "conv-1"  # type: ignore[attr-defined]
     assert "summarizer is down" in crashed.error  # type: ignore[attr-defined]
@@ -194,7 +194,7 @@ async def test_logging_disable_silences_torpor(capture: Capture, tmp_path: Path)
 async def test_host_levels_apply(capture: Capture, tmp_path: Path) -> None:
     logging.getLogger("torpor").setLevel(logging.WARNING)
     await crash_once(f"sqlite:///{tmp_path / 'log.db'}", "conv-3")
-    assert capture.named("agent crashed")
+    assert capture.named("agent_crashed")
     assert all(r.levelno >= logging.WARNING for r in capture.records)
 
 

@@ -12,12 +12,13 @@ consulted here, so ``structlog.configure`` in an application cannot make
 torpor print either.
 
 A record carries the event and its key/values twice, for both kinds of host:
-the message reads ``agent crashed conversation_id='c1' error='…'`` (values as
+the message reads ``agent_crashed conversation_id='c1' error='…'`` (values as
 ``repr``, so a newline in an id cannot forge a log line, and made encodable, so
 a lone surrogate cannot break a handler), and every key/value is an attribute
-of the record (``record.conversation_id``) for a structured formatter. A key
-that collides with a ``LogRecord`` attribute gets a trailing underscore
-(``name_``): logging refuses to overwrite those.
+of the record (``record.conversation_id``) for a structured formatter, the
+event too (:func:`event_of`). A key that collides with a ``LogRecord``
+attribute gets a trailing underscore (``name_``): logging refuses to overwrite
+those. Events are snake_case names (``owner_unreachable``), never prose.
 
 A logging call never raises into its caller (a supervisor must not die of its
 own crash report): whatever fails while building or handing over a record is
@@ -33,9 +34,13 @@ from typing import Any
 
 import structlog
 
-__all__ = ["ROOT_LOGGER", "TorporLogger", "get_logger"]
+__all__ = ["EVENT_ATTRIBUTE", "ROOT_LOGGER", "TorporLogger", "event_of", "get_logger"]
 
 ROOT_LOGGER = "torpor"
+EVENT_ATTRIBUTE = "_torpor_event"
+"""The record attribute holding the event alone (``owner_unreachable``), without the values
+the message appends: a formatter reads the event from it, never by cutting the message (an
+event with a space in it would be cut short). Private (leading underscore): not a value."""
 
 logging.getLogger(ROOT_LOGGER).addHandler(logging.NullHandler())
 
@@ -86,6 +91,7 @@ class TorporLogger(structlog.stdlib.BoundLogger):
             call["stacklevel"] = depth + int(values.pop("stacklevel", 1)) - 1
             message = _message(event, event_args, values)
             extra = {(f"{k}_" if k in _RESERVED else k): v for k, v in values.items()}
+            extra[EVENT_ATTRIBUTE] = _encodable(str(event) if event is not None else "")
             getattr(logger, method_name)(message, extra=extra, **call)
         except Exception as exc:  # see the module docstring: never into the caller
             _fallback(logger, level, event, exc, depth)
@@ -101,6 +107,13 @@ def get_logger(name: str) -> TorporLogger:
     if name != ROOT_LOGGER and not name.startswith(ROOT_LOGGER + "."):
         name = f"{ROOT_LOGGER}.{name}"
     return TorporLogger(logging.getLogger(name), (), {})
+
+
+def event_of(record: logging.LogRecord) -> str:
+    """The event a record is for: what a torpor logger was called with, or the message of
+    any other record."""
+    event = getattr(record, EVENT_ATTRIBUTE, None)
+    return event if isinstance(event, str) else record.getMessage()
 
 
 def _message(event: object, args: tuple[Any, ...], values: dict[str, Any]) -> str:

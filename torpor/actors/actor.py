@@ -424,9 +424,9 @@ async def _park(agent: Agent, host: Host, cause: str) -> None:
         host.publish(agent.id, events)
     except Exception as exc:  # the store may be what keeps failing: stay parked in memory
         with contextlib.suppress(Exception):
-            host.log.error("could not log parking", conversation_id=agent.id, error=repr(exc))
+            host.log.error("parking_not_logged", conversation_id=agent.id, error=repr(exc))
     with contextlib.suppress(Exception):
-        host.log.error("agent parked", conversation_id=agent.id, cause=cause,
+        host.log.error("agent_parked", conversation_id=agent.id, cause=cause,
                        restarts=agent.restarts)
 
 

@@ -224,7 +224,7 @@ class Runtime(MemoryAPI):
             raise
         self._stack = stack
         self._open = True
-        self._log.debug("runtime started", store=self.store_url)
+        self._log.debug("runtime_started", store=self.store_url)
         return self
 
     async def __aexit__(
@@ -240,7 +240,7 @@ class Runtime(MemoryAPI):
                 await stack.__aexit__(exc_type, exc, tb)
             finally:
                 self._cluster = None
-        self._log.debug("runtime stopped")
+        self._log.debug("runtime_stopped")
 
     async def _stop_agents(self) -> None:
         self._admission.close(TurnAborted("shutdown", "", "the runtime stopped"))

@@ -194,7 +194,7 @@ class AgentHost:
         """Own a task that ignored cancellation past its deadline, and report it."""
         self._counters.abandoned += 1
         self.abandoned.add(task)
-        self.log.error("abandoned a task that ignored cancellation", task=what)
+        self.log.error("task_abandoned", task=what)
 
         def finished(done: asyncio.Task[Any]) -> None:
             self.abandoned.discard(done)

@@ -130,7 +130,7 @@ class Supervisor:
         try:
             self._next(agent, crash)
         except Exception as exc:  # handling a failure failed: keep every promise anyway
-            _log(self._log, "error", "supervisor failed", conversation_id=agent.id,
+            _log(self._log, "error", "supervisor_failed", conversation_id=agent.id,
                  error=repr(exc))
             if not self.stopping and agent.task is None:
                 error = TurnAborted("crashed", "", f"{type(exc).__name__}: {exc}")
@@ -204,14 +204,14 @@ class Supervisor:
         the next request reads the log again, and fails the same way until the
         log is repaired.
         """
-        _log(self._log, "error", "conversation log unreadable", conversation_id=agent.id,
+        _log(self._log, "error", "conversation_log_unreadable", conversation_id=agent.id,
              error=str(exc))
         self._forget(agent, exc, "conversation log unreadable")
 
     def _crashed(self, agent: Agent, exc: BaseException) -> None:
         self._counters.crashes += 1
         cause = f"{type(exc).__name__}: {exc}"
-        _log(self._log, "warning", "agent crashed", conversation_id=agent.id, error=cause,
+        _log(self._log, "warning", "agent_crashed", conversation_id=agent.id, error=cause,
              exc_info=exc)
         error = TurnAborted("crashed", "", cause)
         now = time.monotonic()

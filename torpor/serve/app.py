@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -89,8 +89,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                    request=request, headers=dict(exc.headers or {}))
 
 
+async def _client_left(request: Request, exc: Exception) -> Response:
+    # The client went away before its body was complete: nothing was done, and it is not
+    # the server's fault (no traceback). The answer goes nowhere; the access record shows it.
+    log.info("client_left", method=request.method, path=request.url.path)
+    return problem(400, "Client Closed Request", "the client left before sending its body",
+                   request=request, error="ClientLeft")
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.error("unexpected error", error=repr(exc), exc_info=exc)
+    log.error("unexpected_error", error=repr(exc), exc_info=exc)
     return problem_for(exc, request)
 
 
@@ -158,6 +166,7 @@ def app(
         TorporError: _torpor_error,
         HTTPProblem: _torpor_error,
         HTTPException: _http_error,
+        ClientDisconnect: _client_left,  # handled here, not by the 500 handler (no re-raise)
         Exception: _unexpected,
     }
     application = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Any
 
+from torpor._logging import event_of
+
 __all__ = [
     "ConsoleFormatter",
     "ContextFilter",
@@ -65,14 +67,6 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
             if k not in _STANDARD and not k.startswith("_")}
 
 
-def _event(record: logging.LogRecord) -> str:
-    """torpor's records read ``event key=value …``; the event is the part before the values."""
-    message = record.getMessage()
-    if record.name.startswith("torpor") and _extras(record):
-        return message.split(" ", 1)[0] if " " in message and "=" in message else message
-    return message
-
-
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, event, then every bound key."""
 
@@ -82,7 +76,7 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": _event(record),
+            "event": event_of(record),  # whole: never cut from the message
         }
         for key, value in _extras(record).items():
             plain = isinstance(value, str | int | float | bool | type(None))

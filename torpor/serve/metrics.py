@@ -39,6 +39,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from torpor._logging import event_of
 from torpor.events import AssistantMessage, ToolResult
 from torpor.llm.protocol import ContextMessage, StreamEvent, TextDelta, ToolSpec, Usage
 from torpor.runtime.stats import Transition, percentile
@@ -257,7 +258,7 @@ class LogTap(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.DEBUG:
-            event = str(record.msg).split(" ", 1)[0]
+            event = event_of(record)
             seconds = getattr(record, "seconds", None)
             if event == "group_commit" and isinstance(seconds, float):
                 ops = getattr(record, "ops", None)

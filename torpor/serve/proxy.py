@@ -147,12 +147,12 @@ class Proxy:
             with anyio.fail_after(HEADERS_SECONDS):
                 return await client.send(outgoing, stream=True)
         except _BEFORE_SENDING as exc:
-            log.warning("owner not reachable", owner=target, error=repr(exc))
+            log.warning("owner_unreachable", owner=target, error=repr(exc))
             return None
         except (httpx.HTTPError, TimeoutError) as exc:
             # It may have acted on the request: not retried here (the client retries
             # under its Idempotency-Key).
-            log.warning("owner did not answer", owner=target, error=repr(exc))
+            log.warning("owner_no_answer", owner=target, error=repr(exc))
             raise OwnerUnreachable(
                 f"the node at {target} that owns this conversation did not answer; retry"
             ) from None
@@ -215,7 +215,7 @@ class _Relay(Response):
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (TimeoutError, httpx.HTTPError) as exc:
-            log.warning("owner stream cut", owner=self.owner,
+            log.warning("owner_stream_cut", owner=self.owner,
                         error=repr(exc))
             if self.sse:
                 await send({"type": "http.response.body", "body": _error_event(),

@@ -74,7 +74,7 @@ async def serve(
     def on_signal(signum: signal.Signals) -> None:
         nonlocal stopping
         if stopping is None:
-            log.info("signal received, draining", signal=signum.name)
+            log.info("draining", signal=signum.name)
             stopping = loop.create_task(stop())
         else:  # a second signal: stop now
             server.force_exit = True

@@ -103,7 +103,7 @@ class Service:
         if pending:
             _, late = await asyncio.wait(pending, timeout=grace)
             if late:
-                log.warning("turns still running at the deadline are aborted", turns=len(late))
+                log.warning("turns_aborted_at_deadline", turns=len(late))
         if self.owns_runtime:
             with contextlib.suppress(RuntimeClosed):
                 await self.runtime.__aexit__(None, None, None)

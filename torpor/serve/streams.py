@@ -44,7 +44,7 @@ async def _frames(
                 return
     except TorporError as exc:  # the log could not be read (store down, corrupt row)
         status, title = status_for(exc)
-        log.warning("stream ended by an error", error=repr(exc))
+        log.warning("stream_error", error=repr(exc))
         yield ServerSentEvent(
             data=_encode({"status": status, "title": title, "error": type(exc).__name__,
                           "detail": str(exc)}).decode(),
