@@ -200,15 +200,22 @@ class NotOwner(TorporError):
     """Another node owns the conversation's shard (scale-out): send the request there.
 
     ``owner`` is that node's advertised address (``"host:port"``), or None when
-    no live node holds the shard right now (retry shortly).
+    no live node holds the shard right now (retry shortly). ``moving``: the
+    shard is in hand-off through this node (leaving it, or about to be acquired
+    by it); its lease lands within about ``handoff_deadline`` plus two lease
+    refreshes (the HTTP layer waits for that, then serves or proxies).
     """
 
-    def __init__(self, conversation_id: str, shard: int, owner: str | None) -> None:
+    def __init__(
+        self, conversation_id: str, shard: int, owner: str | None, *, moving: bool = False
+    ) -> None:
         where = f"node at {owner}" if owner is not None else "no live node yet"
-        super().__init__(f"{conversation_id}: shard {shard} is owned by {where}")
+        super().__init__(f"{conversation_id}: shard {shard} is owned by {where}"
+                         + (" (in hand-off)" if moving else ""))
         self.conversation_id = conversation_id
         self.shard = shard
         self.owner = owner
+        self.moving = moving
 
 
 class ShardMoved(NotOwner):

@@ -63,13 +63,14 @@ new owner (tools that must run once take an idempotency key).
 # runtime when a node joins, so importing torpor never needs the postgres extra.
 from torpor.cluster.config import NodeConfig
 from torpor.cluster.shards import desired_owner, routing_key, shard_of
-from torpor.cluster.view import ClusterView, LeaseInfo, MemberInfo
+from torpor.cluster.view import ClusterView, LeaseInfo, MemberInfo, ShardRoute
 
 __all__ = [
     "ClusterView",
     "LeaseInfo",
     "MemberInfo",
     "NodeConfig",
+    "ShardRoute",
     "desired_owner",
     "routing_key",
     "shard_of",

@@ -76,6 +76,19 @@ class Leases:
             and time.monotonic() < self.valid_until
         )
 
+    def moving(self, shard: int) -> bool:
+        """``shard`` is in hand-off through this node: leaving it, or this node is its
+        desired owner among the live nodes but does not hold it yet (it acquires it once
+        the holder lets go or its lease expires). False while this node's own lease is
+        not current: cut off from the database, it acquires nothing."""
+        if time.monotonic() >= self.valid_until:
+            return False
+        if shard in self.leaving:
+            return True
+        if shard in self.held or self.departing:
+            return False
+        return desired_owner(shard, self.live) == self.config.node_id
+
     def owner_address(self, shard: int) -> str | None:
         """Where to send a request for ``shard`` (None: nobody known to hold it now)."""
         me = self.config.node_id

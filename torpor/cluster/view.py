@@ -6,7 +6,7 @@ from datetime import datetime
 
 import msgspec
 
-__all__ = ["ClusterView", "LeaseInfo", "MemberInfo"]
+__all__ = ["ClusterView", "LeaseInfo", "MemberInfo", "ShardRoute"]
 
 
 class MemberInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,3 +39,14 @@ class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
     takeovers: int  # shards this node took from an expired lease of another node
     members: tuple[MemberInfo, ...]
     leases: tuple[LeaseInfo, ...]
+
+
+class ShardRoute(msgspec.Struct, frozen=True, kw_only=True):
+    """Where this node sends a request for one conversation now, by its lease cache (no
+    database read; the cache is refreshed about every second)."""
+
+    node_id: str  # this node
+    shard: int  # the conversation's
+    serving: bool  # this node serves it
+    moving: bool  # in hand-off through this node: leaving it, or about to be acquired by it
+    owner: str | None  # where to send it when not served here (None: no live node known)

@@ -15,7 +15,7 @@ import msgspec
 from torpor.actors.mailbox import UnparkRequest
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
-from torpor.cluster.view import ClusterView
+from torpor.cluster.view import ClusterView, ShardRoute
 from torpor.compaction.audit import rebuild_rendered
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import CorruptEvent, InvalidInput, UnknownConversation
@@ -317,6 +317,32 @@ class Admin:
         read from the database now. None when the runtime is not a node of a cluster."""
         gate = self._runtime.gate
         return None if gate is None else await gate.view()
+
+    # Routing for an HTTP layer in front of a cluster node (torpor.serve.proxy): the Python
+    # API raises NotOwner at once and leaves waiting to the caller; these let it wait.
+    async def route(self, conversation_id: str) -> ShardRoute | None:
+        """On a cluster node: where a request for the conversation goes now, by this node's
+        lease cache (no database read). None when the runtime is not a node of a cluster."""
+        check_id(conversation_id)
+        gate = self._runtime.gate
+        return None if gate is None else gate.route(conversation_id)
+
+    async def settled(self, conversation_id: str) -> ShardRoute | None:
+        """On a cluster node, for a conversation whose shard is in hand-off through this
+        node (``NotOwner.moving``): its route once the lease has landed (served here, or
+        held by the new owner), or as it stands after about the hand-off deadline plus two
+        lease refreshes."""
+        check_id(conversation_id)
+        gate = self._runtime.gate
+        return None if gate is None else await gate.settled(conversation_id)
+
+    async def moved(self, conversation_id: str, owner: str) -> ShardRoute | None:
+        """On a cluster node: returns once this node's lease cache stops sending the
+        conversation to ``owner`` (its lease moved, as when ``owner`` stopped renewing);
+        waits until cancelled otherwise."""
+        check_id(conversation_id)
+        gate = self._runtime.gate
+        return None if gate is None else await gate.moved(conversation_id, owner)
     async def branches(self, conversation_id: str) -> Branch:
         """The sub-agent tree around a conversation: the call it answers (if it is a
         child) and its children, recursively, with each task's status. From the logs;

@@ -168,6 +168,11 @@ class Runtime(MemoryAPI):
         self._embedding: EmbeddingWorker | None = None
         self._open = False
 
+    @property
+    def node(self) -> NodeConfig | None:
+        """The cluster node this runtime is (``Runtime(node=...)``), or None."""
+        return self._node
+
     # -- lifecycle of the runtime itself ---------------------------------------
     async def __aenter__(self) -> Runtime:
         stack = AsyncExitStack()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Profile
-    from torpor.cluster.view import ClusterView
+    from torpor.cluster.view import ClusterView, ShardRoute
     from torpor.store.protocol import EventStore
 
 __all__ = ["Conversations", "Gate", "Queue", "Room", "Starter", "Stored"]
@@ -93,3 +93,9 @@ class Gate(Protocol):
     def serves(self, conversation_id: str) -> bool: ...
 
     async def view(self) -> ClusterView: ...
+
+    def route(self, conversation_id: str) -> ShardRoute: ...
+
+    async def settled(self, conversation_id: str) -> ShardRoute: ...
+
+    async def moved(self, conversation_id: str, owner: str) -> ShardRoute: ...

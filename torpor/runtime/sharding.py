@@ -14,6 +14,7 @@ database refuses once the new owner holds the lease (the new owner logs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -23,8 +24,9 @@ from torpor.actors.state import AgentState
 from torpor.cluster import NodeConfig, shard_of
 from torpor.cluster.leases import Leases
 from torpor.cluster.member import ClusterMember
-from torpor.cluster.view import ClusterView
+from torpor.cluster.view import ClusterView, ShardRoute
 from torpor.errors import NotOwner, ShardMoved
+from torpor.store.postgres.errors import DRIVER_ERRORS, store_error
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -103,7 +105,8 @@ class ShardGate:
         leases = self.member.leases
         shard = shard_of(conversation_id, leases.shards)
         if not leases.serving(shard):
-            raise NotOwner(conversation_id, shard, leases.owner_address(shard))
+            raise NotOwner(conversation_id, shard, leases.owner_address(shard),
+                           moving=leases.moving(shard))
 
     def serves(self, conversation_id: str) -> bool:
         leases = self.member.leases
@@ -118,8 +121,67 @@ class ShardGate:
         return shard_of(a, shards) == shard_of(b, shards)
 
     async def view(self) -> ClusterView:
-        """The shards, the members and the lease table, read from the database now."""
-        return await self.member.view()
+        """The shards, the members and the lease table, read from the database now
+        (``StoreUnavailable`` while it cannot answer)."""
+        try:
+            return await self.member.view()
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, "cannot read the lease table") from exc
+
+    # -- routing by the lease cache (the HTTP layer's) -------------------------------------
+    @property
+    def handoff_wait(self) -> float:
+        """How long a shard in hand-off takes to land: the holder lets go within the
+        hand-off deadline (its lease expires within the TTL if it died; a deadline far
+        past the TTL is not waited out), the new owner acquires it at its next refresh,
+        and this node's cache learns it at its next."""
+        node = self.member.config
+        return min(node.handoff_deadline, node.lease_ttl + 2.0) + 2 * node.refresh_every
+
+    def route(self, conversation_id: str) -> ShardRoute:
+        leases = self.member.leases
+        shard = shard_of(conversation_id, leases.shards)
+        serving = leases.serving(shard)
+        return ShardRoute(
+            node_id=self.member.config.node_id, shard=shard, serving=serving,
+            moving=not serving and leases.moving(shard),
+            owner=None if serving else leases.owner_address(shard),
+        )
+
+    async def settled(self, conversation_id: str) -> ShardRoute:
+        """The route once the shard is no longer in hand-off through this node, or as it
+        stands after :attr:`handoff_wait` seconds."""
+        return await self._until(conversation_id, lambda r: not r.moving, self.handoff_wait)
+
+    async def moved(self, conversation_id: str, owner: str) -> ShardRoute:
+        """The route once the cache changes and no longer sends the conversation to
+        ``owner`` (its lease moved: served here, in hand-off to here, or held by another
+        node). A cache that already disagreed with ``owner`` (stale, while ``owner`` came
+        from the table) must change first. No bound: the caller cancels it when it stops
+        caring."""
+        than = self.route(conversation_id)
+        return await self._until(
+            conversation_id,
+            lambda r: r != than and (r.serving or r.moving or r.owner != owner), None,
+        )
+
+    async def _until(
+        self, conversation_id: str, done: Callable[[ShardRoute], bool], within: float | None
+    ) -> ShardRoute:
+        leases = self.member.leases
+        poll = self.member.config.refresh_every  # a change missed is seen at the next look
+        route = self.route(conversation_id)
+        until = None if within is None else time.monotonic() + within
+        while not done(route):
+            wait = poll if until is None else min(poll, until - time.monotonic())
+            if wait <= 0:
+                break
+            # asyncio.timeout, not wait_for: a cancel is never lost (cluster.member._manager)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await leases.next_change()
+            route = self.route(conversation_id)
+        return route
 
     # -- torpor.cluster.ShardHost ---------------------------------------------------------
     def shards_gained(self, shards: frozenset[int]) -> None:
@@ -190,7 +252,9 @@ class ShardGate:
                 self._host.abandon(task, f"agent task {task.get_name()} of a moved shard")
 
     def _moved(self, conversation_id: str, shard: int) -> ShardMoved:
-        return ShardMoved(conversation_id, shard, self.member.leases.owner_address(shard))
+        leases = self.member.leases
+        return ShardMoved(conversation_id, shard, leases.owner_address(shard),
+                          moving=leases.moving(shard))
 
     def _retire(self, agent: Agent, error: ShardMoved) -> asyncio.Task[None] | None:
         """Out of this runtime; its own task fails what waits on it with ``error``."""

@@ -12,11 +12,21 @@ through, so a reconnect resumes exactly as on the owner).
 * Loops: a forwarded request carries ``X-Torpor-Hop`` (the forwarding node's
   id). A node that is not the owner either answers it 421 (``NotOwner`` with
   the owner it knows) instead of forwarding it again.
+* A shard in hand-off (``NotOwner.moving``: leaving this node, or about to be
+  acquired by it): the request waits, bounded (about the hand-off deadline plus
+  two lease refreshes), for the lease to land, then is served here or proxied
+  to the new owner, as Akka buffers messages for a shard in hand-off.
 * A stale cache: when the target refuses (421) or cannot be reached before
   anything was sent, the lease table is read afresh from the database and the
   request goes once more, to the owner it names (or is served here, if this
-  node took the shard meanwhile). Nothing is retried once the owner may have
-  acted on it.
+  node took the shard meanwhile); while the database cannot answer, by this
+  node's lease cache. Nothing is retried once the owner may have acted on it,
+  except below.
+* An owner that stops answering (paused, partitioned): while waiting for its
+  response to begin, the proxy watches this node's lease cache; once the
+  shard's lease moved (within about the TTL), a request that is safe to repeat
+  (GET, or one with an ``Idempotency-Key``) goes to the new owner, any other is
+  answered ``OwnerUnreachable``.
 * The owner unreachable: :class:`~torpor.serve.OwnerUnreachable`, a 503 with
   ``Retry-After`` (before the response began), or an SSE ``error`` event of
   that name (mid-stream): retry, with the same ``Idempotency-Key``.
@@ -27,9 +37,10 @@ instead (the client goes there itself).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -40,7 +51,7 @@ from starlette.types import Receive, Scope, Send
 
 from torpor._logging import get_logger
 from torpor.cluster import shard_of
-from torpor.errors import NotOwner
+from torpor.errors import NotOwner, StoreUnavailable
 from torpor.runtime import Runtime
 from torpor.serve.problems import OwnerUnreachable
 
@@ -64,6 +75,16 @@ _NOT_FORWARDED = frozenset({
 })
 _NOT_RELAYED = _NOT_FORWARDED | {"x-request-id", "date", "server"}
 _BEFORE_SENDING = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_SAFE_METHODS = frozenset({"GET", "HEAD"})
+MAX_MOVES = 2  # re-routings of one request after its owner's lease moved
+MAX_HINTS = 2  # re-routings of one request to the owner named by a node that refused it
+
+
+class _Moved:
+    """What :meth:`Proxy._open` returns when the owner's lease moved before it answered."""
+
+
+MOVED = _Moved()
 
 
 class Proxy:
@@ -73,16 +94,18 @@ class Proxy:
         self.rt = runtime
         self.routing = routing
         self.node_id: str | None = None  # set while running on a cluster node
+        self.address: str | None = None  # this node's advertised address, then
         self._client: httpx.AsyncClient | None = None
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Open the pooled client for the app's lifespan (only on a cluster node)."""
-        view = await self.rt.admin.cluster() if self.routing == "proxy" else None
-        if view is None:
+        node = self.rt.node if self.routing == "proxy" else None
+        if node is None:
             yield
             return
-        self.node_id = view.node_id
+        self.node_id = node.node_id  # from the config: starting needs no database read
+        self.address = node.address
         timeout = httpx.Timeout(READ_SECONDS, connect=CONNECT_SECONDS, pool=CONNECT_SECONDS)
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             self._client = client
@@ -96,7 +119,7 @@ class Proxy:
 
         async def routed(request: Request) -> Response:
             try:
-                return await handler(request)
+                return await self._here(request, handler)
             except NotOwner as exc:
                 if self._client is None or request.headers.get(HOP_HEADER):
                     raise  # redirect mode, or already forwarded once: 421 with the owner
@@ -104,31 +127,70 @@ class Proxy:
 
         return routed
 
+    async def _here(self, request: Request, handler: Handler) -> Response:
+        """``handler``; for a shard in hand-off through this node, once more after its
+        lease landed (bounded wait): served here then, or NotOwner naming the new owner.
+        The handler refuses before acting, and the body is kept: running it again is safe."""
+        try:
+            return await handler(request)
+        except NotOwner as exc:
+            if not exc.moving:
+                raise
+            log.debug("shard_in_handoff", shard=exc.shard)
+            await self.rt.admin.settled(exc.conversation_id)
+        return await handler(request)
+
     async def _forward(self, request: Request, handler: Handler, refused: NotOwner) -> Response:
+        conversation_id = refused.conversation_id
         target = refused.owner
-        for attempt in (1, 2):
+        looked_up = False
+        moves = MAX_MOVES
+        hints = MAX_HINTS
+        while True:
             if target is not None:
-                upstream = await self._open(request, target)
-                if upstream is not None:
+                upstream = await self._open(request, target, conversation_id)
+                if upstream is MOVED and moves > 0:
+                    moves -= 1
+                    try:  # by the cache that saw the lease move: here, or the new owner
+                        return await self._here(request, handler)
+                    except NotOwner as exc:
+                        target = exc.owner
+                        continue
+                if isinstance(upstream, httpx.Response):
                     if upstream.status_code != 421:
                         return _Relay(upstream, target)
-                    await upstream.aclose()  # not the owner either: a cache was stale
-            if attempt == 2:
+                    # Not the owner either (a cache was stale): it names the owner it knows,
+                    # fresher than ours when the shard just left it.
+                    named = await _named_owner(upstream)
+                    if named is not None and named != target and hints > 0:
+                        hints -= 1
+                        if named == self.address:
+                            try:
+                                return await self._here(request, handler)
+                            except NotOwner as exc:
+                                named = exc.owner
+                        target = named
+                        continue
+            if looked_up:
                 break
-            owner = await self._fresh_owner(refused.conversation_id)
+            looked_up = True
+            owner = await self._fresh_owner(conversation_id)
             if owner == "":  # this node holds the shard now
                 try:
-                    return await handler(request)
+                    return await self._here(request, handler)
                 except NotOwner as exc:
                     owner = exc.owner
             target = owner
         raise OwnerUnreachable(
-            f"the node that owns conversation {refused.conversation_id!r} "
+            f"the node that owns conversation {conversation_id!r} "
             f"({target or 'none live yet'}) could not be reached; retry shortly"
         )
 
-    async def _open(self, request: Request, target: str) -> httpx.Response | None:
-        """The owner's response, begun (None: nothing reached it, or it refused at once)."""
+    async def _open(
+        self, request: Request, target: str, conversation_id: str
+    ) -> httpx.Response | _Moved | None:
+        """The owner's response, begun (None: nothing reached it, or it refused at once;
+        MOVED: its lease moved before it answered, and the request may be repeated)."""
         client = self._client
         assert client is not None and self.node_id is not None
         headers = [(k, v) for k, v in request.headers.items()
@@ -143,32 +205,100 @@ class Proxy:
         url = f"http://{target}{request.url.path}"
         outgoing = client.build_request(request.method, url, params=request.url.query or None,
                                         headers=headers, content=body)
+        sending = asyncio.ensure_future(client.send(outgoing, stream=True))
+        # While the owner has not answered, its lease may move (it stopped renewing):
+        # watched in this node's lease cache, so a paused owner costs about a TTL, not
+        # HEADERS_SECONDS.
+        watching = asyncio.ensure_future(self.rt.admin.moved(conversation_id, target))
         try:
-            with anyio.fail_after(HEADERS_SECONDS):
-                return await client.send(outgoing, stream=True)
-        except _BEFORE_SENDING as exc:
-            log.warning("owner_unreachable", owner=target, error=repr(exc))
-            return None
-        except (httpx.HTTPError, TimeoutError) as exc:
+            await asyncio.wait({sending, watching}, timeout=HEADERS_SECONDS,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            watching.cancel()
+            await _drop(sending)
+            raise
+        if sending.done():
+            watching.cancel()
+            error = sending.exception()
+            if error is None:
+                return sending.result()
+            if isinstance(error, _BEFORE_SENDING):
+                log.warning("owner_unreachable", owner=target, error=repr(error))
+                return None
+            if not isinstance(error, httpx.HTTPError):
+                raise error
             # It may have acted on the request: not retried here (the client retries
             # under its Idempotency-Key).
-            log.warning("owner_no_answer", owner=target, error=repr(exc))
+            log.warning("owner_no_answer", owner=target, error=repr(error))
             raise OwnerUnreachable(
                 f"the node at {target} that owns this conversation did not answer; retry"
-            ) from None
+            )
+        await _drop(sending)
+        if not watching.done():
+            watching.cancel()
+            log.warning("owner_no_answer", owner=target, seconds=HEADERS_SECONDS)
+            raise OwnerUnreachable(
+                f"the node at {target} that owns this conversation did not answer; retry"
+            )
+        route = watching.result()
+        repeatable = request.method in _SAFE_METHODS or "idempotency-key" in request.headers
+        log.warning("owner_moved", owner=target, to=route.owner if route else None,
+                    repeated=repeatable)
+        if repeatable:
+            return MOVED
+        raise OwnerUnreachable(
+            f"the node at {target} stopped answering and its shard moved; it may have acted "
+            "on this request: retry (with an Idempotency-Key, a retry is never applied twice)"
+        )
 
     async def _fresh_owner(self, conversation_id: str) -> str | None:
-        """The owner's address by the lease table read now ("": this node; None: none live)."""
-        view = await self.rt.admin.cluster()
-        if view is None:
+        """The owner's address by the lease table read now ("": this node; None: none live).
+
+        While the database cannot answer (an outage), and for a shard whose lease is free
+        or expired, by this node's lease cache: the node every node computes as its owner,
+        which acquires it next."""
+        try:
+            view = await self.rt.admin.cluster()
+        except StoreUnavailable as exc:
+            log.info("lease_table_unreadable", error=str(exc))
+            view = None
+        route = await self.rt.admin.route(conversation_id)
+        if route is None:
             return None
+        by_cache = "" if route.serving or route.moving else route.owner
+        if view is None:
+            return by_cache
         shard = shard_of(conversation_id, view.shard_count)
         if shard in view.shards:
             return ""
         lease = next((x for x in view.leases if x.shard == shard), None)
-        if lease is None or not lease.live or lease.owner == view.node_id:
-            return None
+        if lease is None or not lease.live:
+            return by_cache
+        if lease.owner == view.node_id:
+            return None  # ours in the table, not held here: being handed off or dropped
         return lease.address
+
+
+async def _named_owner(refusal: httpx.Response) -> str | None:
+    """The ``owner`` a 421 problem names (None: none, or not a problem of ours)."""
+    try:
+        body = await refusal.aread()
+        owner = msgspec.json.decode(body[:4096]).get("owner")
+    except (httpx.HTTPError, msgspec.DecodeError, AttributeError):
+        return None
+    finally:
+        await refusal.aclose()
+    return owner if isinstance(owner, str) else None
+
+
+async def _drop(task: asyncio.Future[Any]) -> None:
+    """Cancel a request to an owner and close its response if it began meanwhile."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None:
+        response = task.result()
+        with anyio.CancelScope(shield=True):
+            await response.aclose()
 
 
 class _Relay(Response):
