@@ -71,3 +71,24 @@ async def test_keys_stored_before_fingerprints_compare_the_first_body(backend: B
         with pytest.raises(IdempotencyConflict):
             await store.append("c", [UserMessage("new message")], key="old")
         assert await store.head("c") == 0
+
+
+async def test_keyed_reads_back_what_a_key_wrote_and_writes_nothing(backend: Backend) -> None:
+    """What a caller asks before repeating a request it may not repeat blindly (resolve)."""
+    answer = [ToolResult("call-1", "cat", "meow"), UserMessage("next")]
+    big = ToolResult("call-2", "cat", "line\n" * 10_000)  # clipped: its preview comes back
+    async with backend.open() as store:
+        await store.append("c", [UserMessage("first")], key="send-1")
+        await store.append("c", answer, key="resolve-1")
+        await store.append("c", [big], key="resolve-2")
+        assert await store.keyed("c", "nobody") is None
+        assert await store.keyed("elsewhere", "resolve-1") is None  # keys are per conversation
+        got = await store.keyed("c", "resolve-1")
+        assert got is not None
+        assert [(e.position, e.body) for e in got] == [(1, answer[0]), (2, answer[1])]
+        [clipped] = await store.keyed("c", "resolve-2") or []
+        assert clipped.position == 3 and isinstance(clipped.body, ToolResult)
+        assert clipped.body.artifact is not None and clipped.body.full_size == len(big.content)
+        [first] = await store.keyed("c", "send-1") or []
+        assert first.body == UserMessage("first")
+        assert await store.head("c") == 3

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from torpor.actors.mailbox import (
     StopRequest,
     UnparkRequest,
 )
+from torpor.actors.resolution import replayed_resolution
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
@@ -53,6 +55,7 @@ from torpor.compaction.order import up_to_turn
 from torpor.compaction.working_set import WorkingSet
 from torpor.errors import (
     AgentParked,
+    IdempotencyConflict,
     RuntimeClosed,
     StoreUnavailable,
     TurnAborted,
@@ -249,8 +252,12 @@ async def _serve(agent: Agent, host: Host) -> None:
                 message.done.set_result(False)  # not parked (any more)
         elif agent.turn_task is not None:
             # An answer or a spawn while the turn runs: it waits for no call until it
-            # suspends (answer the ids of the Suspended that ends its stream).
-            _refuse_call(agent, message)
+            # suspends (answer the ids of the Suspended that ends its stream). A keyed
+            # answer may be the retry of the one that started this turn.
+            if isinstance(message, ResolveRequest) and message.key is not None:
+                await _replay_resolve(agent, host, message)
+            else:
+                _refuse_call(agent, message)
         elif isinstance(message, ResolveRequest):
             await _handle_resolve(agent, host, message)
         elif isinstance(message, SpawnRequest):
@@ -855,19 +862,38 @@ def _turn_over(agent: Agent, host: Host) -> None:
         agent.wake()  # the actor starts the next one
 
 
+async def _replay_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:
+    """A keyed answer to a call not waited for: the retry of one logged under its key gets
+    that one's outcome; anything else is refused (UnknownCall, IdempotencyConflict)."""
+    ws = agent.ws
+    assert ws is not None and request.key is not None
+    try:
+        found, outcome = await replayed_resolution(
+            agent, host, request, functools.partial(_turn_start, ws)
+        )
+    except Exception as exc:  # a conflict, or the log unreadable: the caller's, not ours
+        fail(request, exc)
+        return
+    if found:
+        _answer(request.done, outcome)
+    else:
+        _refuse_call(agent, request)
+
+
 async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:
     if agent.state is not AgentState.SUSPENDED or request.call_id not in agent.pending:
-        request.done.set_exception(
-            UnknownCall(f"{agent.id}: not waiting for tool call {request.call_id!r}")
-        )
+        if request.key is not None:  # answered already, maybe by this very request
+            await _replay_resolve(agent, host, request)
+        else:
+            _refuse_call(agent, request)
         return
     ws = agent.ws
     assert ws is not None
     tool = _tool_name(ws, request.call_id)
     result = ToolResult(request.call_id, tool, request.content, is_error=request.is_error)
     try:
-        await append(agent, host, [result, Resolved(request.call_id)])
-    except StoreUnavailable as exc:
+        await append(agent, host, [result, Resolved(request.call_id)], key=request.key)
+    except (StoreUnavailable, IdempotencyConflict) as exc:
         fail(request, exc)  # nothing was written: still suspended on the same calls
         return
     agent.pending = tuple(c for c in agent.pending if c != request.call_id)

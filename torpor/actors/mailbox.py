@@ -37,15 +37,17 @@ class SendRequest:
 class ResolveRequest:
     """An outside answer to a suspended tool call."""
 
-    __slots__ = ("call_id", "content", "done", "is_error")
+    __slots__ = ("call_id", "content", "done", "is_error", "key")
 
     def __init__(
-        self, call_id: str, content: str, is_error: bool, done: asyncio.Future[Turn | None]
+        self, call_id: str, content: str, is_error: bool, done: asyncio.Future[Turn | None],
+        key: str | None = None,
     ) -> None:
         self.call_id = call_id
         self.content = content
         self.is_error = is_error
         self.done = done
+        self.key = key  # idempotency key: the answer's events are logged under it
 
 
 class CancelRequest:

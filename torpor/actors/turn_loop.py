@@ -74,14 +74,17 @@ class StepLimit(Exception):
     """The model kept calling tools past ``max_steps``."""
 
 
-async def append(agent: Agent, host: Host, bodies: Sequence[Body]) -> list[Event]:
+async def append(
+    agent: Agent, host: Host, bodies: Sequence[Body], *, key: str | None = None
+) -> list[Event]:
     """Log bodies for the current turn, expecting our own head (a second writer conflicts).
 
     Shielded: a cancel that landed mid-append could leave the row written but our
     head stale; a cancel takes effect at the next model or tool await instead.
+    ``key``: an idempotency key the bodies are logged under (an outside answer's).
     """
     with scope(shield=True):
-        events = await logged(agent, host, bodies, turn=agent.turn, apply=True)
+        events = await logged(agent, host, bodies, turn=agent.turn, key=key, apply=True)
     return events
 
 
@@ -147,7 +150,8 @@ async def logged(
                 if not recording.cancelled():
                     recording.exception()  # retrieved: the append's own error is raised
             raise
-        if events[-1].position > agent.head:
+        fresh = events[-1].position > agent.head  # else a key found what it logged before
+        if fresh:
             agent.head = events[-1].position
             host.publish(agent.id, events)
             ws = agent.ws
@@ -158,7 +162,7 @@ async def logged(
             reconciler = agent.profile.config.reconciler
             if reconciler is not None:  # the hot-path reconciler, once per finished turn
                 await reconcile_logged(host.store, reconciler, agent.id, number, ws, events)
-        if apply:
+        if apply and fresh:
             ws = agent.ws
             assert ws is not None
             ws.append(events)

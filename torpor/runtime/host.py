@@ -408,7 +408,8 @@ class Runtime(MemoryAPI):
             ))
 
     async def resolve(
-        self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False
+        self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False,
+        key: str | None = None,
     ) -> Turn | None:
         """Answer a suspended tool call.
 
@@ -418,6 +419,12 @@ class Runtime(MemoryAPI):
         a turn is still running, before it suspends: answer the call ids of the
         ``Suspended`` that ends the turn's stream) and ``UnknownConversation`` for
         a conversation with no events.
+
+        ``key``: an idempotency key, as ``send``'s. A retry with the same key after
+        the first committed (its reply lost) returns that answer's outcome instead
+        of ``UnknownCall``: None, or the continuation (``replayed``, unless it still
+        runs); the same key with another answer raises ``IdempotencyConflict``, and
+        nothing is written.
         """
         self._check_open()
         check_id(conversation_id)
@@ -425,13 +432,15 @@ class Runtime(MemoryAPI):
         check_text(result, "result")
         if not isinstance(is_error, bool):
             raise InvalidInput("is_error", "must be a bool")
+        if key is not None:
+            check_id(key, "key")
         self._check_owner(conversation_id)
         agent = await self._known(conversation_id)
         if agent is None:
             raise UnknownConversation(conversation_id)
         done: asyncio.Future[Turn | None] = asyncio.get_running_loop().create_future()
         return await self._ask(  # type: ignore[no-any-return]
-            agent, ResolveRequest(call_id, result, is_error, done), done
+            agent, ResolveRequest(call_id, result, is_error, done, key), done
         )
 
     async def cancel(self, conversation_id: str) -> bool:

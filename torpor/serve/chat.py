@@ -6,7 +6,8 @@
 ``GET  /v1/conversations/{id}/history``   scrollback (``?before=&limit=``); never wakes the agent
 ``GET  /v1/conversations/{id}/recall``    full-text search (``?q=&k=``)
 ``POST /v1/conversations/{id}/calls/{call_id}``  answer a suspended tool call; streams
-                                         the continuation
+                                         the continuation (``Idempotency-Key`` as for
+                                         messages: a retry gets the first answer's outcome)
 ``POST /v1/conversations/{id}/cancel``    cancel the open turn
 """
 
@@ -183,14 +184,21 @@ class ChatAPI:
             raise InvalidInput("result", "the body must be {\"result\": \"…\"}")
         if not isinstance(is_error, bool):
             raise InvalidInput("is_error", "must be true or false")
+        key = request.headers.get("idempotency-key")
         head = await self._known(conversation_id)
-        turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error)
+        turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error,
+                                     key=key)
         if turn is None or _wants_json(request):
             if turn is not None:
                 self.service.track(turn)
-            return json_response({"resolved": call_id, "continuation": turn is not None},
+            return json_response({"resolved": call_id, "continuation": turn is not None,
+                                  "replayed": turn is not None and turn.replayed},
                                  status=202)
         self.service.track(turn)
+        if key is not None:  # a retry streams from the answer, as the first one did
+            logged = await self.rt.store.keyed(conversation_id, key)
+            if logged:
+                head = logged[0].position - 1
         follower = self.rt.subscribe(conversation_id, after=head)
         return follow_response(self.service, follower, Cursor(head), until_turn=turn.number)
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 __all__ = ["Client", "Connection", "HTTPStatusError", "Response", "SSEEvent"]
 
@@ -276,3 +276,32 @@ class Client:
                 problem = parsed if isinstance(parsed, dict) else None
             raise HTTPStatusError(response.status, problem, raw.decode("utf-8", "replace"))
         return json.loads(raw) if raw else None
+
+    # -- the chat API, acknowledged in JSON -------------------------------------------------
+    async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Any:
+        """``POST …/messages`` answered 202 once the message is in the log
+        (``{"position", "turn", "postponed", "replayed", …}``); ``key`` is sent as
+        ``Idempotency-Key``, so a retry is applied once."""
+        return await self.call(
+            "POST", f"/v1/conversations/{quote(conversation_id, safe='/')}/messages",
+            json_body={"text": text}, headers=_acknowledged(key), expect=(202,),
+        )
+
+    async def resolve(
+        self, conversation_id: str, call_id: str, result: str, *, is_error: bool = False,
+        key: str | None = None,
+    ) -> Any:
+        """``POST …/calls/{call_id}`` answered 202 (``{"resolved", "continuation",
+        "replayed"}``); ``key`` is sent as ``Idempotency-Key``: a retry after the first one
+        committed gets the same answer instead of 404 ``UnknownCall``."""
+        path = (f"/v1/conversations/{quote(conversation_id, safe='/')}"
+                f"/calls/{quote(call_id, safe='')}")
+        return await self.call("POST", path, json_body={"result": result, "is_error": is_error},
+                               headers=_acknowledged(key), expect=(202,))
+
+
+def _acknowledged(key: str | None) -> dict[str, str]:
+    headers = {"Accept": "application/json"}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    return headers

@@ -426,6 +426,12 @@ class StoreCore:
         events = await self._reading(self.reads.read_range, conversation_id, start, end)
         return cast("list[Event]", events)
 
+    async def keyed(self, conversation_id: str, key: str) -> list[Event] | None:
+        check_conversation_id(conversation_id)
+        check_id(key, "key")
+        events = await self._reading(self.reads.keyed, conversation_id, key)
+        return cast("list[Event] | None", events)
+
     async def page_backward(
         self, conversation_id: str, before: int | None = None, limit: int = 50
     ) -> list[Event]:

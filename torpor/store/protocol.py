@@ -235,6 +235,12 @@ class EventStore(Protocol):
         """Events with start <= position <= end, oldest first."""
         ...
 
+    async def keyed(self, conversation_id: str, key: str) -> list[Event] | None:
+        """The events the append under idempotency ``key`` wrote to this conversation,
+        oldest first; None if no append used that key here. Writes nothing (what a
+        caller asks before repeating a request it may not repeat blindly: resolve)."""
+        ...
+
     async def page_backward(
         self, conversation_id: str, before: int | None = None, limit: int = 50
     ) -> list[Event]:

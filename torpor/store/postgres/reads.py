@@ -49,6 +49,7 @@ __all__ = [
     "conversations",
     "get_artifact",
     "head",
+    "keyed",
     "latest_checkpoint",
     "model_calls",
     "page_backward",
@@ -87,6 +88,21 @@ _RANGE = _WITH_HEAD.format(where="e.position BETWEEN $2 AND $3", order="")
 _BACKWARD = _WITH_HEAD.format(
     where="e.position < $2 ORDER BY e.position DESC LIMIT $3", order="DESC"
 )
+# Row 0: (NULL, first position, count, …) if the key was used; then the events it wrote.
+_KEYED = """
+WITH conv AS (SELECT key FROM conversations WHERE external_id = $1),
+k AS (
+    SELECT i.first_position AS f, i.count AS n FROM idempotency_keys AS i, conv
+    WHERE i.conversation_id = conv.key AND i.key = $2
+)
+SELECT NULL::bigint AS pos, k.f, k.n::bigint, NULL::bigint, NULL::bytea, NULL::bytea, 0 AS r
+FROM k
+UNION ALL
+(SELECT e.position, e.turn::bigint, e.tokens::bigint, e.created_at, e.body, e.hints, 1
+ FROM events AS e, conv, k
+ WHERE e.conversation_id = conv.key AND e.position >= k.f AND e.position < k.f + k.n)
+ORDER BY r, pos
+"""
 _CHECKPOINTS = "SELECT position, body FROM checkpoints WHERE conversation_id = " + _KEY
 _LATEST = f"{_CHECKPOINTS} ORDER BY id DESC LIMIT 1"
 
@@ -163,6 +179,16 @@ async def read_range(db: Reader, name: str, start: int, end: int) -> list[Event]
     last, rows = _split(await db.fetch(_RANGE, name, start, end))
     events = to_events(name, rows, start)
     check_reaches(name, events, start, min(end, last))
+    return events
+
+
+async def keyed(db: Reader, name: str, key: str) -> list[Event] | None:
+    rows = await db.fetch(_KEYED, name, key)
+    if not rows:
+        return None
+    first, count = int(rows[0][1]), int(rows[0][2])
+    events = to_events(name, [row[:6] for row in rows[1:]], first)
+    check_reaches(name, events, first, first + count - 1)
     return events
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "conversations",
     "get_artifact",
     "head",
+    "keyed",
     "latest_checkpoint",
     "model_calls",
     "page_backward",
@@ -71,6 +72,7 @@ _EVENTS = f"SELECT {EVENT_COLUMNS} FROM events WHERE conversation_id = ?"
 _SINCE = f"{_EVENTS} AND position >= ? ORDER BY position"
 _RANGE = f"{_EVENTS} AND position BETWEEN ? AND ? ORDER BY position"
 _BACKWARD = f"{_EVENTS} AND position < ? ORDER BY position DESC LIMIT ?"
+_KEYED = "SELECT first_position, count FROM idempotency_keys WHERE conversation_id = ? AND key = ?"
 _LATEST_CHECKPOINT = (
     f"SELECT position, body FROM checkpoints WHERE conversation_id = {_KEY} "
     "ORDER BY id DESC LIMIT 1"
@@ -127,6 +129,18 @@ def read_range(conn: sqlite3.Connection, name: str, start: int, end: int) -> lis
     events = to_events(name, conn.execute(_RANGE, (key, start, end)).fetchall(), start)
     check_reaches(name, events, start, min(end, last))
     return events
+
+
+def keyed(conn: sqlite3.Connection, name: str, key: str) -> list[Event] | None:
+    state = _state(conn, name)
+    if state is None:
+        return None
+    row = conn.execute(_KEYED, (state[0], key)).fetchone()
+    if row is None:
+        return None
+    first, count = int(row[0]), int(row[1])
+    # The key row and its events were committed together: the events are there.
+    return read_range(conn, name, first, first + count - 1)
 
 
 def page_backward(
