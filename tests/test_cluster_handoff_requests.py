@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 
 import anyio
 import pytest
@@ -96,9 +97,9 @@ async def test_requests_for_a_shard_in_hand_off_are_served_by_the_new_owner(
             await until_leaving(a, shard)  # a hands it off once the held turn ends
 
             async def send(via: Node, cid: str) -> httpx.Response:
-                return await client.post(
-                    f"{via.url}/v1/conversations/{cid}/messages", json={"text": "in transit"},
-                    headers={**JSON, "Idempotency-Key": f"k-{cid}"})
+                # No Idempotency-Key: waiting out a hand-off never needs to repeat a request.
+                return await client.post(f"{via.url}/v1/conversations/{cid}/messages",
+                                         json={"text": "in transit"}, headers=JSON)
 
             # To the old owner, to a node that proxies to it, and to the newcomer.
             cids = {n.name: on_shard(shard, f"via-{n.name}-") for n in (a, b, c)}
@@ -127,3 +128,37 @@ async def test_requests_for_a_shard_in_hand_off_are_served_by_the_new_owner(
             for cid in cids.values():  # each message logged once
                 events = await store.read_since(cid, 0)
                 assert [type(e.body) for e in events if e.kind == "user"] == [UserMessage]
+
+
+async def test_a_proxied_request_is_not_given_up_while_its_owner_hands_the_shard_off(
+    pg_url: str,
+) -> None:
+    """The watch that gives up on a paused owner (item 7) stays quiet while the owner is
+    alive and hands the shard off: that owner answers (421 naming the new one), and a
+    request that is not safe to repeat must not be refused for it."""
+    async with PostgresStore(pg_url):
+        pass
+    model = GateModel()
+    async with AsyncExitStack() as outer:
+        a = await outer.enter_async_context(node(pg_url, "a", model))
+        async with node(pg_url, "b", model) as b:
+            held = await split(a, b)
+            shard = next(s for s in sorted(held["a"])
+                         if desired_owner(s, ["a", "b", "c"]) == "c")
+            cid = on_shard(shard, "w")
+            a_address = a.url.removeprefix("http://")
+            watch = asyncio.create_task(b.rt.admin.moved(cid, a_address))
+            async with node(pg_url, "c", model) as c:
+                c_address = c.url.removeprefix("http://")
+                assert b.rt._cluster is not None
+                leases = b.rt._cluster.member.leases
+                with anyio.fail_after(20):  # b's cache sends the conversation to c now
+                    while (await b.rt.admin.route(cid)).owner != c_address:  # type: ignore[union-attr]
+                        await leases.next_change()
+                for _ in range(2):  # and the watch has looked at that
+                    await leases.next_change()
+                assert not watch.done(), "gave up on a live owner handing off"
+                await outer.aclose()  # a leaves: its node row expires at once
+                with anyio.fail_after(20):
+                    route = await watch
+                assert route is not None and route.owner == c_address

@@ -337,8 +337,8 @@ class Admin:
         return None if gate is None else await gate.settled(conversation_id)
 
     async def moved(self, conversation_id: str, owner: str) -> ShardRoute | None:
-        """On a cluster node: returns once this node's lease cache stops sending the
-        conversation to ``owner`` (its lease moved, as when ``owner`` stopped renewing);
+        """On a cluster node: returns once ``owner`` stopped renewing its membership and
+        this node's lease cache no longer sends the conversation there (its lease moved);
         waits until cancelled otherwise."""
         check_id(conversation_id)
         gate = self._runtime.gate

@@ -154,16 +154,20 @@ class ShardGate:
         return await self._until(conversation_id, lambda r: not r.moving, self.handoff_wait)
 
     async def moved(self, conversation_id: str, owner: str) -> ShardRoute:
-        """The route once the cache changes and no longer sends the conversation to
-        ``owner`` (its lease moved: served here, in hand-off to here, or held by another
-        node). A cache that already disagreed with ``owner`` (stale, while ``owner`` came
-        from the table) must change first. No bound: the caller cancels it when it stops
-        caring."""
+        """The route once ``owner`` stopped renewing (no live node has its address) and
+        the cache no longer sends the conversation there (served here, in hand-off to
+        here, or held by another node). A live owner handing the shard off is not waited
+        past: it answers (421, naming the new owner). A cache that already disagreed with
+        ``owner`` (stale, while ``owner`` came from the table) must change first. No
+        bound: the caller cancels it when it stops caring."""
+        leases = self.member.leases
         than = self.route(conversation_id)
-        return await self._until(
-            conversation_id,
-            lambda r: r != than and (r.serving or r.moving or r.owner != owner), None,
-        )
+
+        def gone(route: ShardRoute) -> bool:
+            return (route != than and (route.serving or route.moving or route.owner != owner)
+                    and owner not in leases.live.values())
+
+        return await self._until(conversation_id, gone, None)
 
     async def _until(
         self, conversation_id: str, done: Callable[[ShardRoute], bool], within: float | None
