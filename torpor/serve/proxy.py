@@ -210,6 +210,7 @@ class Proxy:
         # watched in this node's lease cache, so a paused owner costs about a TTL, not
         # HEADERS_SECONDS.
         watching = asyncio.ensure_future(self.rt.admin.moved(conversation_id, target))
+        watching.add_done_callback(_retrieved)  # cancelled unread most of the time
         try:
             await asyncio.wait({sending, watching}, timeout=HEADERS_SECONDS,
                                return_when=asyncio.FIRST_COMPLETED)
@@ -260,7 +261,7 @@ class Proxy:
         try:
             view = await self.rt.admin.cluster()
         except StoreUnavailable as exc:
-            log.info("lease_table_unreadable", error=str(exc))
+            log.debug("lease_table_unreadable", error=str(exc))  # the store logs the outage
             view = None
         route = await self.rt.admin.route(conversation_id)
         if route is None:
@@ -289,6 +290,11 @@ async def _named_owner(refusal: httpx.Response) -> str | None:
     finally:
         await refusal.aclose()
     return owner if isinstance(owner, str) else None
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _drop(task: asyncio.Future[Any]) -> None:
