@@ -26,7 +26,7 @@ asyncpg = pytest.importorskip("asyncpg")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from test_cluster_proxy import ADMIN, AUTH, Node, node, owned_by, split  # noqa: E402
+from test_cluster_proxy import ADMIN, AUTH, SHARDS, Node, node, owned_by, split  # noqa: E402
 
 from torpor.store.postgres import PostgresStore  # noqa: E402
 
@@ -84,8 +84,25 @@ async def until_cut_off(*nodes: Node) -> None:
         assert n.rt._cluster is not None
         leases = n.rt._cluster.member.leases
         with anyio.fail_after(20):
-            while leases.held:
+            while any(leases.serving(s) for s in leases.held):
                 await leases.next_change()
+
+
+async def until_serving(*nodes: Node) -> None:
+    """Until the nodes renewed again and serve every shard between them."""
+    assert nodes[0].rt._cluster is not None
+    leases = nodes[0].rt._cluster.member.leases
+    with anyio.fail_after(30):
+        while True:
+            try:
+                views = [await n.rt.admin.cluster() for n in nodes]
+            except StoreUnavailable:  # until the nodes reconnect
+                views = []
+            if views and all(v is not None and v.serving for v in views) and sum(
+                len(v.shards) for v in views if v is not None
+            ) == SHARDS:
+                return
+            await leases.next_change()
 
 
 async def test_no_request_answers_500_while_postgresql_is_down(records: Records) -> None:
@@ -127,13 +144,7 @@ async def test_no_request_answers_500_while_postgresql_is_down(records: Records)
                 assert r.json()["error"] in ("StoreUnavailable", "OwnerUnreachable"), what
 
             await anyio.to_thread.run_sync(lambda: pg.start(fsync=False))
-            with anyio.fail_after(30):
-                while True:
-                    try:
-                        await split(a, b)
-                        break
-                    except StoreUnavailable:  # until the nodes reconnect
-                        await anyio.sleep(0.2)
+            await until_serving(a, b)
             for n in (a, b):
                 for cid in cids:
                     sent = await client.post(f"{n.url}/v1/conversations/{cid}/messages",
