@@ -230,6 +230,8 @@ async def test_an_older_database_gets_the_index_backfilled_from_its_log(backend:
 
 async def _downgrade_to_version_6(backend: Backend) -> None:
     await backend.sql("DROP INDEX conversations_open")
+    if backend.postgres:
+        await backend.sql("DROP INDEX conversations_open_by_shard")
     for column in ("user_turn", "settled_turn", "suspended", "parked"):
         await backend.sql(f"ALTER TABLE conversations DROP COLUMN {column}")
     if backend.name == "sqlite":
@@ -276,3 +278,30 @@ async def test_a_fenced_append_moves_nothing_and_rows_are_found_by_shard(pg_url:
         others = [s for s in range(SHARDS) if s not in (shard_of(a, SHARDS),
                                                          shard_of("solo", SHARDS))]
         assert await store.open_work(shards=others, shard_count=SHARDS) == []
+
+
+async def test_the_query_reads_the_partial_index_not_every_conversation(
+    backend: Backend,
+) -> None:
+    async with backend.open() as store:
+        await store.append("open", [UserMessage("x")], turn=1)
+    # Many conversations that owe nothing, as the statistics see them.
+    await backend.sql(
+        "WITH RECURSIVE n(value) AS (SELECT 1 UNION ALL SELECT value + 1 FROM n "
+        "WHERE value < 20000) INSERT INTO conversations (external_id, created_at, updated_at, "
+        "user_turn, settled_turn) SELECT 'done-' || value, 0, 0, 1, 1 FROM n"
+    )
+    await backend.sql("ANALYZE")
+    if backend.postgres:
+        from torpor.store.postgres.reads import _OPEN_ALL, _OPEN_IN
+
+        plans = [await backend.sql(f"EXPLAIN {_OPEN_ALL}", "", 100),
+                 await backend.sql(f"EXPLAIN {_OPEN_IN}", "", 100, [1, 2])]
+    else:
+        from torpor.store.sqlite.reads import _OPEN
+
+        plans = [await backend.sql(f"EXPLAIN QUERY PLAN {_OPEN}", "", 100)]
+    for plan in plans:
+        text = " ".join(str(part) for row in plan for part in row)
+        assert "conversations_open" in text, text
+        assert "Seq Scan" not in text and "external_id_key" not in text, text

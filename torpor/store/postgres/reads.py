@@ -290,9 +290,10 @@ async def pending(db: Reader, after: str | None, limit: int) -> list[PendingAppr
     return to_pending_approvals(tuple(row) for row in rows)
 
 
-# The partial index over open rows (schema version 7, store.open_work) serves both: by
-# (shard, id) for a node's shards, whole for a single node. A row written on a single node
-# has no shard: it comes back too, for the caller to place.
+# The partial indexes over open rows (schema version 7, store.open_work): by id, or by
+# (shard, id) for a node's shards, whichever the planner finds cheaper; either reads open
+# rows only. A row written on a single node has no shard: it comes back too, for the
+# caller to place.
 _OPEN = (
     f"SELECT external_id, shard FROM conversations WHERE {OPEN_WHERE} AND external_id > $1 "
     "{shards}ORDER BY external_id LIMIT $2"

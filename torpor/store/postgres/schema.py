@@ -54,9 +54,9 @@ conversation and space the position every event up to which was embedded.
 ``conversations.user_turn``, ``settled_turn``, ``suspended`` and ``parked``
 (version 7) are the open-work index (:mod:`torpor.store.open_work`), moved by
 the statement that moves the head (``greatest``/``coalesce`` of the batch's net
-change: no read, no extra round trip); ``conversations_open`` is a partial index
-over the open rows by (shard, id). Updates that leave those four columns as
-they were stay HOT.
+change: no read, no extra round trip); ``conversations_open`` and
+``conversations_open_by_shard`` are partial indexes over the open rows, by id
+and by (shard, id). Updates that leave those four columns as they were stay HOT.
 
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
@@ -333,8 +333,11 @@ async def _backfill_open_work(conn: asyncpg.Connection) -> None:
 
 
 # The open-work index (store.open_work): four columns of the conversation row (constant
-# defaults: adding them rewrites nothing), backfilled from the log, and a partial index over
-# the open rows by (shard, id). IF NOT EXISTS throughout, like version 4.
+# defaults: adding them rewrites nothing), backfilled from the log, and two partial indexes
+# over the open rows: by id (pages of every open row in id order; without it the planner,
+# which cannot tell how few rows "user_turn > settled_turn" keeps, walks every conversation
+# by the unique index of ids, measured), and by (shard, id) for a node's shards. IF NOT
+# EXISTS throughout, like version 4.
 _OPEN_WORK: Sequence[Step] = (
     "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS user_turn integer NOT NULL DEFAULT -1",
     "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS settled_turn integer NOT NULL "
@@ -343,8 +346,10 @@ _OPEN_WORK: Sequence[Step] = (
     "DEFAULT false",
     "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS parked boolean NOT NULL DEFAULT false",
     _backfill_open_work,
-    "CREATE INDEX IF NOT EXISTS conversations_open ON conversations (shard, external_id) "
+    f"CREATE INDEX IF NOT EXISTS conversations_open ON conversations (external_id) "
     f"WHERE {OPEN_WHERE}",
+    "CREATE INDEX IF NOT EXISTS conversations_open_by_shard ON conversations "
+    f"(shard, external_id) WHERE {OPEN_WHERE}",
 )
 
 MIGRATIONS: tuple[Sequence[Step], ...] = (

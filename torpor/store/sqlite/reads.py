@@ -355,15 +355,17 @@ def pending(conn: sqlite3.Connection, after: str | None, limit: int) -> list[Pen
 
 
 
+_OPEN = (
+    f"SELECT external_id FROM conversations WHERE {OPEN_WHERE} AND external_id > ? "
+    "ORDER BY external_id LIMIT ?"
+)
+
+
 def open_work(
     conn: sqlite3.Connection, after: str | None, limit: int, shards: list[int] | None
 ) -> list[tuple[str, int | None]]:
     """The next ``limit`` open conversations after ``after``, from the partial index over
     them (store.open_work). No shard column here (one node): ``shards`` is the caller's
     to apply, each row's shard None."""
-    rows = conn.execute(
-        f"SELECT external_id FROM conversations WHERE {OPEN_WHERE} AND external_id > ? "
-        "ORDER BY external_id LIMIT ?",
-        ("" if after is None else after, limit),
-    )
+    rows = conn.execute(_OPEN, ("" if after is None else after, limit))
     return [(name, None) for (name,) in rows]
