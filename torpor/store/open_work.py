@@ -32,12 +32,14 @@ several calls of which some are answered reads as not suspended.
 Every change composes without reading the row: the turns by maximum, the flags
 by their last value. A group-commit batch folds its appends into one change
 per conversation, and the UPDATE that moves the conversation's head applies it
-(``max``/``greatest`` and ``coalesce``): no statement and no round trip more.
+(``max``/``greatest``, and ``coalesce(nullif(flag, -1), column)``): no statement
+and no round trip more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from torpor.errors import InvalidInput
 from torpor.events import AssistantMessage, Body, decode_body
@@ -51,16 +53,19 @@ __all__ = [
     "Backfill",
     "WorkChange",
     "ShardFilter",
+    "Measured",
     "compose",
+    "event_change",
     "shard_filter",
     "work_change",
 ]
 
-WorkChange = tuple[int, int, bool | None, bool | None]
-"""(user turn, settled turn, suspended, parked) an append brings: -1 and None leave a
-column as it is."""
+WorkChange = tuple[int, int, int, int]
+"""(user turn, settled turn, suspended, parked) an append brings; -1 leaves a column as it
+is, a flag is otherwise 0 or 1. Plain ints: SQLite's driver binds them directly (None and
+bool go through its adaptation path, which cost more than the rest of the change)."""
 
-NO_CHANGE: WorkChange = (-1, -1, None, None)
+NO_CHANGE: WorkChange = (-1, -1, -1, -1)
 
 WORK_KINDS = frozenset(
     {"user", "assistant", "aborted", "suspended", "resolved", "parked", "unparked"}
@@ -68,33 +73,50 @@ WORK_KINDS = frozenset(
 """The kinds that can move the index (of ``assistant``, only a final answer does)."""
 
 
-def work_change(events: Iterable[tuple[str, int, Body | None]]) -> WorkChange | None:
-    """The change ``events`` ((kind, turn, body), in log order) make; None: none. The body
-    is only looked at for ``assistant`` (is it a final answer?)."""
-    user = settled = -1
-    suspended: bool | None = None
-    parked: bool | None = None
-    moved = False
-    for kind, turn, body in events:
-        if kind == "user":
-            user = max(user, turn)
-        elif kind == "aborted" or (
-            kind == "assistant" and isinstance(body, AssistantMessage) and not body.tool_calls
-        ):
-            settled = max(settled, turn)
-            suspended = False
-        elif kind == "suspended":
-            suspended = True
-        elif kind == "resolved":
-            suspended = False
-        elif kind == "parked":
-            parked = True
-        elif kind == "unparked":
-            parked = False
-        else:
-            continue
-        moved = True
-    return (user, settled, suspended, parked) if moved else None
+class Measured(Protocol):
+    """An event as an append prepares it (``torpor.store.prepare.PreparedEvent``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def turn(self) -> int: ...
+
+    @property
+    def value(self) -> Body: ...
+
+
+def work_change(events: Iterable[Measured]) -> WorkChange | None:
+    """The change an append's ``events`` make, in order; None: none (most appends)."""
+    change = None
+    for event in events:
+        kind = event.kind
+        if kind in WORK_KINDS:
+            moved = event_change(kind, event.turn, event.value)
+            change = moved if change is None else compose(change, moved)
+    return change
+
+
+def event_change(kind: str, turn: int, body: Body | None) -> WorkChange | None:
+    """The change of one event; the body is only looked at for ``assistant`` (a final
+    answer settles its turn, a step with tool calls does not)."""
+    if kind == "user":
+        return (turn, -1, -1, -1)
+    if kind == "aborted":
+        return (-1, turn, 0, -1)
+    if kind == "assistant":
+        if isinstance(body, AssistantMessage) and not body.tool_calls:
+            return (-1, turn, 0, -1)
+        return None
+    if kind == "suspended":
+        return (-1, -1, 1, -1)
+    if kind == "resolved":
+        return (-1, -1, 0, -1)
+    if kind == "parked":
+        return (-1, -1, -1, 1)
+    if kind == "unparked":
+        return (-1, -1, -1, 0)
+    return None
 
 
 def compose(first: WorkChange | None, then: WorkChange | None) -> WorkChange | None:
@@ -104,10 +126,10 @@ def compose(first: WorkChange | None, then: WorkChange | None) -> WorkChange | N
     if then is None:
         return first
     return (
-        max(first[0], then[0]),
-        max(first[1], then[1]),
-        first[2] if then[2] is None else then[2],
-        first[3] if then[3] is None else then[3],
+        first[0] if first[0] > then[0] else then[0],
+        first[1] if first[1] > then[1] else then[1],
+        first[2] if then[2] < 0 else then[2],
+        first[3] if then[3] < 0 else then[3],
     )
 
 
@@ -126,13 +148,14 @@ class Backfill:
         value = None
         if kind == "assistant" and body is not None:
             value = decode_body(bytes(body), conversation_id=name, position=position)
-        change = compose(self._changes.get(name), work_change(((kind, turn, value),)))
+        change = compose(self._changes.get(name), event_change(kind, turn, value))
         if change is not None:
             self._changes[name] = change
 
-    def rows(self) -> list[tuple[int, int, bool, bool, str]]:
-        """(user turn, settled turn, suspended, parked, conversation) per conversation seen."""
-        return [(u, s, bool(susp), bool(parked), name)
+    def rows(self) -> list[tuple[int, int, int, int, str]]:
+        """(user turn, settled turn, suspended, parked, conversation) per conversation seen;
+        the flags 0 or 1."""
+        return [(u, s, max(susp, 0), max(parked, 0), name)
                 for name, (u, s, susp, parked) in self._changes.items()]
 
 

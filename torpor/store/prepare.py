@@ -251,8 +251,9 @@ class AppendPolicy:
         if key is not None:
             first = prepared[0]
             mark = fingerprint(first.body if first.artifact_id is None else encode_body(events[0]))
-        work = work_change([(e.kind, e.turn, e.value) for e in prepared])
-        return PreparedAppend(conversation_id, prepared, expect_head, key, mark, work)
+        return PreparedAppend(
+            conversation_id, prepared, expect_head, key, mark, work_change(prepared)
+        )
 
     def _prepare_one(
         self, body: Body, where: str, turn: int, created: int, limit: int

@@ -326,8 +326,9 @@ async def _backfill_open_work(conn: asyncpg.Connection) -> None:
     if rows:
         await conn.execute(
             "UPDATE conversations AS c SET user_turn = u.ut, settled_turn = u.st, "
-            "suspended = u.su, parked = u.pa FROM unnest($1::int[], $2::int[], $3::bool[], "
-            "$4::bool[], $5::text[]) AS u(ut, st, su, pa, name) WHERE c.external_id = u.name",
+            "suspended = u.su = 1, parked = u.pa = 1 FROM unnest($1::int[], $2::int[], "
+            "$3::int[], $4::int[], $5::text[]) AS u(ut, st, su, pa, name) "
+            "WHERE c.external_id = u.name",
             *(list(column) for column in zip(*rows, strict=True)),
         )
 

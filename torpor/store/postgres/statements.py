@@ -85,8 +85,8 @@ RETURNING key, external_id
 """
 
 # The head update also moves the open-work index's columns (store.open_work) by the batch's
-# net change per conversation: greatest() and coalesce() of the row's own values, so nothing
-# is read for it and nothing else is sent.
+# net change per conversation (-1: unchanged): greatest() and coalesce() of the row's own
+# values, so nothing is read for it and nothing else is sent.
 WRITE = """
 WITH
 e AS (
@@ -125,9 +125,10 @@ h AS (
     SET head = u.head, bytes = c.bytes + u.added,
         checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $43,
         user_turn = greatest(c.user_turn, u.ut), settled_turn = greatest(c.settled_turn, u.st),
-        suspended = coalesce(u.su, c.suspended), parked = coalesce(u.pa, c.parked)
+        suspended = coalesce(nullif(u.su, -1) = 1, c.suspended),
+        parked = coalesce(nullif(u.pa, -1) = 1, c.parked)
     FROM unnest($35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::int[],
-                $40::int[], $41::bool[], $42::bool[])
+                $40::int[], $41::int[], $42::int[])
         AS u(key, head, added, cp, ut, st, su, pa)
     WHERE c.key = u.key
 )

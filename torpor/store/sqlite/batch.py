@@ -54,7 +54,7 @@ import msgspec
 from torpor.errors import StoreError
 from torpor.events import Body
 from torpor.store.commit_queue import Failed
-from torpor.store.open_work import NO_CHANGE, WorkChange, compose
+from torpor.store.open_work import WorkChange, compose
 from torpor.store.pending import PendingChanges
 from torpor.store.sqlite.errors import UNAVAILABLE, primary_code, store_error
 from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
@@ -147,11 +147,14 @@ _READ_STATE = (
     "SELECT key, coalesce((SELECT max(position) FROM events WHERE conversation_id = key), -1)"
     " FROM conversations WHERE external_id = ?"
 )
-# The open-work index's columns move with the head (store.open_work): -1 and NULL keep them.
-_UPDATE_HEAD = (
+_UPDATE_HEAD = "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ? WHERE key = ?"
+# With the open-work index's columns (store.open_work; -1 keeps each), for the conversations
+# whose appends move them: the others (tool results, steps with tool calls) do not pay for it.
+_UPDATE_HEAD_WORK = (
     "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ?, "
     "user_turn = max(user_turn, ?), settled_turn = max(settled_turn, ?), "
-    "suspended = coalesce(?, suspended), parked = coalesce(?, parked) WHERE key = ?"
+    "suspended = coalesce(nullif(?, -1), suspended), parked = coalesce(nullif(?, -1), parked) "
+    "WHERE key = ?"
 )
 
 
@@ -224,11 +227,17 @@ class Batch:
         self.states.pop(name, None)
         self._cache.forget(name)
 
-    def head_updates(self) -> list[Row]:
-        return [
-            (head, size, self.now, *(work or NO_CHANGE), key)
-            for key, (head, size, work) in self._heads.items()
-        ]
+    def head_updates(self) -> tuple[list[Row], list[Row]]:
+        """Rows of ``_UPDATE_HEAD``, and of ``_UPDATE_HEAD_WORK``."""
+        plain: list[Row] = []
+        moving: list[Row] = []
+        now = self.now
+        for key, (head, size, work) in self._heads.items():
+            if work is None:
+                plain.append((head, size, now, key))
+            else:
+                moving.append((head, size, now, *work, key))
+        return plain, moving
 
     def committed(self) -> dict[str, ConvState]:
         return {name: state for name, state in self.states.items() if state.stored}
@@ -378,7 +387,11 @@ def _attempt(
         results.append(plan.result)
     if bulk is not None:
         bulk(conn, plans)
-    conn.executemany(_UPDATE_HEAD, batch.head_updates())
+    plain, moving = batch.head_updates()
+    if plain:
+        conn.executemany(_UPDATE_HEAD, plain)
+    if moving:
+        conn.executemany(_UPDATE_HEAD_WORK, moving)
     batch.backlog = backlog.write(conn, batch.fts, batch.flush_search)
     if batch.pending:
         _write_pending(conn, batch.pending)
