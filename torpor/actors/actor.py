@@ -476,7 +476,8 @@ async def _stop(agent: Agent, host: Host) -> None:
     await _end_turn_task(agent)  # it logs Aborted("shutdown") for itself, shielded
     current, agent.current = agent.current, None
     hub, agent.hub = agent.hub, None
-    if current is not None or hub is not None:  # its end could not be logged
+    unended = current is not None or hub is not None  # its end could not be logged
+    if unended:
         stopped = moved or TurnAborted("shutdown", _partial_of(hub), "runtime stopped")
         if current is not None:
             current._fail(stopped)
@@ -492,15 +493,18 @@ async def _stop(agent: Agent, host: Host) -> None:
     if (postponed and not behind_suspension and agent.state is not AgentState.PARKED
             and host.draining):
         # Their callers are told "shutdown": the log says the same, so nothing is left
-        # half-done for the next run to report as interrupted.
-        for waiting in postponed:
+        # half-done for the next run to report as interrupted. Turns end in the log in turn
+        # order (the open-work index counts on it: store.open_work), so an open turn whose
+        # own end could not be logged is ended first.
+        ends = [(agent.turn, Aborted("shutdown", _partial_of(hub), "runtime stopped"))
+                ] if unended else []
+        ends += [(waiting.event.turn, Aborted("shutdown", detail="runtime stopped before "
+                                              "this postponed turn ran"))
+                 for waiting in postponed]
+        for number, aborted in ends:
             try:
                 with anyio.CancelScope(shield=True):
-                    await logged(
-                        agent, host, [Aborted("shutdown", detail="runtime stopped before "
-                                              "this postponed turn ran")],
-                        turn=waiting.event.turn,
-                    )
+                    await logged(agent, host, [aborted], turn=number)
             except Exception:
                 break  # the store refuses: the next run reports it as interrupted
     for waiting in postponed or ():

@@ -44,6 +44,7 @@ from torpor.runtime.embedding import EmbeddingWorker, start_embedding
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.memory_api import MemoryAPI
+from torpor.runtime.redrive import Redrive
 from torpor.runtime.registry import Registry
 from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
@@ -151,6 +152,11 @@ class Runtime(MemoryAPI):
             self, conversations=inside, registry=self._registry, supervisor=self._supervisor,
             log=self._log,
         )
+        self._redrive = Redrive(
+            store=inside, conversations=inside, registry=self._registry,
+            admission=self._admission, supervisor=self._supervisor, log=self._log,
+            concurrency=self.config.max_concurrent_revivals,
+        )
         self._cards = TaskCards(
             conversations=inside, host=self._host, registry=self._registry,
             supervisor=self._supervisor,
@@ -186,7 +192,7 @@ class Runtime(MemoryAPI):
                     self.store_url, self._node, config=self.config, registry=self._registry,
                     counters=self._counters, watchers=self._watchers, host=self._host,
                     admission=self._admission, supervisor=self._supervisor,
-                    branches=self._branches,
+                    branches=self._branches, redrive=self._redrive,
                 )
             self._store = await stack.enter_async_context(
                 open_store(
@@ -220,8 +226,13 @@ class Runtime(MemoryAPI):
                     sweep, name="torpor-consolidator"
                 )
                 stack.push_async_callback(_cancel_and_wait, consolidator)
+            # What a dead process left owing is re-driven (a node: as it acquires shards,
+            # from within the join below); stopped before the agents are.
+            stack.push_async_callback(self._redrive.stop)
             if gate is not None:  # joins now; on exit hands its shards off before agents stop
                 self._cluster = await stack.enter_async_context(gate)
+            else:
+                self._redrive.run()
             self._branches.start(self._cluster)  # sub-agent links a previous run left open
             stack.push_async_callback(self._branches.stop)
         except BaseException:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from torpor.runtime.registry import Registry
     from torpor.runtime.stats import Counters, Watchers
 
-__all__ = ["Recovering", "Retiring", "ShardGate"]
+__all__ = ["Recovering", "Redriving", "Retiring", "ShardGate"]
 
 
 class Retiring(Protocol):
@@ -55,10 +55,22 @@ class Recovering(Protocol):
     def recover(self, parents: Callable[[str], bool] | None) -> None: ...
 
 
+class Redriving(Protocol):
+    """The re-drive of owed work (``redrive.Redrive``) as a gained shard sees it."""
+
+    def run(
+        self,
+        *,
+        shards: frozenset[int] | None = None,
+        shard_count: int | None = None,
+        serves: Callable[[str], bool] | None = None,
+    ) -> None: ...
+
+
 class ShardGate:
     __slots__ = (
-        "_admission", "_branches", "_config", "_counters", "_host", "_registry", "_supervisor",
-        "_watchers", "member",
+        "_admission", "_branches", "_config", "_counters", "_host", "_redrive", "_registry",
+        "_supervisor", "_watchers", "member",
     )
 
     def __init__(
@@ -74,6 +86,7 @@ class ShardGate:
         admission: Admission,
         supervisor: Retiring,
         branches: Recovering,
+        redrive: Redriving,
     ) -> None:
         self._config = config
         self._registry = registry
@@ -83,6 +96,7 @@ class ShardGate:
         self._admission = admission
         self._supervisor = supervisor
         self._branches = branches
+        self._redrive = redrive
         self.member = ClusterMember(dsn, node, self)
 
     @property
@@ -192,6 +206,8 @@ class ShardGate:
         count = self.member.leases.shards
         # Sub-agent links the previous owner left open (it died or handed the shard off).
         self._branches.recover(lambda c: shard_of(c, count) in shards)
+        # Turns it left open and postponed messages it acknowledged: run here, now.
+        self._redrive.run(shards=shards, shard_count=count, serves=self.serves)
 
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)

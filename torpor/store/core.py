@@ -55,6 +55,7 @@ from torpor.store.memory import (
     check_ledger_entry,
 )
 from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
+from torpor.store.open_work import shard_filter
 from torpor.store.prepare import (
     INLINE_TEXT,
     AppendPolicy,
@@ -506,6 +507,35 @@ class StoreCore:
         check_after(after)
         check_limit(limit)
         return cast("list[PendingApproval]", await self._reading(self.reads.pending, after, limit))
+
+    async def open_work(
+        self,
+        *,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[str]:
+        """Conversations that owe a run (store.open_work), by id (bytewise), after ``after``;
+        of ``shards`` (of a cluster of ``shard_count``) if given. From the partial index
+        over the open rows: never a log scan."""
+        check_after(after)
+        check_limit(limit)
+        place = shard_filter(shards, shard_count)
+        if place is not None and not place.shards:
+            return []
+        wanted = None if place is None else place.wanted()
+        found: list[str] = []
+        while True:  # rows the filter leaves out must not end the page early
+            rows = await self._reading(self.reads.open_work, after, limit, wanted)
+            for name, shard in rows:
+                if place is None or place.keeps(name, shard):
+                    found.append(name)
+                    if len(found) == limit:
+                        return found
+            if len(rows) < limit:
+                return found
+            after = rows[-1][0]
 
 
 def _stamped(item: Any, now: int) -> Any:

@@ -288,6 +288,23 @@ class EventStore(Protocol):
         those after ``after`` (keyset pagination), from an index: never a log scan."""
         ...
 
+    async def open_work(
+        self,
+        *,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> list[str]:
+        """Conversations that owe a run if no process runs them: a turn left open (neither
+        answered, aborted nor suspended) or user messages logged behind it, unless they wait
+        for an outside answer or are parked (:mod:`torpor.store.open_work`, which may name
+        one that owes nothing, never misses one). Ordered by id, those after ``after``
+        (keyset pagination); ``shards`` (with ``shard_count``, the cluster's count): only
+        the conversations of those shards. From an index maintained with the appends:
+        never a log scan."""
+        ...
+
     # Derived memory (torpor.store.memory): written beside the log, never into it.
 
     async def put_memory(

@@ -30,6 +30,7 @@ from torpor.events import Body
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
 from torpor.store.commit_queue import Failed
+from torpor.store.open_work import WorkChange, compose
 from torpor.store.pending import INDEXED_KINDS, PendingChanges
 from torpor.store.postgres.lexemes import document_chunks
 from torpor.store.prepare import PreparedAppend, PreparedEvent
@@ -65,6 +66,7 @@ class HeadUpdate:
     head: int
     added_bytes: int = 0
     checkpoint: int | None = None
+    work: WorkChange | None = None  # the open-work index's change (store.open_work)
 
 
 @dataclass(slots=True)
@@ -169,13 +171,14 @@ class View:
             merged = self.heads.get(plan.name)
             if merged is None:
                 self.heads[plan.name] = HeadUpdate(
-                    update.head, update.added_bytes, update.checkpoint
+                    update.head, update.added_bytes, update.checkpoint, update.work
                 )
             else:
                 merged.head = update.head
                 merged.added_bytes += update.added_bytes
                 if update.checkpoint is not None:
                     merged.checkpoint = update.checkpoint
+                merged.work = compose(merged.work, update.work)
         self.planned[plan.name] = state
 
     def needed(self) -> list[str]:
@@ -311,7 +314,7 @@ class AppendOp:
         return Plan(
             self._result(first, events),
             name,
-            HeadUpdate(first + len(events) - 1, size),
+            HeadUpdate(first + len(events) - 1, size, None, append.work),
             writes,
             idempotency,
             indexed,

@@ -25,6 +25,7 @@ from torpor.store.hits import (
     search_hit,
 )
 from torpor.store.postgres.lexemes import search_terms
+from torpor.store.postgres.schema import OPEN_WHERE
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -52,6 +53,7 @@ __all__ = [
     "keyed",
     "latest_checkpoint",
     "model_calls",
+    "open_work",
     "page_backward",
     "pending",
     "read_range",
@@ -312,3 +314,27 @@ async def pending(db: Reader, after: str | None, limit: int) -> list[PendingAppr
     """The next ``limit`` waiting conversations after ``after``, from the index's primary key."""
     rows = await db.fetch(_PENDING, "" if after is None else after, limit)
     return to_pending_approvals(tuple(row) for row in rows)
+
+
+# The partial indexes over open rows (schema version 7, store.open_work): by id, or by
+# (shard, id) for a node's shards, whichever the planner finds cheaper; either reads open
+# rows only. A row written on a single node has no shard: it comes back too, for the
+# caller to place.
+_OPEN = (
+    f"SELECT external_id, shard FROM conversations WHERE {OPEN_WHERE} AND external_id > $1 "
+    "{shards}ORDER BY external_id LIMIT $2"
+)
+_OPEN_ALL = _OPEN.format(shards="")
+_OPEN_IN = _OPEN.format(shards="AND (shard = ANY($3::int[]) OR shard IS NULL) ")
+
+
+async def open_work(
+    db: Reader, after: str | None, limit: int, shards: list[int] | None
+) -> list[tuple[str, int | None]]:
+    """The next ``limit`` open conversations after ``after`` (of ``shards``, or shardless)."""
+    first = "" if after is None else after
+    if shards is None:
+        rows = await db.fetch(_OPEN_ALL, first, limit)
+    else:
+        rows = await db.fetch(_OPEN_IN, first, limit, shards)
+    return [(row[0], row[1]) for row in rows]

@@ -51,6 +51,13 @@ vectors of hybrid recall (:mod:`torpor.store.vectors`), derived from the log:
 not depend on the extension) per (conversation, vector space, position), and per
 conversation and space the position every event up to which was embedded.
 
+``conversations.user_turn``, ``settled_turn``, ``suspended`` and ``parked``
+(version 7) are the open-work index (:mod:`torpor.store.open_work`), moved by
+the statement that moves the head (``greatest``/``coalesce`` of the batch's net
+change: no read, no extra round trip); ``conversations_open`` and
+``conversations_open_by_shard`` are partial indexes over the open rows, by id
+and by (shard, id). Updates that leave those four columns as they were stay HOT.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -65,9 +72,10 @@ import asyncpg
 
 from torpor.errors import StoreError
 from torpor.events import decode_body
+from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import PendingChanges, call_names, named, unnamed
 
-__all__ = ["INSERT_PENDING", "MIGRATIONS", "SCHEMA_VERSION", "migrate"]
+__all__ = ["INSERT_PENDING", "MIGRATIONS", "OPEN_WHERE", "SCHEMA_VERSION", "migrate"]
 
 _MIGRATION_LOCK = 0x746F72706F72  # "torpor": the advisory lock id serialising migrations
 
@@ -306,7 +314,48 @@ _VECTORS: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _MEMORY, _VECTORS)
+OPEN_WHERE = "user_turn > settled_turn AND NOT suspended AND NOT parked"
+
+
+async def _backfill_open_work(conn: asyncpg.Connection) -> None:
+    """The open-work columns as the log sets them (store.open_work)."""
+    backfill = Backfill()
+    async for row in conn.cursor(BACKFILL_SELECT, prefetch=1000):
+        backfill.add(*row)
+    rows = backfill.rows()
+    if rows:
+        await conn.execute(
+            "UPDATE conversations AS c SET user_turn = u.ut, settled_turn = u.st, "
+            "suspended = u.su = 1, parked = u.pa = 1 FROM unnest($1::int[], $2::int[], "
+            "$3::int[], $4::int[], $5::text[]) AS u(ut, st, su, pa, name) "
+            "WHERE c.external_id = u.name",
+            *(list(column) for column in zip(*rows, strict=True)),
+        )
+
+
+# The open-work index (store.open_work): four columns of the conversation row (constant
+# defaults: adding them rewrites nothing), backfilled from the log, and two partial indexes
+# over the open rows: by id (pages of every open row in id order; without it the planner,
+# which cannot tell how few rows "user_turn > settled_turn" keeps, walks every conversation
+# by the unique index of ids, measured), and by (shard, id) for a node's shards. IF NOT
+# EXISTS throughout, like version 4.
+_OPEN_WORK: Sequence[Step] = (
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS user_turn integer NOT NULL DEFAULT -1",
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS settled_turn integer NOT NULL "
+    "DEFAULT -1",
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS suspended boolean NOT NULL "
+    "DEFAULT false",
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS parked boolean NOT NULL DEFAULT false",
+    _backfill_open_work,
+    f"CREATE INDEX IF NOT EXISTS conversations_open ON conversations (external_id) "
+    f"WHERE {OPEN_WHERE}",
+    "CREATE INDEX IF NOT EXISTS conversations_open_by_shard ON conversations "
+    f"(shard, external_id) WHERE {OPEN_WHERE}",
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (
+    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK
+)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _VERSION_TABLE = """

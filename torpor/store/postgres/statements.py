@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 
+from torpor.store.open_work import NO_CHANGE
 from torpor.store.pending import PendingChanges
 from torpor.store.postgres.plan import HeadUpdate, Writes
 from torpor.store.postgres.schema import INSERT_PENDING
@@ -83,6 +84,9 @@ ON CONFLICT (external_id) DO NOTHING
 RETURNING key, external_id
 """
 
+# The head update also moves the open-work index's columns (store.open_work) by the batch's
+# net change per conversation (-1: unchanged): greatest() and coalesce() of the row's own
+# values, so nothing is read for it and nothing else is sent.
 WRITE = """
 WITH
 e AS (
@@ -119,9 +123,13 @@ m AS (
 h AS (
     UPDATE conversations AS c
     SET head = u.head, bytes = c.bytes + u.added,
-        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $39
-    FROM unnest($35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[])
-        AS u(key, head, added, cp)
+        checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $43,
+        user_turn = greatest(c.user_turn, u.ut), settled_turn = greatest(c.settled_turn, u.st),
+        suspended = coalesce(nullif(u.su, -1) = 1, c.suspended),
+        parked = coalesce(nullif(u.pa, -1) = 1, c.parked)
+    FROM unnest($35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::int[],
+                $40::int[], $41::int[], $42::int[])
+        AS u(key, head, added, cp, ut, st, su, pa)
     WHERE c.key = u.key
 )
 SELECT 1
@@ -164,7 +172,10 @@ async def write(
     now: int,
 ) -> None:
     """One statement: every row of ``writes`` and the conversations' new heads."""
-    head_rows = [(key_of(name), u.head, u.added_bytes, u.checkpoint) for name, u in heads.items()]
+    head_rows = [
+        (key_of(name), u.head, u.added_bytes, u.checkpoint, *(u.work or NO_CHANGE))
+        for name, u in heads.items()
+    ]
     args: list[Any] = [
         *_keyed(writes.events, 0, key_of, 9),
         *_keyed(writes.fts, 0, key_of, 5),
@@ -172,7 +183,7 @@ async def write(
         *_keyed(writes.keys, 0, key_of, 6),
         *_keyed(writes.checkpoints, 0, key_of, 4),
         *_keyed(writes.model_calls, 0, key_of, 5),
-        *_columns(head_rows, 4),
+        *_columns(head_rows, 8),
         now,
     ]
     await conn.execute(WRITE, *args)

@@ -47,13 +47,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from torpor.errors import StoreError
 from torpor.events import Body
 from torpor.store.commit_queue import Failed
+from torpor.store.open_work import WorkChange, compose
 from torpor.store.pending import PendingChanges
 from torpor.store.sqlite.errors import UNAVAILABLE, primary_code, store_error
 from torpor.store.sqlite.schema import INSERT_PENDING, KEY_LIMIT
@@ -127,6 +128,7 @@ class Plan(msgspec.Struct, gc=False):
     # fingerprint)
     idempotency: tuple[tuple[int, str], tuple[int, int, object, bytes | None]] | None = None
     indexed: list[tuple[int, int, Body]] | None = None  # (position, created_at, body) to index
+    work: WorkChange | None = None  # its change to the open-work index (store.open_work)
 
 
 class WriteOp(Protocol):
@@ -146,6 +148,14 @@ _READ_STATE = (
     " FROM conversations WHERE external_id = ?"
 )
 _UPDATE_HEAD = "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ? WHERE key = ?"
+# With the open-work index's columns (store.open_work; -1 keeps each), for the conversations
+# whose appends move them: the others (tool results, steps with tool calls) do not pay for it.
+_UPDATE_HEAD_WORK = (
+    "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ?, "
+    "user_turn = max(user_turn, ?), settled_turn = max(settled_turn, ?), "
+    "suspended = coalesce(nullif(?, -1), suspended), parked = coalesce(nullif(?, -1), parked) "
+    "WHERE key = ?"
+)
 
 
 class Batch:
@@ -160,7 +170,8 @@ class Batch:
         self.keys: dict[tuple[int, str], tuple[int, int, object, bytes | None]] = {}
         self.pending = PendingChanges()
         self._next_key: int | None = None
-        self._heads: dict[int, list[int]] = {}  # key -> [head, added bytes]
+        # key -> [head, added bytes, open-work change]
+        self._heads: dict[int, list[Any]] = {}
         self.fts: list[tuple[int, str]] = []
         self.flush_search = False  # index the search backlog in this transaction
         self.backlog = (0, 0)  # the search backlog's (rows, text bytes) once this commits
@@ -199,9 +210,11 @@ class Batch:
         if plan.name is not None and plan.state is not None:
             self.states[plan.name] = plan.state
             if plan.added_bytes:  # an append: the conversation row gets its new head
-                entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0])
+                entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0, None])
                 entry[0] = plan.state.head
                 entry[1] += plan.added_bytes
+                if plan.work is not None:
+                    entry[2] = compose(entry[2], plan.work)
         self.fts.extend(plan.fts)
         if plan.idempotency is not None:
             self.keys[plan.idempotency[0]] = plan.idempotency[1]
@@ -214,8 +227,17 @@ class Batch:
         self.states.pop(name, None)
         self._cache.forget(name)
 
-    def head_updates(self) -> list[Row]:
-        return [(head, size, self.now, key) for key, (head, size) in self._heads.items()]
+    def head_updates(self) -> tuple[list[Row], list[Row]]:
+        """Rows of ``_UPDATE_HEAD``, and of ``_UPDATE_HEAD_WORK``."""
+        plain: list[Row] = []
+        moving: list[Row] = []
+        now = self.now
+        for key, (head, size, work) in self._heads.items():
+            if work is None:
+                plain.append((head, size, now, key))
+            else:
+                moving.append((head, size, now, *work, key))
+        return plain, moving
 
     def committed(self) -> dict[str, ConvState]:
         return {name: state for name, state in self.states.items() if state.stored}
@@ -365,7 +387,11 @@ def _attempt(
         results.append(plan.result)
     if bulk is not None:
         bulk(conn, plans)
-    conn.executemany(_UPDATE_HEAD, batch.head_updates())
+    plain, moving = batch.head_updates()
+    if plain:
+        conn.executemany(_UPDATE_HEAD, plain)
+    if moving:
+        conn.executemany(_UPDATE_HEAD_WORK, moving)
     batch.backlog = backlog.write(conn, batch.fts, batch.flush_search)
     if batch.pending:
         _write_pending(conn, batch.pending)

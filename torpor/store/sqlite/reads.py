@@ -46,6 +46,7 @@ from torpor.store.rows import (
     to_events,
     to_pending_approvals,
 )
+from torpor.store.sqlite.schema import OPEN_WHERE
 
 __all__ = [
     "checkpoints",
@@ -56,6 +57,7 @@ __all__ = [
     "keyed",
     "latest_checkpoint",
     "model_calls",
+    "open_work",
     "page_backward",
     "pending",
     "read_range",
@@ -365,3 +367,19 @@ def pending(conn: sqlite3.Connection, after: str | None, limit: int) -> list[Pen
 
     return _snapshot(conn, read)
 
+
+
+_OPEN = (
+    f"SELECT external_id FROM conversations WHERE {OPEN_WHERE} AND external_id > ? "
+    "ORDER BY external_id LIMIT ?"
+)
+
+
+def open_work(
+    conn: sqlite3.Connection, after: str | None, limit: int, shards: list[int] | None
+) -> list[tuple[str, int | None]]:
+    """The next ``limit`` open conversations after ``after``, from the partial index over
+    them (store.open_work). No shard column here (one node): ``shards`` is the caller's
+    to apply, each row's shard None."""
+    rows = conn.execute(_OPEN, ("" if after is None else after, limit))
+    return [(name, None) for (name,) in rows]

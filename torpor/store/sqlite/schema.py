@@ -42,6 +42,10 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   hybrid recall (:mod:`torpor.store.vectors`), derived from the log: one
   float32 blob per (conversation, vector space, position), and per
   conversation and space the position every event up to which was embedded.
+* ``conversations.user_turn``, ``settled_turn``, ``suspended``, ``parked``
+  (version 7) are the open-work index (:mod:`torpor.store.open_work`), moved by
+  the statement that moves the head; ``conversations_open`` is a partial index
+  over the open rows. Backfilled from the log when an older database migrates.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -61,12 +65,14 @@ from typing import Literal
 from torpor.errors import StoreError
 from torpor.events import Body, decode_body
 from torpor.store.arguments import POSITION_LIMIT
+from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import backfill_rows, call_names, named, unnamed
 
 __all__ = [
     "INSERT_PENDING",
     "KEY_LIMIT",
     "MIGRATIONS",
+    "OPEN_WHERE",
     "PAGE_SIZE",
     "POSITION_LIMIT",
     "SCHEMA_VERSION",
@@ -284,7 +290,40 @@ _V6: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+# The open-work index (store.open_work): four columns of the conversation row, a partial
+# index over the open rows. Columns are added only where missing (a database some test or
+# tool took back to an older version may still have them); the backfill sets them all.
+_OPEN_COLUMNS = (
+    ("user_turn", "INTEGER NOT NULL DEFAULT -1"),
+    ("settled_turn", "INTEGER NOT NULL DEFAULT -1"),
+    ("suspended", "INTEGER NOT NULL DEFAULT 0"),
+    ("parked", "INTEGER NOT NULL DEFAULT 0"),
+)
+OPEN_WHERE = "user_turn > settled_turn AND suspended = 0 AND parked = 0"
+
+
+def _open_work(conn: sqlite3.Connection) -> None:
+    have = {row[1] for row in conn.execute("PRAGMA table_info(conversations)")}
+    for column, declared in _OPEN_COLUMNS:
+        if column not in have:
+            conn.execute(f"ALTER TABLE conversations ADD COLUMN {column} {declared}")
+    backfill = Backfill()
+    for row in conn.execute(BACKFILL_SELECT):
+        backfill.add(*row)
+    conn.executemany(
+        "UPDATE conversations SET user_turn = ?, settled_turn = ?, suspended = ?, parked = ? "
+        "WHERE external_id = ?",
+        backfill.rows(),
+    )
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS conversations_open ON conversations (external_id) "
+        f"WHERE {OPEN_WHERE}"
+    )
+
+
+_V7: Sequence[Step] = (_open_work,)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -120,7 +120,10 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         if self.audit is not None:
             writes.append((INSERT_MODEL_CALL, _model_call_row(key, self.audit)))
         result = append.result(first, events, self.with_events)
-        return Plan(result, name, ConvState(key, last), writes, fts, size, idempotency, indexed)
+        return Plan(
+            result, name, ConvState(key, last), writes, fts, size, idempotency, indexed,
+            append.work,
+        )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
         return self.append.result(first, events, self.with_events)
