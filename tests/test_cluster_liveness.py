@@ -512,3 +512,41 @@ async def test_after_an_outage_longer_than_the_ttl_each_node_keeps_its_own_shard
             n.proc.kill()
             await n.proc.wait()
     assert sum(takeovers.values()) <= 10, takeovers
+
+
+async def test_a_postponed_turn_does_not_start_on_the_node_handing_its_shard_off(
+    pg_url: str,
+) -> None:
+    # Started there it would hold the shard back until the hand-off deadline and then be
+    # cut off; left in the log it runs on the new owner (re-driven when the shard is gained).
+    shards = 16
+    shard = next(s for s in range(shards) if desired_owner(s, ["a", "b"]) == "b")
+    cid = conversation_in(shard, shards, "queue")
+    model = GatesModel("first", "second")
+    async with Runtime(pg_url, model=model, node=config("a", shards, 60.0)) as a:
+        first = await a.send(cid, "hold first")
+        with anyio.fail_after(10):
+            await model.streaming["first"].wait()
+        second = await a.send(cid, "hold second")  # postponed behind the first
+        async with Runtime(pg_url, model=model, node=config("b", shards)) as b:
+
+            async def leaving() -> tuple[bool, str]:
+                seen = await view(a)
+                return shard in seen.leaving, f"a hands off {sorted(seen.leaving)}"
+
+            await eventually("the shard in hand-off", TTL, leaving, a)
+            model.gates["first"].set()
+            assert await first.result() == AssistantMessage("partial echo: hold first")
+            with pytest.raises(torpor.ShardMoved), anyio.fail_after(3 * TTL):
+                await second.result()  # its caller follows it to the new owner
+            with anyio.fail_after(3 * TTL):
+                await model.streaming["second"].wait()
+            assert shard in (await view(b)).shards and shard not in (await view(a)).shards
+            model.gates["second"].set()
+
+            async def answered() -> tuple[bool, str]:
+                events = await b.history(cid)
+                texts = [e.body.text for e in events if isinstance(e.body, AssistantMessage)]
+                return "partial echo: hold second" in texts, f"answers {texts}"
+
+            await eventually("the postponed turn answered on b", 3 * TTL, answered, b)

@@ -199,8 +199,7 @@ async def _serve(agent: Agent, host: Host) -> None:
                                  or agent.state is AgentState.REVIVING):
             await revive(agent, host)  # eager after a restart: it proves the log reads back
             continue
-        if (turn_task is None and agent.postponed and agent.state is AgentState.AWAITING_INPUT
-                and not host.handing_off(agent.id)):
+        if turn_task is None and agent.postponed and agent.state is AgentState.AWAITING_INPUT:
             _start_postponed(agent, host)
             _start_turn(agent, host)
             continue

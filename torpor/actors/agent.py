@@ -104,11 +104,6 @@ class Host(Protocol):
         """The runtime is stopping (not a shard moving away): its agents end their turns."""
         ...
 
-    def handing_off(self, conversation_id: str) -> bool:
-        """The conversation's shard is being handed to another node: a postponed turn
-        does not start here (the new owner runs it from the log)."""
-        ...
-
     def followers(self, conversation_id: str) -> list[Follower] | None:
         """The conversation's followers (``Runtime.subscribe``), None when it has none."""
         ...

@@ -660,10 +660,6 @@ class _Inside:
     def embedding(self) -> EmbeddingWorker | None:
         return self._rt._embedding
 
-    def handing_off(self, conversation_id: str) -> bool:
-        gate = self._rt._cluster
-        return gate is not None and gate.handing_off(conversation_id)
-
     def check_open(self) -> None:
         self._rt._check_open()
 

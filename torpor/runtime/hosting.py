@@ -42,8 +42,6 @@ class Hosting(Stored, Room, Queue, Protocol):
     @property
     def stopping(self) -> bool: ...
 
-    def handing_off(self, conversation_id: str) -> bool: ...
-
 
 class AgentHost:
     """The runtime as its agents see it (implements ``torpor.actors.agent.Host``)."""
@@ -117,9 +115,6 @@ class AgentHost:
     @property
     def draining(self) -> bool:
         return self._runtime.stopping
-
-    def handing_off(self, conversation_id: str) -> bool:
-        return self._runtime.handing_off(conversation_id)
 
     @property
     def restart_window(self) -> float:

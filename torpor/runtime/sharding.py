@@ -126,10 +126,6 @@ class ShardGate:
         leases = self.member.leases
         return leases.serving(shard_of(conversation_id, leases.shards))
 
-    def handing_off(self, conversation_id: str) -> bool:
-        leases = self.member.leases
-        return shard_of(conversation_id, leases.shards) in leases.leaving
-
     def colocated(self, a: str, b: str) -> bool:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
