@@ -29,6 +29,7 @@ pytest.importorskip("uvicorn")
 from test_cluster_leases import GateModel  # noqa: E402
 from test_cluster_proxy import AUTH, SHARDS, Node, node, split  # noqa: E402
 
+from torpor.serve.app import service_of  # noqa: E402
 from torpor.serve.proxy import OWNER_HEADER  # noqa: E402
 from torpor.store.postgres import PostgresStore  # noqa: E402
 
@@ -162,3 +163,41 @@ async def test_a_proxied_request_is_not_given_up_while_its_owner_hands_the_shard
                 with anyio.fail_after(20):
                     route = await watch
                 assert route is not None and route.owner == c_address
+
+
+async def test_a_draining_node_hands_its_shards_off_and_proxies_instead_of_refusing(
+    pg_url: str,
+) -> None:
+    """Graceful shutdown of a served cluster node (what SIGTERM under ``torpor serve``
+    starts): it begins leaving the cluster at once, so while a turn of one of its shards
+    finishes, its other shards are already served by the node that stays, and a request
+    that still reaches it is proxied there (202), not refused with 503 ``Draining``."""
+    async with PostgresStore(pg_url):
+        pass
+    model = GateModel()
+    async with node(pg_url, "a", model) as a, node(pg_url, "b", model) as b, \
+            httpx.AsyncClient(timeout=30) as client:
+        held = await split(a, b)
+        busy, idle = sorted(held["a"])[:2]
+        started = await client.post(f"{a.url}/v1/conversations/{on_shard(busy, 'slow')}"
+                                    "/messages", json={"text": "hold the shard"}, headers=JSON)
+        assert started.status_code == 202
+        with anyio.fail_after(10):
+            await model.streaming.wait()
+        draining = service_of(a.app).shutdown(10.0)
+        assert b.rt._cluster is not None
+        leases_b = b.rt._cluster.member.leases
+        with anyio.fail_after(20):  # the idle shard moves while the held turn still runs
+            while idle not in leases_b.held:
+                await leases_b.next_change()
+        assert not draining.done()
+        late = await client.post(f"{a.url}/v1/conversations/{on_shard(idle, 'late')}/messages",
+                                 json={"text": "still here?"}, headers=JSON)
+        assert late.status_code == 202, late.text
+        assert late.headers[OWNER_HEADER] == b.url.removeprefix("http://")
+        model.release.set()
+        with anyio.fail_after(20):
+            await draining
+        with anyio.fail_after(20):  # and the busy shard follows once its turn ended
+            while busy not in leases_b.held:
+                await leases_b.next_change()

@@ -50,10 +50,11 @@ def db(pg_url: str) -> str:
 
 
 class Node:
-    def __init__(self, name: str, rt: Runtime, url: str) -> None:
+    def __init__(self, name: str, rt: Runtime, url: str, application: Any = None) -> None:
         self.name = name
         self.rt = rt
         self.url = url
+        self.app = application
 
 
 @asynccontextmanager
@@ -72,7 +73,7 @@ async def node(db: str, name: str, model: Any, **options: Any) -> AsyncIterator[
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=20) as client:  # answered once the runtime runs
             assert (await client.get(f"{url}/healthz")).status_code == 200
-        yield Node(name, rt, url)
+        yield Node(name, rt, url, application)
     finally:
         server.should_exit = True
         await task

@@ -42,6 +42,8 @@ class Leases:
         self.valid_until = 0.0  # monotonic: serve nothing after this without a renewal
         self.owners: dict[int, Owner] = {}  # routing cache, refreshed about every second
         self.live: dict[str, str] = {}  # live node id -> address, from the same refresh
+        # The live nodes that take shards (not leaving): desired owners are among these.
+        self.takers: dict[str, str] = {}
         self.lost: set[int] = set()  # dropped, agents not yet evicted (the member does it)
         self.changed = asyncio.Event()  # wakes the member: something was lost
         self.fenced_appends = 0  # appends the database refused (stale epoch)
@@ -73,6 +75,7 @@ class Leases:
         return (
             shard in self.held
             and shard not in self.leaving
+            and not self.departing
             and time.monotonic() < self.valid_until
         )
 
@@ -83,11 +86,11 @@ class Leases:
         not current: cut off from the database, it acquires nothing."""
         if time.monotonic() >= self.valid_until:
             return False
-        if shard in self.leaving:
+        if shard in self.leaving or (self.departing and shard in self.held):
             return True
         if shard in self.held or self.departing:
             return False
-        return desired_owner(shard, self.live) == self.config.node_id
+        return desired_owner(shard, self.takers) == self.config.node_id
 
     def owner_address(self, shard: int) -> str | None:
         """Where to send a request for ``shard`` (None: nobody known to hold it now)."""
@@ -97,10 +100,7 @@ class Leases:
             return owner[1]
         # Free, handed off or lost (the cache may not show the new owner yet): the node
         # every node computes as its owner, which acquires it on its next refresh.
-        live = self.live
-        if self.departing:  # still in the table as live, but taking nothing back
-            live = {node: address for node, address in live.items() if node != me}
-        target = desired_owner(shard, live)
+        target = desired_owner(shard, self.takers)
         if target is None or target == me:
             return None
         return self.live.get(target)

@@ -93,6 +93,7 @@ class ClusterMember:
         self._renewed_at = 0.0  # monotonic time of the last successful renewal
         self._quiet_until = 0.0  # monotonic: take no expired shard of another node before
         self._paused = False  # serving stopped: no renewal for lease_ttl - margin
+        self._departure_written = False  # nodes.departing set for this incarnation
         self._log = log.bind(node=config.node_id)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -139,15 +140,33 @@ class ClusterMember:
     ) -> None:
         await self.leave()
 
+    async def _depart(self, conn: asyncpg.Connection) -> None:
+        await conn.execute(sql.DEPART, self.config.node_id, self.leases.incarnation)
+        await conn.execute(sql.ANNOUNCE, self.config.node_id)  # the others stop waiting
+        self._departure_written = True
+
+    def depart(self) -> None:
+        """Begin a graceful leave now: serve nothing more, hand every shard off (its turns
+        finish up to the deadline), take none; :meth:`leave` completes it. A node that
+        drains before it stops calls this first, so its shards move while it drains."""
+        leases = self.leases
+        if not leases.departing:
+            leases.departing = True
+            leases.takers.pop(self.config.node_id, None)  # routing points at the others now
+            leases.changed.set()  # the manager hands everything off now
+
     async def leave(self) -> None:
         """Graceful leave: hand every shard off (turns finish up to the deadline), release
         the leases and expire the node row, so other nodes take over at once."""
         renewer, manager = self._tasks or (None, None)
         self._tasks = []
-        self.leases.departing = True  # refused requests point at the nodes that stay
+        self.depart()  # refused requests point at the nodes that stay
         try:
             if manager is not None:
                 await _cancel(manager)
+            if not self._departure_written:  # the others take each shard as it is released
+                with contextlib.suppress(*_DB_ERRORS):
+                    await self._run(self._depart)
             rest = self.leases.held - self.leases.leaving
             if rest:
                 self._start_hand_off(rest)
@@ -292,12 +311,19 @@ class ClusterMember:
         leases = self.leases
         me = self.config.node_id
         await self._evict_lost()
+        if leases.departing and not self._departure_written:
+            await self._run(self._depart)
         members, rows = await self._run(read_table)
-        live = {m.node_id: m.address for m in members if m.live}
-        leases.live = live
+        leases.live = {m.node_id: m.address for m in members if m.live}
+        # Desired owners are the live nodes not leaving (this one too, from the moment it
+        # decided to, before its row says so).
+        live = leases.takers = {
+            m.node_id: m.address for m in members
+            if m.live and not m.departing and not (m.node_id == me and leases.departing)
+        }
         leases.owners = {r.shard: (r.owner, r.address) for r in rows if r.owner and r.live}
         leases.notify()
-        if me not in live:
+        if me not in leases.live:
             return  # our own row expired: the renewer finds out and drops everything
         incarnation = leases.incarnation
         gone = {

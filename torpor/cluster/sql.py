@@ -17,6 +17,7 @@ __all__ = [
     "CHANNEL",
     "CREATE_CLUSTER",
     "CREATE_LEASES",
+    "DEPART",
     "LEASES",
     "LEAVE",
     "NODES",
@@ -42,7 +43,7 @@ REGISTER = """
 INSERT INTO nodes (node_id, incarnation, address, lease_until)
 VALUES ($1, 1, $2, now() + make_interval(secs => $3))
 ON CONFLICT (node_id) DO UPDATE SET incarnation = nodes.incarnation + 1,
-    address = excluded.address, lease_until = excluded.lease_until
+    address = excluded.address, lease_until = excluded.lease_until, departing = false
 RETURNING incarnation
 """
 
@@ -116,6 +117,13 @@ RETURNING s.shard
 CHANNEL = "torpor_leases"
 ANNOUNCE = f"SELECT pg_notify('{CHANNEL}', $1)"
 
+# A graceful leave begins: the others stop counting this node as a desired owner, so
+# they take each shard as it is released; its row, and every lease it still holds, stays
+# live until LEAVE.
+DEPART = """
+UPDATE nodes SET departing = true WHERE node_id = $1 AND incarnation = $2
+"""
+
 LEAVE = """
 UPDATE nodes SET lease_until = now() WHERE node_id = $1 AND incarnation = $2
 """
@@ -130,6 +138,6 @@ ORDER BY s.shard
 """
 
 NODES = """
-SELECT node_id, incarnation, address, lease_until, lease_until > now() FROM nodes
+SELECT node_id, incarnation, address, lease_until, lease_until > now(), departing FROM nodes
 ORDER BY node_id
 """

@@ -18,7 +18,8 @@ async def read_table(conn: Any) -> tuple[tuple[MemberInfo, ...], tuple[LeaseInfo
     nodes = await conn.fetch(sql.NODES)
     rows = await conn.fetch(sql.LEASES)
     members = tuple(
-        MemberInfo(node_id=n[0], incarnation=n[1], address=n[2], lease_until=n[3], live=n[4])
+        MemberInfo(node_id=n[0], incarnation=n[1], address=n[2], lease_until=n[3], live=n[4],
+                   departing=n[5])
         for n in nodes
     )
     leases = tuple(

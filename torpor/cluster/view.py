@@ -15,6 +15,7 @@ class MemberInfo(msgspec.Struct, frozen=True, kw_only=True):
     address: str
     lease_until: datetime
     live: bool  # its lease is in the future by the database's clock
+    departing: bool = False  # leaving gracefully: handing its shards off, taking none
 
 
 class LeaseInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -343,6 +343,19 @@ class Admin:
         check_id(conversation_id)
         gate = self._runtime.gate
         return None if gate is None else await gate.moved(conversation_id, owner)
+
+    def depart(self) -> bool:
+        """On a cluster node: begin leaving the cluster now. The node serves nothing more
+        (requests for its shards get ``NotOwner`` with ``moving`` set), hands every shard
+        off as its turns end (up to ``NodeConfig.handoff_deadline``) and takes none; the
+        runtime's exit completes the leave. An HTTP layer draining before it stops calls
+        this first, so the shards move while it drains. False on a single node."""
+        gate = self._runtime.gate
+        if gate is None:
+            return False
+        gate.depart()
+        return True
+
     async def branches(self, conversation_id: str) -> Branch:
         """The sub-agent tree around a conversation: the call it answers (if it is a
         child) and its children, recursively, with each task's status. From the logs;

@@ -130,6 +130,10 @@ class ShardGate:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
 
+    def depart(self) -> None:
+        """Begin the graceful leave now (the runtime's exit completes it)."""
+        self.member.depart()
+
     async def view(self) -> ClusterView:
         """The shards, the members and the lease table, read from the database now
         (``StoreUnavailable`` while it cannot answer)."""

@@ -6,6 +6,9 @@ owns it. Graceful shutdown (:meth:`Service.shutdown`): stop admitting new
 work (503 with ``Retry-After``), let the turns started over HTTP finish up to
 a deadline, then stop the runtime, whose leaving ends every in-flight turn
 with an ``Aborted("shutdown")`` that the log holds and the open streams send.
+A cluster node instead begins leaving the cluster at once: its shards move to
+the other nodes as their turns end, and requests that still reach it are
+proxied to the new owners rather than refused.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class Service:
         self.shutdown_grace = shutdown_grace
         self.owns_runtime = False
         self.draining = False
+        self.departing = False  # a cluster node draining: its shards move to the others
         self.stopped = False
         self.started_at = time.time()
         self._inflight: set[asyncio.Task[Any]] = set()
@@ -98,6 +102,10 @@ class Service:
 
     async def _drain_and_stop(self, grace: float) -> None:
         self.draining = True
+        if _running(self.runtime):
+            # A cluster node hands its shards off while it drains: requests for them wait
+            # for their new owners and are proxied there instead of refused.
+            self.departing = self.runtime.admin.depart()
         pending = [t for t in self._inflight if not t.done()]
         log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
         if pending:
@@ -121,7 +129,7 @@ class Service:
     # -- admission -------------------------------------------------------------------------
     def admit(self) -> None:
         """Refuse new work while draining (503); refuse everything once the runtime is gone."""
-        if self.draining or self.stopped:
+        if self.stopped or (self.draining and not self.departing):
             raise Draining()
         if not _running(self.runtime):
             raise RuntimeClosed("the runtime is not running")

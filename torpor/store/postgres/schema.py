@@ -58,6 +58,10 @@ change: no read, no extra round trip); ``conversations_open`` and
 ``conversations_open_by_shard`` are partial indexes over the open rows, by id
 and by (shard, id). Updates that leave those four columns as they were stay HOT.
 
+``nodes.departing`` (version 8): the node is leaving the cluster gracefully and
+hands its shards off; the others stop counting it as a desired owner at once,
+while its row (and so every lease it still holds) stays live until it is done.
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -353,8 +357,12 @@ _OPEN_WORK: Sequence[Step] = (
     f"(shard, external_id) WHERE {OPEN_WHERE}",
 )
 
+_DEPARTING: Sequence[Step] = (
+    "ALTER TABLE nodes ADD COLUMN IF NOT EXISTS departing boolean NOT NULL DEFAULT false",
+)
+
 MIGRATIONS: tuple[Sequence[Step], ...] = (
-    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK
+    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
