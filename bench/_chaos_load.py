@@ -52,6 +52,7 @@ class Window:
     failed: int = 0  # refused with a status retrying cannot change (4xx)
     gave_up: int = 0  # not done within the deadline
     proxied: int = 0  # streams relayed by a node that did not own the conversation
+    durations: list[float] = field(default_factory=list)  # per send ended: first try to end
 
     def report(self) -> dict[str, Any]:
         errors = sum(self.errors.values())
@@ -68,7 +69,17 @@ class Window:
             "acknowledged": self.acknowledged, "answered": self.answered,
             "aborted": self.aborted, "accepted": self.accepted, "failed": self.failed,
             "gave_up": self.gave_up, "proxied": self.proxied,
+            "send_p50_s": _quantile(self.durations, 0.5),
+            "send_p99_s": _quantile(self.durations, 0.99),
+            "send_max_s": _quantile(self.durations, 1.0),
         }
+
+
+def _quantile(samples: list[float], q: float) -> float | None:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 @dataclass
@@ -149,7 +160,8 @@ class Load:
     async def _send(self, rng: random.Random, cid: str, text: str, *, streamed: bool) -> None:
         key = "k-" + " ".join(text.split()[:3])  # the words that make each text unique
         self.tried[text] = cid
-        deadline = time.monotonic() + self.deadline
+        began = time.monotonic()
+        deadline = began + self.deadline
         owner: str | None = None
         acked = erred = False
         tries = 0
@@ -180,6 +192,7 @@ class Load:
                 setattr(window, outcome, getattr(window, outcome) + 1)
                 window.sends += 1
                 window.sends_with_errors += erred
+                window.durations.append(time.monotonic() - began)
                 return
             owner = attempt.owner
             tries += 1

@@ -401,9 +401,8 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def tables(data: dict[str, Any]) -> list[Any]:
     rows = [(w["window"], w.get("node", ""), w["requests"], w["errors"], w["status_500"],
-             w["errors_at_down_nodes"], w["acknowledged"], w.get("served_s"), w["balanced_s"],
-             w.get("first_shard_after_registering_s"), w["takeovers"], w["epoch_moves"],
-             w["orphaned"])
+             w["errors_at_down_nodes"], w["acknowledged"], w["send_max_s"], w.get("served_s"),
+             w["balanced_s"], w["takeovers"], w["epoch_moves"], w["orphaned"])
             for w in data["windows"]]
     c, q = data["check"], data["quiet"]
     moves = [(w["window"], w["node"], w["requests"], w["errors"], w["error_rate"], w["sends"],
@@ -412,9 +411,10 @@ def tables(data: dict[str, Any]) -> list[Any]:
              for w in data["windows"] if w["window"] in ("join", "leave")]
     return [
         table(f"fault windows ({data['mode']}, TTL {data['config']['ttl']:g} s, "
-              f"{data['config']['clients']} clients; seconds from the window's start)",
-              ["window", "node", "req", "err", "500", "down", "acked", "served", "bal.",
-               "1st", "taken", "epochs", "orphan"], rows),
+              f"{data['config']['clients']} clients; served, bal.: seconds from the window's "
+              "start; max: slowest send, first try to its end)",
+              ["window", "node", "req", "err", "500", "down", "acked", "max", "served", "bal.",
+               "taken", "epochs", "orphan"], rows),
         table("joins and leaves: what clients saw (rates: failed requests / requests, "
               "sends that met an error / sends)",
               ["window", "node", "req", "err", "rate", "sends", "erred", "rate",
