@@ -167,20 +167,20 @@ class Load:
         tries = 0
         while True:
             node = self._pick(rng, owner)
-            if node is None:
+            if node is None:  # no node to send to: wait for one, within the deadline
+                attempt = Attempt("retry")
                 await asyncio.sleep(0.1)
-                continue
-            if streamed:
+            elif streamed:
                 attempt = await self._streamed(node, cid, text, key)
             else:
                 attempt = await self._accepted(node, cid, text, key)
             window = self.window
-            window.requests += 1
+            window.requests += node is not None
             window.proxied += attempt.proxied
             if attempt.error is not None:
                 erred = True
                 window.errors[attempt.error] += 1
-                if node.state in ("killed", "stopped"):
+                if node is not None and node.state in ("killed", "stopped"):
                     window.errors_at_down_nodes += 1
             if attempt.acked and not acked:
                 acked = True

@@ -167,6 +167,8 @@ class Run:
                                                    self.s.limit)
         await asyncio.sleep(self.s.tail)
         out.update(await self.orphans())
+        out["crashed"] = [n.name for n in self.nodes.by_name.values()  # exited on their own
+                          if n.up and n.proc is not None and n.proc.returncode is not None]
         takeovers_after, fenced_after, epochs_after = await self.snapshot()
         out["takeovers"] = sum(n - takeovers.get(k, 0) for k, n in takeovers_after.items())
         out["fenced_appends"] = sum(n - fenced.get(k, 0) for k, n in fenced_after.items())

@@ -107,7 +107,8 @@ def test_no_conversation_is_parked(run: dict[str, Any]) -> None:
 def test_no_response_has_status_500(run: dict[str, Any]) -> None:
     totals = run["totals"]
     assert totals["status_500"] == 0, {
-        w["window"]: w["errors_by_kind"] for w in run["windows"] if w["status_500"]}
+        f"{i} {w['window']}": w["errors_by_kind"]
+        for i, w in enumerate(run["windows"]) if w["status_500"]}
 
 
 def test_the_faults_happened(run: dict[str, Any]) -> None:
@@ -127,13 +128,15 @@ def test_every_window_ends_with_every_shard_served_and_none_orphaned(
     run: dict[str, Any],
 ) -> None:
     """Liveness after each fault: the lease table served and balanced again (within the
-    hang guard), each joining node got a shard, and each live lease's owner serves it."""
+    hang guard), each joining node got a shard, each live lease's owner serves it, and no
+    node exited on its own."""
     for w in run["windows"]:
         assert w.get("served_s", 0) is not None, w
         assert w["balanced_s"] is not None, w
         if w["window"] == "join":
             assert w["first_shard_after_registering_s"] is not None, w
         assert (w["orphaned"], w["unserved"]) == (0, 0), w
+        assert w["crashed"] == [], w
 
 
 def test_work_cut_by_a_takeover_is_redriven_without_a_new_request(
