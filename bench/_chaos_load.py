@@ -44,7 +44,7 @@ class Window:
     errors: Counter[str] = field(default_factory=Counter)  # failed attempts, by kind
     errors_at_down_nodes: int = 0  # of those, sent to a node killed or stopped then
     sends: int = 0  # sends that ended (answered, aborted, accepted, failed or given up)
-    sends_with_errors: int = 0  # of those, sends that met at least one failed attempt
+    sends_with_errors: int = 0  # sends that met their first failed attempt in this window
     acknowledged: int = 0
     answered: int = 0
     aborted: int = 0
@@ -178,7 +178,9 @@ class Load:
             window.requests += node is not None
             window.proxied += attempt.proxied
             if attempt.error is not None:
-                erred = True
+                if not erred:  # counted where the send first met an error
+                    erred = True
+                    window.sends_with_errors += 1
                 window.errors[attempt.error] += 1
                 if node is not None and node.state in ("killed", "stopped"):
                     window.errors_at_down_nodes += 1
@@ -191,7 +193,6 @@ class Load:
                 outcome = attempt.result if attempt.result != "retry" else "gave_up"
                 setattr(window, outcome, getattr(window, outcome) + 1)
                 window.sends += 1
-                window.sends_with_errors += erred
                 window.durations.append(time.monotonic() - began)
                 return
             owner = attempt.owner
