@@ -344,7 +344,7 @@ class Admin:
         gate = self._runtime.gate
         return None if gate is None else await gate.moved(conversation_id, owner)
 
-    def depart(self) -> bool:
+    async def depart(self) -> bool:
         """On a cluster node: begin leaving the cluster now. The node serves nothing more
         (requests for its shards get ``NotOwner`` with ``moving`` set), hands every shard
         off as its turns end (up to ``NodeConfig.handoff_deadline``) and takes none; the
