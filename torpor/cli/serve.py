@@ -21,6 +21,7 @@ from torpor.cli.common import (
     CliError,
     display_url,
     non_negative_float,
+    non_negative_int,
     positive_float,
     store_url,
 )
@@ -77,6 +78,18 @@ def add_parser(subparsers: Any) -> None:
                    help="lowest level logged (default info)")
     p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="SEC",
                    help="on SIGTERM, how long in-flight turns may run on (default 10)")
+    p.add_argument("--timeout-keep-alive", type=positive_float, default=5.0, metavar="SEC",
+                   help="close a connection idle this long after a response (default 5)")
+    p.add_argument("--timeout-headers", type=positive_float, default=10.0, metavar="SEC",
+                   help="close a connection whose request headers are not complete this long "
+                        "after its first byte, or after it opened (default 10)")
+    p.add_argument("--timeout-body", type=positive_float, default=30.0, metavar="SEC",
+                   help="answer 408 and close when a request body is not complete this long "
+                        "after its headers (default 30)")
+    p.add_argument("--limit-connections", type=non_negative_int, default=None, metavar="N",
+                   help="open connections at most: past it a new one closes the one idle "
+                        "longest, and with none idle requests get 503 (default: below the "
+                        "open-file limit, ulimit -n; 0: no cap)")
     p.add_argument("--hibernate-after", type=positive_float, default=None, metavar="SEC",
                    help="idle seconds before an agent hibernates (default: the runtime's)")
     p.add_argument("--evict-after", type=positive_float, default=None, metavar="SEC",
@@ -200,7 +213,9 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     lines.append(f"open {url}/#token={chat_token}&admin={admin_token}")
     # Printed once SIGTERM drains (handlers installed): whoever reads it may signal at once.
     await serve(application, sock, grace=args.shutdown_grace,
-                ready=lambda: print("\n".join(lines), flush=True))
+                ready=lambda: print("\n".join(lines), flush=True),
+                timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
+                timeout_body=args.timeout_body, limit_connections=args.limit_connections)
 
 
 def _node(args: argparse.Namespace, listening: str) -> Any:

@@ -81,10 +81,17 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
     User ``alice`` may read and write conversation ``alice`` and every
     conversation whose id starts with ``alice:`` (``separator``), and nothing
     else: not through history, recall, streams, messages, answers or cancels.
+
+    A table where one user name is another followed by the separator (``alice`` and
+    ``alice:team``) is refused with ValueError: ``alice`` would own every conversation of
+    ``alice:team``. A name may contain the separator when no such other name exists.
     """
     table = dict(users)
     if not table or any(not token or not user for token, user in table.items()):
         raise ValueError("every token and user name must be non-empty")
+    if not separator:
+        raise ValueError("the separator must not be empty")
+    _check_names(set(table.values()), separator)
 
     def authorize(request: HTTPConnection, conversation_id: str, action: Action) -> bool:
         given = bearer_of(request)
@@ -99,6 +106,18 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
         return conversation_id == user or conversation_id.startswith(user + separator)
 
     return authorize
+
+
+def _check_names(names: set[str], separator: str) -> None:
+    """Refuse names that own each other's conversations (``alice`` owns ``alice:team:…``)."""
+    for name in sorted(names):
+        at = name.find(separator)
+        while at > 0:
+            if name[:at] in names:
+                raise ValueError(
+                    f"user {name[:at]!r} would own the conversations of user {name!r} "
+                    f"(its name followed by {separator!r}): rename one of them")
+            at = name.find(separator, at + 1)
 
 
 async def permit(

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import msgspec
 from starlette.requests import Request
@@ -30,7 +31,7 @@ from torpor.serve.sse import Cursor, event_data, parse_cursor
 from torpor.serve.streams import follow_response
 from torpor.text import check_id
 
-__all__ = ["MAX_BODY_BYTES", "chat_routes", "int_param", "json_body"]
+__all__ = ["MAX_BODY_BYTES", "chat_routes", "int_param", "json_body", "path_id"]
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 _decode = msgspec.json.Decoder()
@@ -66,11 +67,33 @@ def _object(raw: bytes) -> dict[str, Any]:
     try:
         value = _decode.decode(raw)
     except msgspec.DecodeError as exc:
-        raise HTTPProblem(f"the body is not JSON: {exc}", status=400,
-                          error="MalformedBody") from None
+        raise _malformed(f"the body is not JSON: {exc}") from None
+    except UnicodeDecodeError as exc:  # msgspec checks the encoding as it decodes strings
+        raise _malformed(f"the body is not UTF-8 (byte {exc.start})") from None
+    except RecursionError:  # msgspec refuses nesting deeper than the interpreter's limit
+        raise _malformed("the body nests arrays or objects too deeply") from None
     if not isinstance(value, dict):
         raise InvalidInput("body", "must be a JSON object")
     return value
+
+
+def _malformed(detail: str) -> HTTPProblem:
+    return HTTPProblem(detail, status=400, error="MalformedBody")
+
+
+def path_id(request: Request, name: str, what: str) -> str:
+    """A path parameter as an id. The server decodes ``%XX`` escapes that are not UTF-8 to
+    U+FFFD, so two different ids would name one conversation: such a path is refused."""
+    value = request.path_params[name]
+    if "\ufffd" in value:
+        raw = request.scope.get("raw_path")
+        if isinstance(raw, bytes):
+            try:
+                unquote_to_bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidInput(what, "is not UTF-8 once its %XX escapes are decoded") \
+                    from None
+    return check_id(value, what)
 
 
 def int_param(request: Request, name: str, default: int | None) -> int | None:
@@ -95,7 +118,7 @@ class ChatAPI:
         self.authorize = authorize
 
     async def _conversation(self, request: Request, action: Action) -> str:
-        conversation_id = check_id(request.path_params["conversation_id"])
+        conversation_id = path_id(request, "conversation_id", "conversation_id")
         conversation_id_var.set(conversation_id)
         await permit(self.authorize, request, conversation_id, action)
         return conversation_id
@@ -119,14 +142,16 @@ class ChatAPI:
         except Busy:
             self.service.metrics.mailbox_refusals.inc()
             raise
-        self.service.track(turn)
+        joined = self.service.track(turn)
         if _wants_json(request):
             return json_response({
                 "conversation_id": conversation_id,
                 "position": turn.user_position,
                 "turn": turn.number,
                 "postponed": turn.postponed,
-                "replayed": turn.replayed,
+                # a keyed retry is replayed whether the turn ended (the runtime replays it
+                # from the log) or still runs (it joined the turn the first request started)
+                "replayed": turn.replayed or joined,
             }, status=202)
         after = turn.user_position - 1  # the stream starts with the user message itself
         follower = self.rt.subscribe(conversation_id, after=after)
@@ -176,7 +201,7 @@ class ChatAPI:
     async def resolve(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "write")
         self.service.admit()
-        call_id = check_id(request.path_params["call_id"], "call_id")
+        call_id = path_id(request, "call_id", "call_id")
         body = await json_body(request)
         result = body.get("result")
         is_error = body.get("is_error", False)
@@ -188,13 +213,11 @@ class ChatAPI:
         head = await self._known(conversation_id)
         turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error,
                                      key=key)
+        joined = turn is not None and self.service.track(turn)
         if turn is None or _wants_json(request):
-            if turn is not None:
-                self.service.track(turn)
             return json_response({"resolved": call_id, "continuation": turn is not None,
-                                  "replayed": turn is not None and turn.replayed},
+                                  "replayed": turn is not None and (turn.replayed or joined)},
                                  status=202)
-        self.service.track(turn)
         if key is not None:  # a retry streams from the answer, as the first one did
             logged = await self.rt.store.keyed(conversation_id, key)
             if logged:

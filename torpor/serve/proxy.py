@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -62,6 +63,7 @@ log = get_logger("torpor.serve")
 Routing = Literal["proxy", "redirect"]
 Handler = Callable[[Request], Awaitable[Response]]
 
+NODELAY = (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 HOP_HEADER = "x-torpor-hop"
 OWNER_HEADER = "x-torpor-owner"  # on a relayed response: the node that served it
 CONNECT_SECONDS = 2.0
@@ -107,7 +109,10 @@ class Proxy:
         self.node_id = node.node_id  # from the config: starting needs no database read
         self.address = node.address
         timeout = httpx.Timeout(READ_SECONDS, connect=CONNECT_SECONDS, pool=CONNECT_SECONDS)
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        # A relayed request is written in pieces (headers, body): no Nagle delay between them.
+        transport = httpx.AsyncHTTPTransport(socket_options=[NODELAY])
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False,
+                                     transport=transport) as client:
             self._client = client
             try:
                 yield

@@ -64,7 +64,7 @@ class Service:
         self.departing = False  # a cluster node draining: its shards move to the others
         self.stopped = False
         self.started_at = time.time()
-        self._inflight: set[asyncio.Task[Any]] = set()
+        self._inflight: dict[Turn, asyncio.Task[Any]] = {}
         self._streams: set[Follower] = set()
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
@@ -106,7 +106,7 @@ class Service:
             # A cluster node hands its shards off while it drains: requests for them wait
             # for their new owners and are proxied there instead of refused.
             self.departing = await self.runtime.admin.depart()
-        pending = [t for t in self._inflight if not t.done()]
+        pending = [t for t in self._inflight.values() if not t.done()]
         log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
         if pending:
             _, late = await asyncio.wait(pending, timeout=grace)
@@ -140,16 +140,22 @@ class Service:
             raise RuntimeClosed("the runtime is not running")
         self.ensure_started()
 
-    def track(self, turn: Turn) -> None:
-        """Remember a turn started over HTTP until it ends (shutdown lets it finish)."""
-        if turn.done():
-            return
-        task = asyncio.get_running_loop().create_task(turn.result())
-        self._inflight.add(task)
-        task.add_done_callback(self._untrack)
+    def track(self, turn: Turn) -> bool:
+        """Remember a turn started over HTTP until it ends (shutdown lets it finish).
 
-    def _untrack(self, task: asyncio.Task[Any]) -> None:
-        self._inflight.discard(task)
+        True when an earlier request was handed this very turn, still running: this one
+        is a keyed retry that joined it (the runtime hands a turn out once otherwise)."""
+        if turn in self._inflight:
+            return True
+        if turn.done():
+            return False
+        task = asyncio.get_running_loop().create_task(turn.result())
+        self._inflight[turn] = task
+        task.add_done_callback(lambda done: self._untrack(turn, done))
+        return False
+
+    def _untrack(self, turn: Turn, task: asyncio.Task[Any]) -> None:
+        self._inflight.pop(turn, None)
         if not task.cancelled():
             task.exception()  # an aborted turn was the stream's to report
 

@@ -30,12 +30,13 @@ from torpor.actors.stream import StreamItem
 from torpor.errors import InvalidInput
 from torpor.events import Aborted, AssistantMessage, Event, Suspended, kind_of
 from torpor.llm.protocol import TextDelta
+from torpor.store.arguments import POSITION_LIMIT
 
 __all__ = ["Cursor", "Frame", "Framer", "event_data", "format_cursor", "parse_cursor",
            "ends_turn"]
 
 _CURSOR = re.compile(r"(-1|0|[1-9][0-9]{0,18})(?:\.(0|[1-9][0-9]{0,18}))?")
-_MAX_POSITION = 2**62
+_MAX_OFFSET = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +60,10 @@ def parse_cursor(text: str, what: str = "Last-Event-ID") -> Cursor:
         raise InvalidInput(what, f"must be a position or POSITION.OFFSET, got {text[:40]!r}")
     position = int(match.group(1))
     offset = int(match.group(2) or 0)
-    if position > _MAX_POSITION or offset > _MAX_POSITION:
-        raise InvalidInput(what, "out of range")
+    # Positions are below POSITION_LIMIT on every backend: a cursor past it is refused here,
+    # before the response starts, not by the store once the stream has begun.
+    if position >= POSITION_LIMIT or offset > _MAX_OFFSET:
+        raise InvalidInput(what, f"out of range (positions are below {POSITION_LIMIT})")
     return Cursor(position, offset)
 
 
