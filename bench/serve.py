@@ -32,8 +32,15 @@ the same for both apps: a CPU comparison, not a Nagle one; *shipped* measures th
 socket as torpor makes it). A reference row runs the same turns in-process
 (``Runtime.send``) at the first client count. Figures, never assertions.
 
+``--apps minimal lean`` adds (or sets against each other) **lean**: the minimal app with a
+bare ASGI SSE response instead of sse-starlette's (no per-stream task group), what a
+leaner response would save. uvloop and httptools are optional: a variant whose modules
+do not import is skipped and the output says so. A full run took 2.5 minutes on two
+shared cores; ``--quick`` runs smaller sizes. ``bench/serve_profile.py`` says where the CPU goes.
+
 Usage: ``python bench/serve.py [--quick] [--clients 32 256] [--seconds 4]
-[--followers 1000 10000] [--variants asyncio+h11 uvloop+httptools] [--json FILE]``.
+[--followers 1000 10000] [--variants asyncio+h11 uvloop+httptools] [--apps torpor minimal]
+[--nodelay on|shipped] [--json FILE]``.
 """
 
 from __future__ import annotations
