@@ -94,15 +94,19 @@ class Subscriber:
 
 
 ReplayFn: TypeAlias = Callable[[int], Awaitable[list[Event]]]
+Replay: TypeAlias = ReplayFn | list[Event]
+"""How a follower gets what was logged after its cursor: read from the log, or the events
+themselves when memory held them (up to its cut)."""
 
 
 class Follower(Subscriber):
     """Follows one conversation: the log after ``after``, the text in flight, then live.
 
     Registered the moment it is made, so nothing logged later can be missed; the
-    replay is read lazily on the first iteration. ``cut`` is the highest position
-    the replay must cover (the agent's head when it was made, if it was live);
-    events pushed live at or below it are dropped, since the replay holds them.
+    replay is read lazily on the first iteration (unless memory held it: then it
+    is given). ``cut`` is the highest position the replay must cover (the agent's
+    head when it was made, if it was live); events pushed live at or below it are
+    dropped, since the replay holds them.
     Close it (``close()``, or leave ``async with``) to release it at once; it
     also ends when the runtime stops.
     """
@@ -113,7 +117,7 @@ class Follower(Subscriber):
         self,
         after: int | None,
         cut: int | None,
-        replay: ReplayFn | None,
+        replay: Replay | None,
         release: Callable[[Follower], None],
     ) -> None:
         super().__init__()
@@ -148,11 +152,14 @@ class Follower(Subscriber):
     async def _iterate(self) -> AsyncIterator[StreamItem]:
         replay, self._replay = self._replay, None
         if replay is not None and self._after is not None:
-            try:
-                events = await replay(self._after + 1)
-            except BaseException:
-                self.close()
-                raise
+            if isinstance(replay, list):
+                events = replay
+            else:
+                try:
+                    events = await replay(self._after + 1)
+                except BaseException:
+                    self.close()
+                    raise
             cut = self._cut
             held = list(self._items or ())
             if cut is None:  # nothing was live: the replay covers all it read

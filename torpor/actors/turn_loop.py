@@ -153,7 +153,7 @@ async def logged(
         fresh = events[-1].position > agent.head  # else a key found what it logged before
         if fresh:
             agent.head = events[-1].position
-            host.publish(agent.id, events)
+            host.publish(agent, events)
             ws = agent.ws
             if ws is not None:  # a card is in effect from the next model call on
                 for event in events:
