@@ -387,6 +387,23 @@ async def test_model_metrics_come_from_the_instrumented_model() -> None:
         assert 'torpor_tokens_total{direction="out"}' in text
 
 
+async def test_tokens_in_are_what_the_runtime_counted_for_each_context() -> None:
+    """A model that reports no prompt tokens: the metric takes the count the runtime made
+    when it assembled the context (the audit's estimate), without walking the context."""
+    from torpor.serve import Metrics
+
+    metrics = Metrics(process=False)
+    model = metrics.instrument(EchoModel())
+    async with Runtime("sqlite://", model=model,
+                       agent=AgentConfig(system_prompt="Be brief. " * 20)) as rt:
+        for text in ("one", "two", "three"):
+            await (await rt.send("m", text)).result()
+        calls = await rt.store.model_calls("m")
+    counted = metrics.registry.get_sample_value("torpor_tokens_total", {"direction": "in"})
+    assert len(calls) == 3 and all(c.reported_prompt_tokens is None for c in calls)
+    assert counted == sum(c.estimated_prompt_tokens for c in calls) > 0
+
+
 async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> None:
     from torpor.serve import app, bearer_token, service_of
     from torpor.serve.client import Client
