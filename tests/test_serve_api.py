@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import anyio
 import pytest
@@ -37,6 +38,39 @@ async def test_a_message_streams_its_turn_with_ids() -> None:
         assert text_of(events) == "echo: hello there" == events[-1].json()["body"]["text"]
         assert events[0].id == "0" and events[-1].id == "1"
         assert [e.id for e in events if e.event == "delta"][-1] == "0.17"
+
+
+async def test_request_ids_are_a_process_prefix_and_a_counter() -> None:
+    async with Runtime("sqlite://") as rt, served(rt) as (_, client, _app):
+        ids = []
+        conn = client.connection()
+        for _ in range(5):
+            _, response = await client.open("GET", "/healthz", conn=conn)
+            await response.read()
+            ids.append(response.headers["x-request-id"])
+        _, response = await client.open("GET", "/healthz", conn=conn,
+                                        headers={"X-Request-ID": "mine-1"})
+        await response.read()
+        await conn.close()
+    assert len(set(ids)) == 5 and len({i[:8] for i in ids}) == 1
+    assert [int(i[8:], 16) for i in ids] == sorted(int(i[8:], 16) for i in ids)
+    assert response.headers["x-request-id"] == "mine-1"
+
+
+def test_a_forked_process_takes_another_request_id_prefix() -> None:
+    from torpor.serve.app import _request_ids
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its first id, then gone
+        os.write(write, _request_ids.next().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+    ours = _request_ids.next()
+    assert len(theirs) == len(ours) == 16 and theirs[:8] != ours[:8]
 
 
 async def test_json_accept_returns_202_and_idempotency_key_replays() -> None:

@@ -136,6 +136,14 @@ def configure_logging(level: str, fmt: str, tap: Any) -> None:
         logger.handlers.clear()
         logger.propagate = True
     logging.getLogger("uvicorn.access").disabled = True  # the app logs each request itself
+    # Neither format shows where a record was made, nor its thread or process: logging
+    # need not look them up for each record (the logging HOWTO's "Optimization").
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    if sys.version_info >= (3, 12):
+        logging.logAsyncioTasks = False
     tap.install([logging.getLogger(name) for name in LogTap.LOGGERS])
 
 

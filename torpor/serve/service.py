@@ -66,6 +66,8 @@ class Service:
         self.started_at = time.time()
         self._inflight: dict[Turn, asyncio.Task[Any]] = {}
         self._streams: set[Follower] = set()
+        # read when scraped, not set twice per stream
+        metrics.open_streams.set_function(lambda: len(self._streams))
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
 
@@ -165,11 +167,9 @@ class Service:
 
     def opened(self, follower: Follower) -> None:
         self._streams.add(follower)
-        self.metrics.open_streams.set(len(self._streams))
 
     def closed(self, follower: Follower) -> None:
         self._streams.discard(follower)
-        self.metrics.open_streams.set(len(self._streams))
 
     def server_stats(self) -> dict[str, Any]:
         return {
