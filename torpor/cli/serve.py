@@ -90,6 +90,12 @@ def add_parser(subparsers: Any) -> None:
                    help="open connections at most: past it a new one closes the one idle "
                         "longest, and with none idle requests get 503 (default: below the "
                         "open-file limit, ulimit -n; 0: no cap)")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop: uvloop when installed (auto, the default; the fast "
+                        "extra), or asyncio's")
+    p.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto",
+                   help="HTTP parser: httptools when installed (auto, the default; the fast "
+                        "extra), or h11")
     p.add_argument("--hibernate-after", type=positive_float, default=None, metavar="SEC",
                    help="idle seconds before an agent hibernates (default: the runtime's)")
     p.add_argument("--evict-after", type=positive_float, default=None, metavar="SEC",
@@ -166,6 +172,7 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     from torpor.llm.echo import EchoModel
     from torpor.runtime import Runtime, RuntimeConfig
     from torpor.serve import Metrics, app, bearer_token, bind, serve
+    from torpor.serve.runner import http_protocol
 
     metrics = Metrics()
     configure_logging(args.log_level, args.log_format, metrics.tap)
@@ -211,7 +218,10 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
                       shutdown_grace=args.shutdown_grace, cluster_routing=args.cluster_routing)
     name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
         f"{args.model.model}"
-    lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, model {name})"]
+    loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]  # asyncio, uvloop
+    parser = "httptools" if "httptools" in http_protocol(args.http).__module__ else "h11"
+    lines = [f"torpor serve: listening on {url}/ (store {display_url(args.db)}, model {name}, "
+             f"{loop} + {parser})"]
     if node is not None:
         lines.append(f"node {node.node_id} advertised at {node.address}")
     if "chat" in generated:
@@ -223,7 +233,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     await serve(application, sock, grace=args.shutdown_grace,
                 ready=lambda: print("\n".join(lines), flush=True),
                 timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
-                timeout_body=args.timeout_body, limit_connections=args.limit_connections)
+                timeout_body=args.timeout_body, limit_connections=args.limit_connections,
+                http=args.http)
 
 
 def _node(args: argparse.Namespace, listening: str) -> Any:
@@ -260,6 +271,16 @@ def run(args: argparse.Namespace) -> int:
         generated.append("admin")
     if chat_token == admin_token:
         raise CliError("--token and --admin-token must differ")
-    asyncio.run(_serve(args, chat_token, admin_token, generated))
+    from torpor.serve.runner import http_protocol, loop_factory
+
+    try:
+        factory = loop_factory(args.loop)
+        http_protocol(args.http)  # refused here, before anything starts
+    except ConfigError as exc:
+        raise CliError(f"--{exc}") from None
+    # Not asyncio.run: it takes no loop, and uvicorn's loop= applies only when uvicorn
+    # starts the loop itself (Server.run), never to a Server.serve() awaited in ours.
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(args, chat_token, admin_token, generated))
     print("torpor serve: stopped", file=sys.stderr, flush=True)
     return 0
