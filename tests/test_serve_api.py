@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -473,6 +474,29 @@ async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> No
         async with open_store(url_db) as store:
             logged = await store.read_since("g", 0)
         assert logged[-1].kind == "aborted" and logged[-1].body.partial_text == "half"
+
+
+async def test_a_tracked_turn_costs_no_task_and_ended_ones_are_let_go() -> None:
+    from torpor.serve import Metrics, Service
+
+    gate = anyio.Event()
+    model = ScriptedModel([[Wait(gate), Text("done")]], loop=True)
+    async with Runtime("sqlite://", model=model) as rt:
+        service = Service(rt, Metrics(process=False), shutdown_grace=5)
+        turn = await rt.send("c", "hello")
+        tasks = len(asyncio.all_tasks())
+        assert service.track(turn) is False
+        assert len(asyncio.all_tasks()) == tasks  # its done() is read, not waited on
+        assert service.track(turn) is True  # a keyed retry handed the same running turn
+        assert service.turns_in_flight == 1
+        gate.set()
+        await turn.result()
+        assert service.turns_in_flight == 0 and service.track(turn) is False
+        for n in range(200):  # ended turns do not pile up
+            ended = await rt.send(f"c{n}", "hi")
+            service.track(ended)
+            await ended.result()
+        assert len(service._inflight) <= 64
 
 
 async def test_shutdown_lets_turns_in_flight_finish_within_the_grace() -> None:
