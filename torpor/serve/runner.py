@@ -14,7 +14,7 @@ deadlines for a request's headers and body and a cap on open connections
 (:mod:`torpor.serve.connections`); uvicorn's keep-alive timeout; warnings and
 errors a client can cause rate-limited (:mod:`torpor.serve.loglimit`).
 
-Event loop and HTTP parser (the ``fast`` extra): uvloop and httptools take ~28% of the
+Event loop and HTTP parser (the ``fast`` extra): uvloop and httptools take 18-28% of the
 server CPU of an HTTP turn off (bench/serve.py). ``serve`` runs in whatever loop it is
 given (:func:`loop_factory` makes uvloop's for ``asyncio.Runner``, which ``torpor
 serve`` uses: uvicorn's own ``loop=`` setting applies only when uvicorn starts the loop);
