@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -231,10 +232,20 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     lines.append(f"open {url}/#token={chat_token}&admin={admin_token}")
     # Printed once SIGTERM drains (handlers installed): whoever reads it may signal at once.
     await serve(application, sock, grace=args.shutdown_grace,
-                ready=lambda: print("\n".join(lines), flush=True),
+                ready=lambda: _ready(lines),
                 timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
                 timeout_body=args.timeout_body, limit_connections=args.limit_connections,
                 http=args.http)
+
+
+def _ready(lines: list[str]) -> None:
+    """Serving starts: what exists now (modules, the app, the runtime) lives as long as the
+    process. Frozen, the cyclic GC stops walking it at every full collection: ~40 us of
+    GC less per HTTP turn (113 -> 73 us, bench/serve.py on uvloop). Collected first: the
+    garbage of starting up is freed, not kept for good."""
+    gc.collect()
+    gc.freeze()
+    print("\n".join(lines), flush=True)
 
 
 def _node(args: argparse.Namespace, listening: str) -> Any:
