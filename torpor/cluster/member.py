@@ -94,6 +94,7 @@ class ClusterMember:
         self._quiet_until = 0.0  # monotonic: take no expired shard of another node before
         self._paused = False  # serving stopped: no renewal for lease_ttl - margin
         self._departure_written = False  # nodes.departing set for this incarnation
+        self._handoff_deadline = config.handoff_deadline  # a leave may allow its turns more
         self._log = log.bind(node=config.node_id)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -145,11 +146,14 @@ class ClusterMember:
         await conn.execute(sql.ANNOUNCE, self.config.node_id)  # the others stop waiting
         self._departure_written = True
 
-    def depart(self) -> None:
+    def depart(self, deadline: float | None = None) -> None:
         """Begin a graceful leave now: serve nothing more, hand every shard off (its turns
-        finish up to the deadline), take none; :meth:`leave` completes it. A node that
-        drains before it stops calls this first, so its shards move while it drains."""
+        finish up to ``deadline`` seconds, ``NodeConfig.handoff_deadline`` by default),
+        take none; :meth:`leave` completes it. A node that drains before it stops calls
+        this first (with its drain's grace), so its shards move while it drains."""
         leases = self.leases
+        if deadline is not None:
+            self._handoff_deadline = deadline
         if not leases.departing:
             leases.departing = True
             leases.takers.pop(self.config.node_id, None)  # routing points at the others now
@@ -427,7 +431,7 @@ class ClusterMember:
     async def _hand_off(self, shards: frozenset[int]) -> None:
         leases = self.leases
         try:
-            async for ready in self._host.shards_leaving(shards, self.config.handoff_deadline):
+            async for ready in self._host.shards_leaving(shards, self._handoff_deadline):
                 self._let_go(ready)
                 await self._release(sorted(ready))
         finally:

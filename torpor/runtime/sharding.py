@@ -130,9 +130,9 @@ class ShardGate:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
 
-    def depart(self) -> None:
+    def depart(self, deadline: float | None = None) -> None:
         """Begin the graceful leave now (the runtime's exit completes it)."""
-        self.member.depart()
+        self.member.depart(deadline)
 
     async def view(self) -> ClusterView:
         """The shards, the members and the lease table, read from the database now
