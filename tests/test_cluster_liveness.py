@@ -550,3 +550,41 @@ async def test_a_postponed_turn_does_not_start_on_the_node_handing_its_shard_off
                 return "partial echo: hold second" in texts, f"answers {texts}"
 
             await eventually("the postponed turn answered on b", 3 * TTL, answered, b)
+
+
+async def test_a_message_on_its_way_in_when_the_hand_off_begins_holds_the_shard_back(
+    pg_url: str,
+) -> None:
+    # Admitted just before the shard started leaving, the message is still being logged (no
+    # turn runs yet): the shard must wait for its turn, not cut it off with ShardMoved.
+    from held_writes import HeldWrites
+
+    shards = 16
+    shard = next(s for s in range(shards) if desired_owner(s, ["a", "b"]) == "b")
+    cid = conversation_in(shard, shards, "inbound")
+    async with Runtime(pg_url, node=config("a", shards, 60.0)) as a:
+        await echoed(a, cid, "first")  # the agent lives on a
+        with HeldWrites(a.store) as writes:
+            logging_it = writes.hold(lambda w: "on its way" in w.user_texts)
+            sending = asyncio.create_task(a.send(cid, "on its way"))
+            with anyio.fail_after(10):
+                await logging_it.reached.wait()
+            async with Runtime(pg_url, node=config("b", shards)) as b:
+
+                async def leaving() -> tuple[bool, str]:
+                    seen = await view(a)
+                    return shard in seen.leaving, f"a hands off {sorted(seen.leaving)}"
+
+                await eventually("the shard in hand-off", TTL, leaving, a)
+                for _ in range(2):  # a hand-off that ignored the message would have let go
+                    await next_refresh(a)
+                assert shard in (await view(a)).leaving
+                logging_it.release()
+                turn = await sending
+                with anyio.fail_after(10):
+                    assert await turn.result() == AssistantMessage("echo: on its way")
+
+                async def moved() -> tuple[bool, str]:
+                    return shard in (await view(b)).shards, "not on b yet"
+
+                await eventually("the shard on b once the turn ended", 2 * TTL, moved, b)

@@ -222,10 +222,12 @@ class ShardGate:
         count = self.member.leases.shards
         until = time.monotonic() + deadline
         left = set(shards)
-        busy = [a for a in self._registry.held() if shard_of(a.id, count) in left and _in_turn(a)]
+        # New requests for these shards are refused from now on, but one admitted just before
+        # may still be on its way into a mailbox or the log: its agent counts as busy too.
+        busy = [a for a in self._registry.held() if shard_of(a.id, count) in left]
         with self._watchers.watch(1024) as changes:
             while left:
-                busy = [a for a in busy if _in_turn(a)]
+                busy = [a for a in busy if _busy(a)]
                 held_back = {shard_of(a.id, count) for a in busy}
                 ready = frozenset(
                     left if time.monotonic() >= until else left - held_back
@@ -285,8 +287,9 @@ class ShardGate:
         return self._supervisor.retire(agent, error)  # its task reports it evicted
 
 
-def _in_turn(agent: Agent) -> bool:
+def _busy(agent: Agent) -> bool:
+    """In a turn, or about to start one: mail waiting, or a message being logged."""
     return agent.turn_running or agent.state in (
         AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING
-    )
+    ) or agent.has_work() or agent.taken is not None
 
