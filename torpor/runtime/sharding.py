@@ -288,8 +288,10 @@ class ShardGate:
 
 
 def _busy(agent: Agent) -> bool:
-    """In a turn, or about to start one: mail waiting, or a message being logged."""
+    """In a turn, or about to start one: mail waiting, a message being logged, or turns
+    postponed behind the one that runs (acknowledged, so they finish where their callers
+    wait; no new ones come in while the shard leaves)."""
     return agent.turn_running or agent.state in (
         AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING
-    ) or agent.has_work() or agent.taken is not None
+    ) or agent.has_work() or agent.taken is not None or agent.runnable_postponed()
 
