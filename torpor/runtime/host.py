@@ -249,6 +249,11 @@ class Runtime(MemoryAPI):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        gate = self._cluster
+        if gate is not None and self._open:
+            # A node hands its shards off while it still answers: a request meanwhile is
+            # refused with NotOwner naming the node taking over, not RuntimeClosed.
+            await gate.hand_off_all()
         self._open = False
         stack, self._stack = self._stack, None
         if stack is not None:

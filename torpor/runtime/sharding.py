@@ -126,9 +126,18 @@ class ShardGate:
         leases = self.member.leases
         return leases.serving(shard_of(conversation_id, leases.shards))
 
+    def _holds(self, conversation_id: str) -> bool:
+        leases = self.member.leases
+        shard = shard_of(conversation_id, leases.shards)
+        return shard in leases.held and shard not in leases.leaving
+
     def colocated(self, a: str, b: str) -> bool:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
+
+    async def hand_off_all(self) -> None:
+        """Leave's first half, while the runtime still answers (see ClusterMember)."""
+        await self.member.hand_off_all()
 
     def depart(self, deadline: float | None = None) -> None:
         """Begin the graceful leave now (the runtime's exit completes it)."""
@@ -207,7 +216,9 @@ class ShardGate:
         # Sub-agent links the previous owner left open (it died or handed the shard off).
         self._branches.recover(lambda c: shard_of(c, count) in shards)
         # Turns it left open and postponed messages it acknowledged: run here, now.
-        self._redrive.run(shards=shards, shard_count=count, serves=self.serves)
+        # Held, not necessarily serving yet: a node that acquires while its own renewal is
+        # late still owes these (its fence stops any write if it lost them meanwhile).
+        self._redrive.run(shards=shards, shard_count=count, serves=self._holds)
 
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)
