@@ -121,6 +121,9 @@ async def test_a_fenced_revival_is_not_retried_forever_the_agent_is_dropped(pg_u
         await before.append("cut", [UserMessage("unanswered")], turn=1)
     node = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=5.0, shards=SHARDS)
     async with Runtime(pg_url, node=node), Runtime(pg_url) as plain:
+        # A cluster's database without node=: it may read, not write, so nothing is owed
+        # to its log here and nothing is re-driven as it starts.
+        assert plain.store.read_only and not plain._redrive._runs
         # Revival owes the log an Aborted for the cut turn; this runtime may not write it.
         for _ in range(2):
             with pytest.raises(torpor.FencedError):

@@ -171,16 +171,18 @@ async def test_a_draining_node_hands_its_shards_off_and_proxies_instead_of_refus
     """Graceful shutdown of a served cluster node (what SIGTERM under ``torpor serve``
     starts): it begins leaving the cluster at once, so while a turn of one of its shards
     finishes, its other shards are already served by the node that stays, and a request
-    that still reaches it is proxied there (202), not refused with 503 ``Draining``."""
+    that still reaches it is proxied there (202), not refused with 503 ``Draining``. The
+    turn may run for the drain's grace, not only the (here zero) rebalancing deadline."""
     async with PostgresStore(pg_url):
         pass
     model = GateModel()
-    async with node(pg_url, "a", model) as a, node(pg_url, "b", model) as b, \
-            httpx.AsyncClient(timeout=30) as client:
+    async with node(pg_url, "a", model, handoff_deadline=0.0) as a, \
+            node(pg_url, "b", model) as b, httpx.AsyncClient(timeout=30) as client:
         held = await split(a, b)
         busy, idle = sorted(held["a"])[:2]
-        started = await client.post(f"{a.url}/v1/conversations/{on_shard(busy, 'slow')}"
-                                    "/messages", json={"text": "hold the shard"}, headers=JSON)
+        slow = on_shard(busy, "slow")
+        started = await client.post(f"{a.url}/v1/conversations/{slow}/messages",
+                                    json={"text": "hold the shard"}, headers=JSON)
         assert started.status_code == 202
         with anyio.fail_after(10):
             await model.streaming.wait()
@@ -201,3 +203,6 @@ async def test_a_draining_node_hands_its_shards_off_and_proxies_instead_of_refus
         with anyio.fail_after(20):  # and the busy shard follows once its turn ended
             while busy not in leases_b.held:
                 await leases_b.next_change()
+        events = await b.rt.history(slow)
+        assert [type(e.body).__name__ for e in reversed(events)] == [
+            "UserMessage", "AssistantMessage"]  # finished where it ran, not cut off

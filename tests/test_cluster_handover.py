@@ -199,8 +199,9 @@ async def test_a_graceful_leave_under_load_loses_and_duplicates_nothing(pg_url: 
                         if target is b:
                             owners_seen.append(exc.owner)
                         target = by_address.get(exc.owner or "", a)
-                        if exc.owner is None or not b._open:
-                            target = a  # a's cache is a second behind: wait for it
+                        if exc.owner is None or exc.moving or not b._open:
+                            # In hand-off (or a's cache is a second behind): wait for it to land
+                            target = a
                             await next_refresh(a)
 
             async def drive(cid: str) -> None:

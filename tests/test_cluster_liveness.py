@@ -514,11 +514,11 @@ async def test_after_an_outage_longer_than_the_ttl_each_node_keeps_its_own_shard
     assert sum(takeovers.values()) <= 10, takeovers
 
 
-async def test_a_postponed_turn_does_not_start_on_the_node_handing_its_shard_off(
+async def test_a_postponed_turn_finishes_where_its_caller_waits_before_the_shard_moves(
     pg_url: str,
 ) -> None:
-    # Started there it would hold the shard back until the hand-off deadline and then be
-    # cut off; left in the log it runs on the new owner (re-driven when the shard is gained).
+    # Acknowledged behind a running turn, it holds the shard back too (no new turn can come
+    # in while the shard leaves): its caller gets its answer, not ShardMoved and a retry.
     shards = 16
     shard = next(s for s in range(shards) if desired_owner(s, ["a", "b"]) == "b")
     cid = conversation_in(shard, shards, "queue")
@@ -537,16 +537,53 @@ async def test_a_postponed_turn_does_not_start_on_the_node_handing_its_shard_off
             await eventually("the shard in hand-off", TTL, leaving, a)
             model.gates["first"].set()
             assert await first.result() == AssistantMessage("partial echo: hold first")
-            with pytest.raises(torpor.ShardMoved), anyio.fail_after(3 * TTL):
-                await second.result()  # its caller follows it to the new owner
-            with anyio.fail_after(3 * TTL):
-                await model.streaming["second"].wait()
-            assert shard in (await view(b)).shards and shard not in (await view(a)).shards
+            with anyio.fail_after(10):
+                await model.streaming["second"].wait()  # started on a, the shard still there
+            assert shard in (await view(a)).leaving
             model.gates["second"].set()
+            with anyio.fail_after(10):
+                assert await second.result() == AssistantMessage("partial echo: hold second")
 
-            async def answered() -> tuple[bool, str]:
-                events = await b.history(cid)
-                texts = [e.body.text for e in events if isinstance(e.body, AssistantMessage)]
-                return "partial echo: hold second" in texts, f"answers {texts}"
+            async def moved() -> tuple[bool, str]:
+                return shard in (await view(b)).shards, "not on b yet"
 
-            await eventually("the postponed turn answered on b", 3 * TTL, answered, b)
+            await eventually("the shard on b once both turns ended", 2 * TTL, moved, b)
+            await echoed(b, cid, "then on b")
+
+
+async def test_a_message_on_its_way_in_when_the_hand_off_begins_holds_the_shard_back(
+    pg_url: str,
+) -> None:
+    # Admitted just before the shard started leaving, the message is still being logged (no
+    # turn runs yet): the shard must wait for its turn, not cut it off with ShardMoved.
+    from held_writes import HeldWrites
+
+    shards = 16
+    shard = next(s for s in range(shards) if desired_owner(s, ["a", "b"]) == "b")
+    cid = conversation_in(shard, shards, "inbound")
+    async with Runtime(pg_url, node=config("a", shards, 60.0)) as a:
+        await echoed(a, cid, "first")  # the agent lives on a
+        with HeldWrites(a.store) as writes:
+            logging_it = writes.hold(lambda w: "on its way" in w.user_texts)
+            sending = asyncio.create_task(a.send(cid, "on its way"))
+            with anyio.fail_after(10):
+                await logging_it.reached.wait()
+            async with Runtime(pg_url, node=config("b", shards)) as b:
+
+                async def leaving() -> tuple[bool, str]:
+                    seen = await view(a)
+                    return shard in seen.leaving, f"a hands off {sorted(seen.leaving)}"
+
+                await eventually("the shard in hand-off", TTL, leaving, a)
+                for _ in range(2):  # a hand-off that ignored the message would have let go
+                    await next_refresh(a)
+                assert shard in (await view(a)).leaving
+                logging_it.release()
+                turn = await sending
+                with anyio.fail_after(10):
+                    assert await turn.result() == AssistantMessage("echo: on its way")
+
+                async def moved() -> tuple[bool, str]:
+                    return shard in (await view(b)).shards, "not on b yet"
+
+                await eventually("the shard on b once the turn ended", 2 * TTL, moved, b)

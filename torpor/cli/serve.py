@@ -110,6 +110,10 @@ def add_parser(subparsers: Any) -> None:
                         "(default: the address it listens on)")
     p.add_argument("--lease-ttl", type=positive_float, default=10.0, metavar="SEC",
                    help="with --node-id, seconds a silent node keeps its shards (default 10)")
+    p.add_argument("--handoff-deadline", type=non_negative_float, default=30.0, metavar="SEC",
+                   help="with --node-id, how long a turn of a shard moving to a node that "
+                        "joined may run before it is cut off (default 30; a leave allows "
+                        "--shutdown-grace)")
     p.add_argument("--shards", type=int, default=None, metavar="N",
                    help="with --node-id, the cluster's shard count, fixed when the first node "
                         "creates it (default: the cluster's count; 512 for a new cluster)")
@@ -258,7 +262,8 @@ def _node(args: argparse.Namespace, listening: str) -> Any:
 
     try:
         return NodeConfig(node_id=args.node_id, address=args.advertise or listening,
-                          lease_ttl=args.lease_ttl, shards=args.shards)
+                          lease_ttl=args.lease_ttl, shards=args.shards,
+                          handoff_deadline=args.handoff_deadline)
     except ConfigError as exc:
         name = {"node_id": "node-id", "address": "advertise"}.get(exc.field, exc.field)
         raise CliError(f"--{name.replace('_', '-')}: "

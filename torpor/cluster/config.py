@@ -46,16 +46,18 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``shards`` is fixed when the first node creates the cluster (None, the
     default: :data:`DEFAULT_SHARDS`); a node with ``shards=None`` adopts the
     cluster's count, and one asking for another count is refused.
-    ``handoff_deadline``: on a graceful leave or a rebalance, how long in-flight
-    turns of a shard may run before they are cut off (and logged ``Aborted``)
-    so the shard can move.
+    ``handoff_deadline``: on a rebalance (another node joined) or a leave, how
+    long in-flight turns of a shard may run before they are cut off (and logged
+    ``Aborted``) so the shard can move. Nothing presses a rebalance, and the
+    shards without a turn move at once, so the default lets a long turn finish
+    (a drain's leave allows its own grace: ``rt.admin.depart(deadline)``).
     """
 
     node_id: str
     address: str
     lease_ttl: float = 10.0
     shards: int | None = None
-    handoff_deadline: float = 5.0
+    handoff_deadline: float = 30.0
 
     RULES: ClassVar[Mapping[str, Rule]] = {
         "node_id": text(empty=False),

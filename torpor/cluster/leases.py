@@ -129,5 +129,4 @@ class Leases:
 
     def take_lost(self) -> set[int]:
         lost, self.lost = self.lost, set()
-        self.changed.clear()
         return lost

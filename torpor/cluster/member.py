@@ -94,6 +94,7 @@ class ClusterMember:
         self._quiet_until = 0.0  # monotonic: take no expired shard of another node before
         self._paused = False  # serving stopped: no renewal for lease_ttl - margin
         self._departure_written = False  # nodes.departing set for this incarnation
+        self._handoff_deadline = config.handoff_deadline  # a leave may allow its turns more
         self._log = log.bind(node=config.node_id)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -145,15 +146,28 @@ class ClusterMember:
         await conn.execute(sql.ANNOUNCE, self.config.node_id)  # the others stop waiting
         self._departure_written = True
 
-    def depart(self) -> None:
+    def depart(self, deadline: float | None = None) -> None:
         """Begin a graceful leave now: serve nothing more, hand every shard off (its turns
-        finish up to the deadline), take none; :meth:`leave` completes it. A node that
-        drains before it stops calls this first, so its shards move while it drains."""
+        finish up to ``deadline`` seconds, ``NodeConfig.handoff_deadline`` by default),
+        take none; :meth:`leave` completes it. A node that drains before it stops calls
+        this first (with its drain's grace), so its shards move while it drains."""
         leases = self.leases
+        if deadline is not None:
+            self._handoff_deadline = deadline
         if not leases.departing:
             leases.departing = True
             leases.takers.pop(self.config.node_id, None)  # routing points at the others now
             leases.changed.set()  # the manager hands everything off now
+
+    async def hand_off_all(self, deadline: float | None = None) -> None:
+        """:meth:`depart`, then wait until every shard has been handed off (each as its
+        turns end, within the deadline). The node still answers meanwhile: refusals name
+        the nodes taking over. :meth:`leave` then has nothing left to wait for."""
+        self.depart(deadline)
+        rest = self.leases.held - self.leases.leaving
+        if rest:
+            self._start_hand_off(rest)
+        await asyncio.gather(*self._handoffs, return_exceptions=True)
 
     async def leave(self) -> None:
         """Graceful leave: hand every shard off (turns finish up to the deadline), release
@@ -173,6 +187,9 @@ class ClusterMember:
             # Each ends by itself: the deadline bounds the turns it waits for.
             await asyncio.gather(*self._handoffs, return_exceptions=True)
             await self._evict_lost()
+            if renewer is not None:  # no renewal may bring the row back after LEAVE
+                await _cancel(renewer)
+                renewer = None
             with contextlib.suppress(*_DB_ERRORS):
                 # Expiring the node row frees every lease it still owns (one whose release
                 # failed included); the announcement wakes the others to take them now.
@@ -197,7 +214,10 @@ class ClusterMember:
         settings = node_session_settings(self.leases.idle_timeout)
         settings["application_name"] = name
         settings["lock_timeout"] = str(int(self.config.lock_timeout * 1000))
-        return await asyncpg.connect(self.dsn, server_settings=settings)
+        return await asyncpg.connect(
+            self.dsn, server_settings=settings, timeout=max(2.0, self.config.renew_every),
+            command_timeout=max(5.0, 4 * self.config.lock_timeout),
+        )
 
     async def _manager_conn(self) -> asyncpg.Connection:
         """The manager's connection, listening for other nodes' announcements."""
@@ -247,8 +267,12 @@ class ClusterMember:
                 await self._renew(started)
             except _DB_ERRORS as exc:
                 self._log.warning("lease_renewal_failed", error=repr(exc))
-                if self._renew_conn is not None and self._renew_conn.is_closed():
+                conn = self._renew_conn
+                if conn is not None and (conn.is_closed() or isinstance(exc, TimeoutError)):
+                    conn.terminate()  # a statement that timed out leaves it busy
                     self._renew_conn = None
+            except Exception as exc:  # a bug must not stop renewals for good
+                self._log.error("lease_renewal_crashed", error=repr(exc), exc_info=True)
             if leases.held and not self._paused and time.monotonic() >= leases.valid_until:
                 # Not dropped: nothing here says another node has them. Serving stops
                 # (Leases.serving) until a renewal says which are still ours.
@@ -264,8 +288,10 @@ class ClusterMember:
         # Judged against what was held when the statement was sent: a shard the manager
         # acquires meanwhile is not in its answer and must not count as taken over.
         before = {s: leases.epochs[s] for s in leases.held}
+        # Bounded on this side too: a reply lost in a partition must not hang renewals.
         alive, shards, epochs = await self._renew_conn.fetchrow(
-            sql.RENEW, config.node_id, leases.incarnation, config.lease_ttl
+            sql.RENEW, config.node_id, leases.incarnation, config.lease_ttl,
+            timeout=config.renew_every + config.lock_timeout,
         )
         if not alive:  # another process registered under this node id: we are fenced
             self._log.error("node_superseded", incarnation=leases.incarnation)
@@ -300,10 +326,15 @@ class ClusterMember:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.refresh_every):
                     await leases.changed.wait()
+            # Cleared before the pass reads anything: news during the pass (an announcement,
+            # a lost shard, a departure) brings the next pass on at once.
+            leases.changed.clear()
             try:
                 await self._manage_once()
             except _DB_ERRORS as exc:
                 self._log.warning("lease_refresh_failed", error=repr(exc))
+            except Exception as exc:  # a bug must not stop the passes (rows would orphan)
+                self._log.error("lease_manager_failed", error=repr(exc), exc_info=True)
             finally:
                 leases.notify()
 
@@ -337,7 +368,10 @@ class ClusterMember:
         # A lost shard's agents are gone before it may be acquired again: none of them
         # may write under the new epoch.
         await self._evict_lost()
-        quiet = time.monotonic() < self._quiet_until
+        now = time.monotonic()
+        # Just back from an outage (the renewer may not have said so yet): the others may be
+        # coming back too, so their expired rows are not taken for about one TTL.
+        quiet = now < self._quiet_until or now - self._renewed_at > self.config.lease_ttl / 2
         mine = {
             r.shard for r in rows
             if r.owner == me and (r.owner_incarnation or 0) <= incarnation
@@ -427,7 +461,7 @@ class ClusterMember:
     async def _hand_off(self, shards: frozenset[int]) -> None:
         leases = self.leases
         try:
-            async for ready in self._host.shards_leaving(shards, self.config.handoff_deadline):
+            async for ready in self._host.shards_leaving(shards, self._handoff_deadline):
                 self._let_go(ready)
                 await self._release(sorted(ready))
         finally:

@@ -344,16 +344,22 @@ class Admin:
         gate = self._runtime.gate
         return None if gate is None else await gate.moved(conversation_id, owner)
 
-    async def depart(self) -> bool:
+    async def depart(self, deadline: float | None = None) -> bool:
         """On a cluster node: begin leaving the cluster now. The node serves nothing more
         (requests for its shards get ``NotOwner`` with ``moving`` set), hands every shard
-        off as its turns end (up to ``NodeConfig.handoff_deadline``) and takes none; the
-        runtime's exit completes the leave. An HTTP layer draining before it stops calls
-        this first, so the shards move while it drains. False on a single node."""
+        off as its turns end (up to ``deadline`` seconds, ``NodeConfig.handoff_deadline``
+        by default) and takes none; the runtime's exit completes the leave. An HTTP layer
+        draining before it stops calls this first, with its drain's grace, so the shards
+        move while it drains. False on a single node."""
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float)
+            or not 0 <= deadline < float("inf")
+        ):
+            raise InvalidInput("deadline", f"must be seconds >= 0, got {deadline!r}")
         gate = self._runtime.gate
         if gate is None:
             return False
-        gate.depart()
+        gate.depart(deadline)
         return True
 
     async def branches(self, conversation_id: str) -> Branch:

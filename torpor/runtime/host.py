@@ -231,7 +231,7 @@ class Runtime(MemoryAPI):
             stack.push_async_callback(self._redrive.stop)
             if gate is not None:  # joins now; on exit hands its shards off before agents stop
                 self._cluster = await stack.enter_async_context(gate)
-            else:
+            elif not self.store.read_only:  # on a cluster's database without node=: nothing
                 self._redrive.run()
             self._branches.start(self._cluster)  # sub-agent links a previous run left open
             stack.push_async_callback(self._branches.stop)
@@ -249,6 +249,11 @@ class Runtime(MemoryAPI):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        gate = self._cluster
+        if gate is not None and self._open:
+            # A node hands its shards off while it still answers: a request meanwhile is
+            # refused with NotOwner naming the node taking over, not RuntimeClosed.
+            await gate.hand_off_all()
         self._open = False
         stack, self._stack = self._stack, None
         if stack is not None:

@@ -126,13 +126,22 @@ class ShardGate:
         leases = self.member.leases
         return leases.serving(shard_of(conversation_id, leases.shards))
 
+    def _holds(self, conversation_id: str) -> bool:
+        leases = self.member.leases
+        shard = shard_of(conversation_id, leases.shards)
+        return shard in leases.held and shard not in leases.leaving
+
     def colocated(self, a: str, b: str) -> bool:
         shards = self.member.leases.shards
         return shard_of(a, shards) == shard_of(b, shards)
 
-    def depart(self) -> None:
+    async def hand_off_all(self) -> None:
+        """Leave's first half, while the runtime still answers (see ClusterMember)."""
+        await self.member.hand_off_all()
+
+    def depart(self, deadline: float | None = None) -> None:
         """Begin the graceful leave now (the runtime's exit completes it)."""
-        self.member.depart()
+        self.member.depart(deadline)
 
     async def view(self) -> ClusterView:
         """The shards, the members and the lease table, read from the database now
@@ -207,7 +216,9 @@ class ShardGate:
         # Sub-agent links the previous owner left open (it died or handed the shard off).
         self._branches.recover(lambda c: shard_of(c, count) in shards)
         # Turns it left open and postponed messages it acknowledged: run here, now.
-        self._redrive.run(shards=shards, shard_count=count, serves=self.serves)
+        # Held, not necessarily serving yet: a node that acquires while its own renewal is
+        # late still owes these (its fence stops any write if it lost them meanwhile).
+        self._redrive.run(shards=shards, shard_count=count, serves=self._holds)
 
     async def shards_lost(self, shards: frozenset[int]) -> None:
         await self._evict(self._agents_of(shards), shards)
@@ -222,10 +233,12 @@ class ShardGate:
         count = self.member.leases.shards
         until = time.monotonic() + deadline
         left = set(shards)
-        busy = [a for a in self._registry.held() if shard_of(a.id, count) in left and _in_turn(a)]
+        # New requests for these shards are refused from now on, but one admitted just before
+        # may still be on its way into a mailbox or the log: its agent counts as busy too.
+        busy = [a for a in self._registry.held() if shard_of(a.id, count) in left]
         with self._watchers.watch(1024) as changes:
             while left:
-                busy = [a for a in busy if _in_turn(a)]
+                busy = [a for a in busy if _busy(a)]
                 held_back = {shard_of(a.id, count) for a in busy}
                 ready = frozenset(
                     left if time.monotonic() >= until else left - held_back
@@ -285,8 +298,11 @@ class ShardGate:
         return self._supervisor.retire(agent, error)  # its task reports it evicted
 
 
-def _in_turn(agent: Agent) -> bool:
+def _busy(agent: Agent) -> bool:
+    """In a turn, or about to start one: mail waiting, a message being logged, or turns
+    postponed behind the one that runs (acknowledged, so they finish where their callers
+    wait; no new ones come in while the shard leaves)."""
     return agent.turn_running or agent.state in (
         AgentState.STREAMING, AgentState.RUNNING_TOOLS, AgentState.REVIVING
-    )
+    ) or agent.has_work() or agent.taken is not None or agent.runnable_postponed()
 

@@ -111,7 +111,7 @@ class Service:
         if _running(self.runtime):
             # A cluster node hands its shards off while it drains: requests for them wait
             # for their new owners and are proxied there instead of refused.
-            self.departing = await self.runtime.admin.depart()
+            self.departing = await self.runtime.admin.depart(grace)
         pending = [t for t in self._inflight if not t.done()]
         log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
         if pending:

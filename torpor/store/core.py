@@ -85,6 +85,10 @@ class StoreCore:
 
     reads: ModuleType  # the backend's read helpers: ``fn(connection, *args)``
 
+    @property
+    def read_only(self) -> bool:
+        return False
+
     def __init__(
         self,
         *,

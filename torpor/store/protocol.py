@@ -180,6 +180,12 @@ class PendingApproval(msgspec.Struct, frozen=True, gc=False):
 class EventStore(Protocol):
     """The append-only log. All methods are awaitable; every one is one trip to the backend."""
 
+    @property
+    def read_only(self) -> bool:
+        """Every write is refused (FencedError): a PostgreSQL database a cluster of nodes
+        serves, opened without a node's fence. Nothing is owed to such a store's log here."""
+        ...
+
     def append(
         self,
         conversation_id: str,

@@ -113,6 +113,10 @@ class PostgresStore(StoreCore):
         self._pool: asyncpg.Pool | None = None
         self._log = log.bind(store=_redact(dsn))
 
+    @property
+    def read_only(self) -> bool:
+        return self._cluster_shards is not None
+
     # lifecycle -------------------------------------------------------------------
 
     async def open(self) -> None:
