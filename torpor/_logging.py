@@ -34,7 +34,9 @@ from typing import Any
 
 import structlog
 
-__all__ = ["EVENT_ATTRIBUTE", "ROOT_LOGGER", "TorporLogger", "event_of", "get_logger"]
+__all__ = [
+    "EVENT_ATTRIBUTE", "ROOT_LOGGER", "TorporLogger", "event_of", "foreign_logger", "get_logger",
+]
 
 ROOT_LOGGER = "torpor"
 EVENT_ATTRIBUTE = "_torpor_event"
@@ -160,3 +162,10 @@ def _fallback(
                    type(error).__name__, stacklevel=depth + 1)
     except Exception:  # a filter or handler that always raises: nothing more to try
         return
+
+
+def foreign_logger(name: str) -> logging.Logger:
+    """Another library's own stdlib logger (``asyncio``, ``uvicorn.error``), for a filter
+    the server attaches while it runs (torpor.serve.loglimit). torpor's own records go
+    through :func:`get_logger`; this is the one other door to :mod:`logging`."""
+    return logging.getLogger(name)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from torpor._logging import EVENT_ATTRIBUTE
+from torpor._logging import EVENT_ATTRIBUTE, foreign_logger
 
 __all__ = ["LIMITED_LOGGERS", "RateLimit", "rate_limited"]
 
@@ -76,7 +76,7 @@ def rate_limited(names: tuple[str, ...] = LIMITED_LOGGERS, *, burst: int = BURST
     was held back last is reported and the filters are removed."""
     limits = []
     for name in names:
-        logger = logging.getLogger(name)
+        logger = foreign_logger(name)
         limit = RateLimit(logger, burst=burst, interval=interval)
         logger.addFilter(limit)
         limits.append(limit)
