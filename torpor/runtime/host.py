@@ -537,11 +537,7 @@ class Runtime(MemoryAPI):
         followers = host.followers_by_id.setdefault(conversation_id, [])
         agent = self._registry.get(conversation_id)
         live = agent is not None and agent.ws is not None
-        store = self.store
-
-        async def replay(position: int) -> list[Event]:
-            return await store.read_since(conversation_id, position)
-
+        self.store  # noqa: B018 - raises RuntimeClosed unless running (the replay reads it)
         cut = agent.head if live and agent is not None else None
         hub = agent.hub if agent is not None else None
         in_flight = True
@@ -551,12 +547,7 @@ class Runtime(MemoryAPI):
             # comes first. A user message sent mid-turn does not: the answer still streams.
             cut = after
             in_flight = hub is not None and not hub.sealing
-        follower = Follower(
-            after,
-            cut,
-            replay if after is not None else None,
-            lambda f: host.release(f, conversation_id),
-        )
+        follower = Follower(host, conversation_id, after, cut, replay=after is not None)
         if hub is not None:
             if hub.parts and in_flight:
                 follower.push(TextDelta("".join(hub.parts)))
