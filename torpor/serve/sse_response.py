@@ -1,0 +1,260 @@
+"""Server-Sent Events as a lean ASGI response: no task of its own, pings from one timer.
+
+An open stream is the request's own task and nothing else: no task group, no
+ping task, no task waiting for the client to leave. That task sleeps on one
+future, which any of three things completes:
+
+* its :class:`Source` (a follower's buffer) when it has events to take;
+* the ASGI ``receive()``, which returns ``http.disconnect`` once the client has
+  gone (uvicorn's ``send`` to a closed connection returns quietly, so that is the
+  only signal). The stream steps ``receive()`` itself, as an asyncio task would
+  (it yields the future it waits on), rather than run it in a task of its own;
+* :class:`Streams`, an app's open streams and the one timer that pings the idle
+  ones (a comment line, so proxies keep them open) and stops them all when the
+  server drains.
+
+The wire format is sse-starlette's, byte for byte: ``id``, ``event``, ``data`` and
+``retry`` lines, CRLF line ends, pings as ``: ping - <UTC time>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+__all__ = ["HEADERS", "PING_SECONDS", "EventStream", "Source", "Streams", "encode_event"]
+
+PING_SECONDS = 15.0  # a comment line this often keeps proxies from closing an idle stream
+
+_CRLF = b"\r\n"
+_LINES = re.compile(rb"\r\n|\r|\n")
+_END: Message = {"type": "http.response.body", "body": b"", "more_body": False}
+HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"cache-control", b"no-store"),
+    (b"connection", b"keep-alive"),
+    (b"x-accel-buffering", b"no"),  # nginx: pass each event on at once
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+)
+
+
+def encode_event(data: bytes, *, event: str | None = None, id: str | None = None,
+                 retry: int | None = None) -> bytes:
+    """One event on the wire: ``id``, ``event``, a ``data`` line per line of ``data``,
+    ``retry``, then a blank line (newlines in the id or the name are dropped)."""
+    parts: list[bytes] = []
+    if id is not None:
+        parts += (b"id: ", _LINES.sub(b"", id.encode()), _CRLF)
+    if event is not None:
+        parts += (b"event: ", _LINES.sub(b"", event.encode()), _CRLF)
+    if b"\n" in data or b"\r" in data:
+        for line in _LINES.split(data):
+            parts += (b"data: ", line, _CRLF)
+    else:
+        parts += (b"data: ", data, _CRLF)
+    if retry is not None:
+        parts += (b"retry: ", str(retry).encode(), _CRLF)
+    parts.append(_CRLF)
+    return b"".join(parts)
+
+
+class Source(Protocol):
+    """Where a stream's events come from: a buffer, read without waiting."""
+
+    async def open(self) -> None:
+        """Once, before the first ``take`` (a follower's replay)."""
+
+    def take(self) -> bytes | None:
+        """The next encoded event, None if there is none yet; StopAsyncIteration at the end."""
+
+    def wake_on(self, future: asyncio.Future[None] | None) -> None:
+        """Complete ``future`` when ``take`` has something again (None: no longer)."""
+
+    def close(self) -> None:
+        """End after what is buffered (the server drains), and release what it holds."""
+
+
+class Streams:
+    """An app's open event streams and the one timer that pings the idle ones.
+
+    Every ``interval`` seconds each stream that sent no event since the last tick
+    gets a ping, so an idle stream hears from the server at least every two
+    intervals. ``changed(n)`` is told the number of open streams when it changes.
+    """
+
+    __slots__ = ("_handle", "_open", "changed", "interval")
+
+    def __init__(self, interval: float = PING_SECONDS,
+                 changed: Callable[[int], None] | None = None) -> None:
+        if not interval > 0:
+            raise ValueError(f"the ping interval must be > 0 seconds, got {interval!r}")
+        self.interval = interval
+        self.changed = changed
+        self._open: set[EventStream] = set()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, stream: EventStream) -> None:
+        self._open.add(stream)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
+        if self.changed is not None:
+            self.changed(len(self._open))
+
+    def discard(self, stream: EventStream) -> None:
+        self._open.discard(stream)
+        if not self._open and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self.changed is not None:
+            self.changed(len(self._open))
+
+    def stop_all(self) -> None:
+        """End every open stream once it has sent what its source holds (draining)."""
+        for stream in list(self._open):
+            stream.stop()
+
+    def _tick(self) -> None:
+        frame = f": ping - {datetime.now(UTC)}\r\n\r\n".encode()
+        for stream in self._open:
+            stream.tick(frame)
+        self._handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
+
+
+class EventStream(Response):
+    """An ASGI response sending what ``source`` holds, as it comes, as an event stream.
+
+    The source is closed when the response ends however it ends (the stream ended,
+    the client left, HEAD, an error), so what it holds is always released. A
+    Starlette ``Response`` only by type (what handlers return); none of its state.
+    """
+
+    __slots__ = ("_head", "_ping", "_source", "_stopping", "_streams", "_wake", "_wrote",
+                 "status_code")
+
+    def __init__(self, source: Source, streams: Streams, *, status_code: int = 200,
+                 headers: Sequence[tuple[bytes, bytes]] = HEADERS) -> None:
+        self._source = source
+        self._streams = streams
+        self.status_code = status_code
+        self._head = headers
+        self._stopping = False
+        self._ping: bytes | None = None  # a ping the timer asked for, not yet sent
+        self._wrote = True  # an event (or the headers) went out since the last tick
+        self._wake: asyncio.Future[None] | None = None
+
+    def tick(self, frame: bytes) -> None:
+        """The timer's tick: ping unless an event went out since the last one."""
+        if self._wrote:
+            self._wrote = False
+        else:
+            self._ping = frame
+            self._poke()
+
+    def stop(self) -> None:
+        """End once the source holds nothing more (it still sends what it has)."""
+        self._stopping = True
+        self._source.close()
+        self._poke()
+
+    def _poke(self, _: object = None) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        source = self._source
+        streams = self._streams
+        rx: Generator[Any, None, Message] | None = None  # receive() under way
+        rx_on: asyncio.Future[Any] | None = None  # what it waits on
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": list(self._head)})
+            if scope.get("method") == "HEAD":  # the headers a GET gets; the stream never starts
+                await send(_END)
+                return
+            streams.add(self)
+            try:
+                await source.open()
+                loop = asyncio.get_running_loop()
+                while True:
+                    while rx_on is None or rx_on.done():  # the client: has it left?
+                        if rx is None:
+                            rx = _stepper(receive())
+                        try:
+                            yielded = rx.send(None)
+                        except StopIteration as done:
+                            rx = rx_on = None
+                            if done.value["type"] == "http.disconnect":
+                                return
+                            continue  # a part of the request's body: ask again
+                        except BaseException:
+                            rx = None
+                            raise
+                        rx_on = self._watch(yielded, loop)
+                    try:
+                        while (frame := source.take()) is not None:
+                            self._wrote = True
+                            await send({"type": "http.response.body", "body": frame,
+                                        "more_body": True})
+                    except StopAsyncIteration:
+                        break
+                    if self._stopping:
+                        break
+                    if self._ping is not None:
+                        frame, self._ping = self._ping, None
+                        await send({"type": "http.response.body", "body": frame,
+                                    "more_body": True})
+                        continue
+                    wake = self._wake = loop.create_future()
+                    source.wake_on(wake)
+                    try:
+                        await wake
+                    finally:
+                        self._wake = None
+                        source.wake_on(None)
+                await send(_END)
+            except OSError:  # a server that says the client left when sent to (ASGI 2.4)
+                return
+            finally:
+                streams.discard(self)
+        finally:
+            if rx is not None:
+                rx.close()
+            source.close()
+
+    def _watch(self, yielded: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+        """What a stepped ``receive()`` waits on, set to wake this stream when it is done."""
+        if yielded is None:  # a bare yield (sleep(0)): go on at the loop's next pass
+            future: asyncio.Future[Any] = loop.create_future()
+            loop.call_soon(_resolve, future)
+        elif asyncio.isfuture(yielded) and getattr(yielded, "_asyncio_future_blocking", False):
+            yielded._asyncio_future_blocking = False  # taken, as an asyncio task takes it
+            future = yielded
+        else:
+            raise RuntimeError(f"receive() awaited {yielded!r}, not an asyncio future")
+        future.add_done_callback(self._poke, context=_QUIET)
+        return future
+
+
+_QUIET = contextvars.Context()  # what _poke runs in: it reads no context variable
+
+
+def _stepper(awaitable: Awaitable[Any]) -> Generator[Any, None, Any]:
+    """What to step an awaitable with (a coroutine steps itself: no wrapper to keep)."""
+    if isinstance(awaitable, Coroutine):
+        return awaitable  # type: ignore[return-value]  # send/throw/close, as a generator's
+    return awaitable.__await__()
+
+
+def _resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
