@@ -59,18 +59,8 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = request_id
         request_id_var.set(request_id)
         conversation_id_var.set(None)
-        status = 500
         started = time.perf_counter()
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = list(message.get("headers", ()))
-                headers.append((b"x-request-id", request_id.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
+        send_with_id = _WithId(send, request_id)
         later: list[Deferred] = []
         scope[DEFER] = later
         try:
@@ -82,9 +72,30 @@ class RequestContext:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
+            status = send_with_id.status
             self.metrics.requests.labels(scope["method"], template, str(status)).inc()
             log.info("request", method=scope["method"], path=scope["path"], status=status,
                      ms=round((time.perf_counter() - started) * 1000, 3))
+
+
+class _WithId:
+    """``send`` that adds the request id to the response's headers and notes its status
+    (an object, not a closure: an open stream keeps it, and cells cost more)."""
+
+    __slots__ = ("request_id", "send", "status")
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self.send = send
+        self.request_id = request_id
+        self.status = 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            headers = list(message.get("headers", ()))
+            headers.append((b"x-request-id", self.request_id.encode()))
+            message = {**message, "headers": headers}
+        await self.send(message)
 
 
 async def _torpor_error(request: Request, exc: Exception) -> Response:

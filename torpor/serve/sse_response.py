@@ -1,17 +1,16 @@
 """Server-Sent Events as a lean ASGI response: no task of its own, pings from one timer.
 
-An open stream is the request's own task and nothing else: no task group, no
-ping task, no task waiting for the client to leave. That task sleeps on one
-future, which any of three things completes:
-
-* its :class:`Source` (a follower's buffer) when it has events to take;
-* the ASGI ``receive()``, which returns ``http.disconnect`` once the client has
-  gone (uvicorn's ``send`` to a closed connection returns quietly, so that is the
-  only signal). The stream steps ``receive()`` itself, as an asyncio task would
-  (it yields the future it waits on), rather than run it in a task of its own;
-* :class:`Streams`, an app's open streams and the one timer that pings the idle
-  ones (a comment line, so proxies keep them open) and stops them all when the
-  server drains.
+An open stream is the request's own task and nothing else: no task group, no ping
+task, no task (nor coroutine) waiting for the client to leave. That task sleeps on
+one future, which its :class:`Source` (a follower's buffer, read without waiting)
+completes when it has events, and :class:`Streams` on each tick of the one timer an
+app's open streams share. On a tick the stream pings if it sent nothing since the
+last one (a comment line, so proxies keep it open) and looks whether the client has
+left: uvicorn's ``send`` to a closed connection returns quietly, so ``receive()``
+returning ``http.disconnect`` is the only signal, and the stream asks it without
+waiting (one step of the coroutine). A client that left is noticed within one ping
+interval, and its follower released. Draining stops every stream once it has sent
+what its source holds.
 
 The wire format is sse-starlette's, byte for byte: ``id``, ``event``, ``data`` and
 ``retry`` lines, CRLF line ends, pings as ``: ping - <UTC time>``.
@@ -20,11 +19,10 @@ The wire format is sse-starlette's, byte for byte: ``id``, ``event``, ``data`` a
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -83,9 +81,10 @@ class Source(Protocol):
 class Streams:
     """An app's open event streams and the one timer that pings the idle ones.
 
-    Every ``interval`` seconds each stream that sent no event since the last tick
-    gets a ping, so an idle stream hears from the server at least every two
-    intervals. ``changed(n)`` is told the number of open streams when it changes.
+    Every ``interval`` seconds each stream looks whether its client left, and gets a
+    ping if it sent no event since the last tick (so an idle stream hears from the
+    server at least every two intervals). ``changed(n)`` is told the number of open
+    streams when it changes.
     """
 
     __slots__ = ("_handle", "_open", "changed", "interval")
@@ -137,8 +136,8 @@ class EventStream(Response):
     Starlette ``Response`` only by type (what handlers return); none of its state.
     """
 
-    __slots__ = ("_head", "_ping", "_source", "_stopping", "_streams", "_wake", "_wrote",
-                 "status_code")
+    __slots__ = ("_check", "_head", "_ping", "_source", "_stopping", "_streams", "_wake",
+                 "_wrote", "status_code")
 
     def __init__(self, source: Source, streams: Streams, *, status_code: int = 200,
                  headers: Sequence[tuple[bytes, bytes]] = HEADERS) -> None:
@@ -149,15 +148,18 @@ class EventStream(Response):
         self._stopping = False
         self._ping: bytes | None = None  # a ping the timer asked for, not yet sent
         self._wrote = True  # an event (or the headers) went out since the last tick
+        self._check = True  # has the client left? (once at the start, then on each tick)
         self._wake: asyncio.Future[None] | None = None
 
     def tick(self, frame: bytes) -> None:
-        """The timer's tick: ping unless an event went out since the last one."""
+        """The timer's tick: look whether the client left; ping unless an event went out
+        since the last tick."""
+        self._check = True
         if self._wrote:
             self._wrote = False
         else:
             self._ping = frame
-            self._poke()
+        self._poke()
 
     def stop(self) -> None:
         """End once the source holds nothing more (it still sends what it has)."""
@@ -165,7 +167,7 @@ class EventStream(Response):
         self._source.close()
         self._poke()
 
-    def _poke(self, _: object = None) -> None:
+    def _poke(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -173,8 +175,6 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         source = self._source
         streams = self._streams
-        rx: Generator[Any, None, Message] | None = None  # receive() under way
-        rx_on: asyncio.Future[Any] | None = None  # what it waits on
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": list(self._head)})
@@ -186,20 +186,10 @@ class EventStream(Response):
                 await source.open()
                 loop = asyncio.get_running_loop()
                 while True:
-                    while rx_on is None or rx_on.done():  # the client: has it left?
-                        if rx is None:
-                            rx = _stepper(receive())
-                        try:
-                            yielded = rx.send(None)
-                        except StopIteration as done:
-                            rx = rx_on = None
-                            if done.value["type"] == "http.disconnect":
-                                return
-                            continue  # a part of the request's body: ask again
-                        except BaseException:
-                            rx = None
-                            raise
-                        rx_on = self._watch(yielded, loop)
+                    if self._check:  # the timer's tick: has the client left?
+                        self._check = False
+                        if _left(receive):
+                            return
                     try:
                         while (frame := source.take()) is not None:
                             self._wrote = True
@@ -227,34 +217,22 @@ class EventStream(Response):
             finally:
                 streams.discard(self)
         finally:
-            if rx is not None:
-                rx.close()
             source.close()
 
-    def _watch(self, yielded: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
-        """What a stepped ``receive()`` waits on, set to wake this stream when it is done."""
-        if yielded is None:  # a bare yield (sleep(0)): go on at the loop's next pass
-            future: asyncio.Future[Any] = loop.create_future()
-            loop.call_soon(_resolve, future)
-        elif asyncio.isfuture(yielded) and getattr(yielded, "_asyncio_future_blocking", False):
-            yielded._asyncio_future_blocking = False  # taken, as an asyncio task takes it
-            future = yielded
-        else:
-            raise RuntimeError(f"receive() awaited {yielded!r}, not an asyncio future")
-        future.add_done_callback(self._poke, context=_QUIET)
-        return future
 
-
-_QUIET = contextvars.Context()  # what _poke runs in: it reads no context variable
-
-
-def _stepper(awaitable: Awaitable[Any]) -> Generator[Any, None, Any]:
-    """What to step an awaitable with (a coroutine steps itself: no wrapper to keep)."""
-    if isinstance(awaitable, Coroutine):
-        return awaitable  # type: ignore[return-value]  # send/throw/close, as a generator's
-    return awaitable.__await__()
-
-
-def _resolve(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _left(receive: Receive) -> bool:
+    """Whether the client has gone: ``receive()`` stepped once, not awaited. Once it has
+    (and the request's body is read) it returns ``http.disconnect`` at once; while the
+    client is there it would wait, and is closed where it waits (nothing is lost: it
+    had nothing to return)."""
+    while True:
+        awaitable = receive()
+        step = awaitable if isinstance(awaitable, Coroutine) else awaitable.__await__()
+        try:
+            step.send(None)
+        except StopIteration as done:
+            if done.value["type"] == "http.disconnect":
+                return True
+            continue  # a part of the request's body nobody read: ask again
+        step.close()
+        return False
