@@ -119,6 +119,32 @@ async def test_a_client_that_leaves_an_idle_stream_frees_its_follower_and_its_ta
         assert rt._host.followers_by_id == {}
 
 
+def awaiting(task: asyncio.Task[object]) -> list[str]:
+    """Where each coroutine a task waits in was defined, outermost first."""
+    where, coro = [], task.get_coro()
+    while hasattr(coro, "cr_code"):
+        where.append(f"{coro.cr_code.co_filename}:{coro.cr_code.co_qualname}")
+        coro = coro.cr_await
+    return where
+
+
+async def test_an_open_stream_holds_none_of_the_routing_layers() -> None:
+    async with Runtime("sqlite://") as rt, hosted(rt, ping_interval=0.05) as (
+        url, client, _app
+    ):
+        await client.call("GET", "/healthz")
+        before = asyncio.all_tasks()
+        stream = await Stream.open(url, "/v1/conversations/r/stream")
+        with anyio.fail_after(10):
+            assert PING.fullmatch(await stream.chunk())  # it waits for events
+        (task,) = asyncio.all_tasks() - before
+        stack = awaiting(task)
+        assert stack[-1].endswith("EventStream.__call__"), stack
+        assert not [f for f in stack if "starlette/routing" in f or "_exception_handler" in f
+                    or "Deferred" in f], stack
+        stream.close()
+
+
 async def test_head_of_a_stream_answers_its_headers_and_keeps_no_follower() -> None:
     async with Runtime("sqlite://") as rt, hosted(rt) as (url, _, application):
         stream = await Stream.open(url, "/v1/conversations/h/stream", method="HEAD")
