@@ -7,10 +7,10 @@ Both sides listen on a socket made by ``torpor.serve.bind`` and run uvicorn with
 settings ``torpor.serve.runner.serve`` uses, in this (separate) process; the first line
 printed is ``… listening on URL/``. The knobs are applied without editing torpor:
 
-- ``--loop uvloop``: the uvloop event-loop policy before ``asyncio.run`` (``torpor serve``
-  calls ``asyncio.run`` and then ``Server.serve()``, so uvicorn's ``loop=`` never applies).
-- ``--http``: uvicorn's HTTP parser, forced (``http="auto"`` would pick httptools whenever it
-  is importable, whatever the loop).
+- ``--loop``, ``--http``: the event loop and uvicorn's HTTP parser. ``torpor serve`` is given
+  them as its own ``--loop`` and ``--http`` (its default, ``auto``, would pick uvloop and
+  httptools whenever they import); the minimal app gets the uvloop event-loop policy before
+  ``asyncio.run`` and the parser forced in ``uvicorn.Config``.
 - ``--nodelay on``: TCP_NODELAY set on the listening socket (Linux passes it on to every
   accepted socket); ``shipped`` leaves the socket as ``torpor.serve.bind`` makes it.
 - ``--cprofile FILE``: cProfile on the event loop's thread, from SIGUSR1 to SIGUSR2 (which
@@ -102,7 +102,7 @@ def _torpor(args: argparse.Namespace) -> int:
 
     return main(["serve", "--db", f"sqlite:///{args.db}", "--port", "0", "--model", "echo",
                  "--token", args.token, "--admin-token", args.admin_token,
-                 "--log-level", args.log_level])
+                 "--log-level", args.log_level, "--loop", args.loop, "--http", args.http])
 
 
 def cli() -> int:
@@ -117,18 +117,18 @@ def cli() -> int:
     parser.add_argument("--nodelay", choices=("shipped", "on"), default="shipped")
     parser.add_argument("--cprofile", metavar="FILE")
     args = parser.parse_args()
+    _patch_bind(args.nodelay)
+    if args.cprofile:
+        _profiler(args.cprofile)
+    if args.app == "torpor":
+        return _torpor(args)
     if args.loop == "uvloop":
         import uvloop  # type: ignore[import-not-found,unused-ignore]  # optional
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     _force_http(args.http)
-    _patch_bind(args.nodelay)
-    if args.cprofile:
-        _profiler(args.cprofile)
-    if args.app in ("minimal", "lean"):
-        _minimal(args)
-        return 0
-    return _torpor(args)
+    _minimal(args)
+    return 0
 
 
 if __name__ == "__main__":

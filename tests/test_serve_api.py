@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 
 import anyio
 import pytest
@@ -37,6 +39,39 @@ async def test_a_message_streams_its_turn_with_ids() -> None:
         assert text_of(events) == "echo: hello there" == events[-1].json()["body"]["text"]
         assert events[0].id == "0" and events[-1].id == "1"
         assert [e.id for e in events if e.event == "delta"][-1] == "0.17"
+
+
+async def test_request_ids_are_a_process_prefix_and_a_counter() -> None:
+    async with Runtime("sqlite://") as rt, served(rt) as (_, client, _app):
+        ids = []
+        conn = client.connection()
+        for _ in range(5):
+            _, response = await client.open("GET", "/healthz", conn=conn)
+            await response.read()
+            ids.append(response.headers["x-request-id"])
+        _, response = await client.open("GET", "/healthz", conn=conn,
+                                        headers={"X-Request-ID": "mine-1"})
+        await response.read()
+        await conn.close()
+    assert len(set(ids)) == 5 and len({i[:8] for i in ids}) == 1
+    assert [int(i[8:], 16) for i in ids] == sorted(int(i[8:], 16) for i in ids)
+    assert response.headers["x-request-id"] == "mine-1"
+
+
+def test_a_forked_process_takes_another_request_id_prefix() -> None:
+    from torpor.serve.app import _request_ids
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its first id, then gone
+        os.write(write, _request_ids.next().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+    ours = _request_ids.next()
+    assert len(theirs) == len(ours) == 16 and theirs[:8] != ours[:8]
 
 
 async def test_json_accept_returns_202_and_idempotency_key_replays() -> None:
@@ -387,6 +422,23 @@ async def test_model_metrics_come_from_the_instrumented_model() -> None:
         assert 'torpor_tokens_total{direction="out"}' in text
 
 
+async def test_tokens_in_are_what_the_runtime_counted_for_each_context() -> None:
+    """A model that reports no prompt tokens: the metric takes the count the runtime made
+    when it assembled the context (the audit's estimate), without walking the context."""
+    from torpor.serve import Metrics
+
+    metrics = Metrics(process=False)
+    model = metrics.instrument(EchoModel())
+    async with Runtime("sqlite://", model=model,
+                       agent=AgentConfig(system_prompt="Be brief. " * 20)) as rt:
+        for text in ("one", "two", "three"):
+            await (await rt.send("m", text)).result()
+        calls = await rt.store.model_calls("m")
+    counted = metrics.registry.get_sample_value("torpor_tokens_total", {"direction": "in"})
+    assert len(calls) == 3 and all(c.reported_prompt_tokens is None for c in calls)
+    assert counted == sum(c.estimated_prompt_tokens for c in calls) > 0
+
+
 async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> None:
     from torpor.serve import app, bearer_token, service_of
     from torpor.serve.client import Client
@@ -422,6 +474,29 @@ async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> No
         async with open_store(url_db) as store:
             logged = await store.read_since("g", 0)
         assert logged[-1].kind == "aborted" and logged[-1].body.partial_text == "half"
+
+
+async def test_a_tracked_turn_costs_no_task_and_ended_ones_are_let_go() -> None:
+    from torpor.serve import Metrics, Service
+
+    gate = anyio.Event()
+    model = ScriptedModel([[Wait(gate), Text("done")]], loop=True)
+    async with Runtime("sqlite://", model=model) as rt:
+        service = Service(rt, Metrics(process=False), shutdown_grace=5)
+        turn = await rt.send("c", "hello")
+        tasks = len(asyncio.all_tasks())
+        assert service.track(turn) is False
+        assert len(asyncio.all_tasks()) == tasks  # its done() is read, not waited on
+        assert service.track(turn) is True  # a keyed retry handed the same running turn
+        assert service.turns_in_flight == 1
+        gate.set()
+        await turn.result()
+        assert service.turns_in_flight == 0 and service.track(turn) is False
+        for n in range(200):  # ended turns do not pile up
+            ended = await rt.send(f"c{n}", "hi")
+            service.track(ended)
+            await ended.result()
+        assert len(service._inflight) <= 64
 
 
 async def test_shutdown_lets_turns_in_flight_finish_within_the_grace() -> None:

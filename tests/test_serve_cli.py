@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -84,6 +85,20 @@ async def test_serve_streams_and_logs_json_with_ids(tmp_path: Path) -> None:
                and r.get("path") == "/v1/conversations/logged/messages"]
     assert request and request[0]["request_id"] == "req-42"
     assert request[0]["conversation_id"] == "logged" and request[0]["status"] == 200
+
+
+def test_serving_begins_with_the_startup_heap_frozen(capsys: pytest.CaptureFixture[str]) -> None:
+    """What exists when serving starts lives as long as the process: the cyclic GC need not
+    walk it again at every full collection (gc.freeze)."""
+    from torpor.cli.serve import _ready
+
+    assert gc.get_freeze_count() == 0
+    try:
+        _ready(["torpor serve: listening on http://127.0.0.1:1/"])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert capsys.readouterr().out == "torpor serve: listening on http://127.0.0.1:1/\n"
 
 
 def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:

@@ -291,6 +291,7 @@ def _refuse_call(agent: Agent, message: Message) -> None:
 
 def _drop_caches(agent: Agent) -> None:
     agent.ws = None
+    agent.recent = None
     agent.hub = None
     agent.lock = None
     agent.ws_tokens = 0
@@ -392,6 +393,7 @@ def _recover(agent: Agent, host: Host, recovery: Recovery) -> None:
     if taken is not None:
         fail(taken, error)
     agent.ws = None  # the log is the memory: the restart reads it back
+    agent.recent = None
     agent.lock = None
     host.on_dropped(agent)
     if recovery.drain or recovery.final:
@@ -427,7 +429,7 @@ async def _park(agent: Agent, host: Host, cause: str) -> None:
                 agent.id, [Parked(cause, restarts=agent.restarts)], turn=agent.turn
             )
         agent.head = max(agent.head, events[-1].position)
-        host.publish(agent.id, events)
+        host.publish(agent, events)
     except Exception as exc:  # the store may be what keeps failing: stay parked in memory
         with contextlib.suppress(Exception):
             host.log.error("parking_not_logged", conversation_id=agent.id, error=repr(exc))
@@ -445,7 +447,7 @@ async def _unpark(agent: Agent, host: Host, request: UnparkRequest) -> None:
         fail(request, exc)
         return
     agent.head = max(agent.head, events[-1].position)
-    host.publish(agent.id, events)
+    host.publish(agent, events)
     agent.parked_cause = None
     agent.crash_times = ()
     _drop_caches(agent)
@@ -532,6 +534,7 @@ async def revive(agent: Agent, host: Host) -> None:
     agent.ws = ws
     agent.lock = lock
     agent.head = resume.head if resume.head is not None else -1
+    agent.recent = None  # what followers may replay from memory starts at this head
     agent.turn = restored.turn
     agent.numbered = restored.numbered
     agent.cycle = resume.checkpoint.cycle if resume.checkpoint is not None else 0

@@ -19,6 +19,7 @@ from torpor.actors.state import REPORTED, AgentState, transition
 from torpor.actors.write_lock import WriteLock
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from contextlib import AbstractAsyncContextManager
 
     import anyio
@@ -35,7 +36,10 @@ if TYPE_CHECKING:
     from torpor.llm.protocol import Model, ToolSpec
     from torpor.store.protocol import EventStore
 
-__all__ = ["Agent", "Host", "Profile", "Waiting"]
+__all__ = ["RECENT_EVENTS", "Agent", "Host", "Profile", "Waiting"]
+
+RECENT_EVENTS = 16
+"""How many of its latest events a live agent keeps for followers (a turn logs a few)."""
 
 
 class Waiting:
@@ -108,8 +112,8 @@ class Host(Protocol):
         """The conversation's followers (``Runtime.subscribe``), None when it has none."""
         ...
 
-    def publish(self, conversation_id: str, events: list[Event]) -> None:
-        """Hand newly logged events to the conversation's followers."""
+    def publish(self, agent: Agent, events: list[Event]) -> None:
+        """Hand events ``agent`` just logged to its conversation's followers."""
         ...
 
     def abandon(self, task: asyncio.Task[Any], what: str) -> None:
@@ -142,6 +146,7 @@ class Agent:
         "pending",
         "postponed",
         "profile",
+        "recent",
         "restarts",
         "scope",
         "state",
@@ -205,6 +210,10 @@ class Agent:
         # Text a dead stream delivered that no logged event holds yet: the Aborted owed for
         # its turn carries it, and until then it is the text in flight for new followers.
         self.unlogged = ""
+        # The latest events logged while live, positions consecutive up to ``head``: a
+        # follower starting near the head (a POST streaming its own turn) replays them from
+        # here instead of reading the log back. Dropped with the working set.
+        self.recent: list[Event] | None = None
 
     # -- state ---------------------------------------------------------------
     @property
@@ -267,6 +276,27 @@ class Agent:
         postponed = self.postponed
         last = postponed[-1].event.turn if postponed else self.turn
         return last if last >= self.numbered else self.numbered
+
+    # -- recent events -----------------------------------------------------------
+    def remember(self, events: Sequence[Event]) -> None:
+        """Keep ``events`` (just logged, at the head) among the recent ones."""
+        recent = self.recent
+        if recent and recent[-1].position + 1 == events[0].position:
+            recent.extend(events)
+            if len(recent) > RECENT_EVENTS:
+                del recent[:-RECENT_EVENTS]
+        else:  # the first since the working set was read, or a gap: start again from these
+            self.recent = list(events[-RECENT_EVENTS:])
+
+    def logged_after(self, after: int) -> list[Event] | None:
+        """The events logged after position ``after`` up to ``head``, from memory (the
+        agent is live); None when memory does not hold every one of them."""
+        if after >= self.head:
+            return []
+        recent = self.recent
+        if not recent or recent[0].position > after + 1 or recent[-1].position != self.head:
+            return None
+        return recent[after + 1 - recent[0].position:]
 
     # -- mailbox ---------------------------------------------------------------
     def post(self, message: Message) -> None:

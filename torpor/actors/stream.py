@@ -116,16 +116,21 @@ class Origin(Protocol):
     def release(self, follower: Follower, conversation_id: str) -> None: ...
 
 
+Replay: TypeAlias = bool | list[Event]
+"""What a follower replays after its cursor: True, read it from the log (its origin's
+``replay``); the events themselves when memory held them (up to its cut); False, nothing."""
+
+
 class Follower(Subscriber):
     """Follows one conversation: the log after ``after``, the text in flight, then live.
 
     Registered the moment it is made, so nothing logged later can be missed; the
-    replay (when ``replay``) is read lazily on the first iteration. ``cut`` is the
-    highest position the replay must cover (the agent's head when it was made, if it
-    was live); events pushed live at or below it are dropped, since the replay holds
-    them. Close it (``close()``, or leave ``async with``) to release it at once; it
-    also ends when the runtime stops. Iterating it again (after a ``break``) goes on
-    where the last iteration stopped.
+    replay is read lazily on the first iteration (unless memory held it: then it
+    is given). ``cut`` is the highest position the replay must cover (the agent's
+    head when it was made, if it was live); events pushed live at or below it are
+    dropped, since the replay holds them. Close it (``close()``, or leave ``async
+    with``) to release it at once; it also ends when the runtime stops. Iterating it
+    again (after a ``break``) goes on where the last iteration stopped.
     """
 
     __slots__ = ("_after", "_cut", "_id", "_origin", "_replay")
@@ -136,14 +141,14 @@ class Follower(Subscriber):
         conversation_id: str,
         after: int | None,
         cut: int | None,
-        replay: bool,
+        replay: Replay,
     ) -> None:
         super().__init__()
         self._origin: Origin | None = origin  # None once released
         self._id = conversation_id
         self._after = after
         self._cut = cut
-        self._replay = replay and after is not None
+        self._replay: Replay = replay if after is not None else False
 
     def push(self, item: StreamItem) -> None:
         cut = self._cut
@@ -170,7 +175,7 @@ class Follower(Subscriber):
 
     def __anext__(self) -> Coroutine[Any, Any, StreamItem]:
         # Not a coroutine itself: past the replay, the reader waits in Subscriber's frame only.
-        if self._replay:
+        if self._replay is not False:
             return self._replayed_then_next()
         return super().__anext__()
 
@@ -188,26 +193,28 @@ class Follower(Subscriber):
     async def replayed(self) -> None:
         """Read the replay now, if it is still to be read (iterating reads it first; a
         reader that only calls :meth:`take` calls this once before)."""
-        if not self._replay:
-            return
-        self._replay = False
+        replay, self._replay = self._replay, False
         origin, after = self._origin, self._after
-        if origin is not None and after is not None:
+        if replay is False or origin is None or after is None:
+            return
+        if isinstance(replay, list):
+            events = replay
+        else:
             try:
                 events = await origin.replay(self._id, after + 1)
             except BaseException:
                 self.close()
                 raise
-            cut = self._cut
-            held = list(self._items or ())
-            if cut is None:  # nothing was live: the replay covers all it read
-                cut = events[-1].position if events else after
-                self._cut = cut
-                held = _after_replay(held, cut)
-            # Kept on the follower, not in this coroutine: iterating it again (after a
-            # ``break``) goes on where the last iteration stopped.
-            items = [*(e for e in events if e.position <= cut), *held]
-            self._items = deque(items) if items else None
+        cut = self._cut
+        held = list(self._items or ())
+        if cut is None:  # nothing was live: the replay covers all it read
+            cut = events[-1].position if events else after
+            self._cut = cut
+            held = _after_replay(held, cut)
+        # Kept on the follower, not in this coroutine: iterating it again (after a
+        # ``break``) goes on where the last iteration stopped.
+        items = [*(e for e in events if e.position <= cut), *held]
+        self._items = deque(items) if items else None
 
 
 def _after_replay(items: list[StreamItem], cut: int) -> list[StreamItem]:

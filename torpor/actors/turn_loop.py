@@ -46,7 +46,14 @@ from torpor.errors import (
     ToolArgumentError,
 )
 from torpor.events import AssistantMessage, Body, Event, Suspended, TaskCard, ToolCall, ToolResult
-from torpor.llm.protocol import CONVERSATION, Model, TextDelta, ToolCallDelta, Usage
+from torpor.llm.protocol import (
+    CONTEXT_TOKENS,
+    CONVERSATION,
+    Model,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
 from torpor.memory.fold import fold_memory
 from torpor.memory.reconcile import reconcile_logged
 from torpor.store.protocol import ModelCall
@@ -153,7 +160,7 @@ async def logged(
         fresh = events[-1].position > agent.head  # else a key found what it logged before
         if fresh:
             agent.head = events[-1].position
-            host.publish(agent.id, events)
+            host.publish(agent, events)
             ws = agent.ws
             if ws is not None:  # a card is in effect from the next model call on
                 for event in events:
@@ -281,6 +288,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     idle = agent.profile.config.model_idle_timeout
     clock = asyncio.get_running_loop().time  # the watchdog's clock
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
+    tokens = CONTEXT_TOKENS.set(rendered.estimated_tokens)  # metrics need not recount
     stream = _model_of(agent, host).stream(rendered.messages, specs)
     watched: Call | None = None
     try:
@@ -345,11 +353,12 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
         if watched is not None:
             host.watchdog.release(watched)
         CONVERSATION.reset(conversation)
+        CONTEXT_TOKENS.reset(tokens)
     message = AssistantMessage("".join(parts), tuple(calls))
     audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
     # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
     # every object a waiting turn holds is one more for the cyclic GC to walk.
-    del rendered, stream, parts, calls, conversation, watched, pushed, clock
+    del rendered, stream, parts, calls, conversation, tokens, watched, pushed, clock
     # The answer and its audit row: one operation of one commit. No shield scope: nothing
     # can cancel it through a scope any more (the watchdog has let the call go, a caller's
     # cancel finds the turn not cancellable and is too late, and a cancel that came as the

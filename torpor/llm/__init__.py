@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torpor.llm.echo import EchoModel
 from torpor.llm.embedding import Embedder, HashingEmbedder
 from torpor.llm.protocol import (
+    CONTEXT_TOKENS,
     CONVERSATION,
     ContextMessage,
     Model,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from torpor.llm.openai_embeddings import OpenAIEmbedder
 
 __all__ = [
+    "CONTEXT_TOKENS",
     "CONVERSATION",
     "Action",
     "AnthropicModel",

@@ -20,6 +20,7 @@ import msgspec
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
 
 __all__ = [
+    "CONTEXT_TOKENS",
     "CONVERSATION",
     "ContextMessage",
     "Model",
@@ -85,6 +86,13 @@ CONVERSATION: ContextVar[str | None] = ContextVar("torpor_conversation", default
 
 The Model protocol stays ``stream(context, tools)``; an adapter that can use a
 stable per-conversation key (OpenAI's ``prompt_cache_key``, say) reads it here.
+"""
+
+CONTEXT_TOKENS: ContextVar[int | None] = ContextVar("torpor_context_tokens", default=None)
+"""torpor's estimate of the tokens of the context a model call is made with (system
+prompt, tools and messages, as counted when it was assembled), set by the runtime
+around each call: a wrapper that measures calls reads it instead of walking the
+context (None: the call was not made by the runtime).
 """
 
 

@@ -178,7 +178,7 @@ class Admission:
                 if event.turn != number:  # an idempotent retry of an earlier send
                     return await replayed_turn(agent, host, event.position, event.turn)
                 agent.head = event.position
-                host.publish(agent.id, events)
+                host.publish(agent, events)
                 hub = StreamHub(host.followers(agent.id))
                 turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
                 if self._closed is not None or (

@@ -14,7 +14,7 @@ from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
 from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
 from torpor.actors.state import AgentState
-from torpor.actors.stream import Follower
+from torpor.actors.stream import Follower, Replay
 from torpor.actors.tools import Toolbox
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import BUILTIN_TOOLS
@@ -522,7 +522,8 @@ class Runtime(MemoryAPI):
         """Follow a conversation: what was logged after ``after``, then live, until closed.
 
         ``after``: a position (an SSE ``Last-Event-ID``): every event logged after
-        it is replayed from the log, then the text in flight, then everything
+        it is replayed (from the log, or from memory when the live agent still holds
+        them: its latest few), then the text in flight, then everything
         live across turns, with no gap and no duplicate at any seam (a position
         committed a moment ago, before its agent applied it, included: no text in
         flight first when that write holds it). None: from now on (the text in
@@ -547,7 +548,13 @@ class Runtime(MemoryAPI):
             # comes first. A user message sent mid-turn does not: the answer still streams.
             cut = after
             in_flight = hub is not None and not hub.sealing
-        follower = Follower(host, conversation_id, after, cut, replay=after is not None)
+        replay: Replay = False
+        if after is not None:
+            # A live agent keeps its latest events: a cursor among them (a POST streaming
+            # the turn it just logged) needs no read of the log.
+            recent = agent.logged_after(after) if live and agent is not None else None
+            replay = True if recent is None else recent
+        follower = Follower(host, conversation_id, after, cut, replay)
         if hub is not None:
             if hub.parts and in_flight:
                 follower.push(TextDelta("".join(hub.parts)))

@@ -158,10 +158,12 @@ class AgentHost:
     def followers(self, conversation_id: str) -> list[Follower] | None:
         return self.followers_by_id.get(conversation_id)
 
-    def publish(self, conversation_id: str, events: list[Event]) -> None:
+    def publish(self, agent: Agent, events: list[Event]) -> None:
         if self.poke_embedding is not None:
             self.poke_embedding()
-        followers = self.followers_by_id.get(conversation_id)
+        if agent.ws is not None:  # live: a follower starting near the head reads them here
+            agent.remember(events)
+        followers = self.followers_by_id.get(agent.id)
         if followers:
             for follower in list(followers):
                 for event in events:

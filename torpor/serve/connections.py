@@ -90,6 +90,7 @@ class _Guarded:
     transport: asyncio.Transport
     cycle: Any
     loop: asyncio.AbstractEventLoop
+    connections: set[Any]  # uvicorn's open connections, which limit_concurrency counts
 
     _deadline: asyncio.TimerHandle | None = None
     _body_of: Any = None  # the request whose body the deadline is for
@@ -178,6 +179,9 @@ class _Guarded:
         if answer is not None:
             self.transport.write(answer)
         self.transport.close()
+        # uvicorn counts a connection until its loss is delivered, which uvloop does a loop
+        # pass later than asyncio: a request arriving meanwhile would get 503 for it.
+        self.connections.discard(self)
 
 
 def guarded(base: type[asyncio.Protocol], guard: Guard) -> type[asyncio.Protocol]:

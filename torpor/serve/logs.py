@@ -62,28 +62,35 @@ class ContextFilter(logging.Filter):
         return True
 
 
-def _extras(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in record.__dict__.items()
-            if k not in _STANDARD and not k.startswith("_")}
+_PLAIN = (str, int, float, bool, type(None))
+_encode = json.JSONEncoder(ensure_ascii=False, default=repr).encode  # one, not one per record
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, event, then every bound key."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._second: tuple[int, str] = (-1, "")  # the UTC second last formatted, its text
+
     def format(self, record: logging.LogRecord) -> str:
+        second, stamp = self._second
+        if int(record.created) != second:  # a line a request: the second's text is reused
+            second = int(record.created)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = (second, stamp)
         out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": f"{stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "event": event_of(record),  # whole: never cut from the message
         }
-        for key, value in _extras(record).items():
-            plain = isinstance(value, str | int | float | bool | type(None))
-            out[key] = value if plain else repr(value)
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value if isinstance(value, _PLAIN) else repr(value)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False, default=repr)
+        return _encode(out)
 
 
 class ConsoleFormatter(logging.Formatter):

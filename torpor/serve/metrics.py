@@ -41,7 +41,14 @@ from prometheus_client.registry import Collector
 
 from torpor._logging import event_of
 from torpor.events import AssistantMessage, ToolResult
-from torpor.llm.protocol import ContextMessage, StreamEvent, TextDelta, ToolSpec, Usage
+from torpor.llm.protocol import (
+    CONTEXT_TOKENS,
+    ContextMessage,
+    StreamEvent,
+    TextDelta,
+    ToolSpec,
+    Usage,
+)
 from torpor.runtime.stats import Transition, percentile
 
 if TYPE_CHECKING:
@@ -152,6 +159,13 @@ class TurnClock:
         }
 
 
+def _context_tokens(context: Sequence[ContextMessage]) -> int:
+    """What the runtime counted when it assembled ``context`` (O(1)); a chars/4 estimate
+    for a call the runtime did not make."""
+    counted = CONTEXT_TOKENS.get()
+    return counted if counted is not None else (_context_chars(context) + 3) // 4
+
+
 def _context_chars(context: Sequence[ContextMessage]) -> int:
     total = 0
     for message in context:
@@ -216,12 +230,8 @@ class InstrumentedModel:
             if not failed:
                 prompt = usage.prompt_tokens if usage is not None else None
                 completion = usage.completion_tokens if usage is not None else None
-                metrics.tokens.labels("in").inc(
-                    prompt if prompt is not None else (_context_chars(context) + 3) // 4
-                )
-                metrics.tokens.labels("out").inc(
-                    completion if completion is not None else (chars + 3) // 4
-                )
+                metrics.tokens_in.inc(prompt if prompt is not None else _context_tokens(context))
+                metrics.tokens_out.inc(completion if completion is not None else (chars + 3) // 4)
 
 
 class LogTap(logging.Filter):
@@ -299,8 +309,10 @@ class Metrics:
         self.model_errors = Counter("torpor_model_errors", "Model calls that failed, by type",
                                     ["type"], registry=r)
         self.tokens = Counter("torpor_tokens", "Tokens sent to and received from the model "
-                              "(provider counts, else a chars/4 estimate)", ["direction"],
+                              "(provider counts, else torpor's estimate)", ["direction"],
                               registry=r)
+        self.tokens_in = self.tokens.labels("in")  # looked up once, not per call
+        self.tokens_out = self.tokens.labels("out")
         self.folds = Counter("torpor_folds", "Compaction folds (checkpoints written)",
                              registry=r)
         self.fold_seconds = Histogram("torpor_fold_seconds", "Duration of a fold",

@@ -13,6 +13,12 @@ Nagle's algorithm would hold for the client's delayed ACK, about 40 ms each);
 deadlines for a request's headers and body and a cap on open connections
 (:mod:`torpor.serve.connections`); uvicorn's keep-alive timeout; warnings and
 errors a client can cause rate-limited (:mod:`torpor.serve.loglimit`).
+
+Event loop and HTTP parser (the ``fast`` extra): uvloop and httptools take 18-28% of the
+server CPU of an HTTP turn off (bench/serve.py). ``serve`` runs in whatever loop it is
+given (:func:`loop_factory` makes uvloop's for ``asyncio.Runner``, which ``torpor
+serve`` uses: uvicorn's own ``loop=`` setting applies only when uvicorn starts the loop);
+``http`` picks uvicorn's parser, httptools when it is installed unless told.
 """
 
 from __future__ import annotations
@@ -29,17 +35,22 @@ from starlette.applications import Starlette
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from torpor._logging import get_logger
+from torpor.errors import ConfigError
 from torpor.serve.app import service_of
 from torpor.serve.connections import ACCEPT_BATCH, Guard, default_connection_limit, guarded
 from torpor.serve.loglimit import rate_limited
 
 __all__ = [
+    "HTTP_PARSERS",
     "LISTEN_BACKLOG",
+    "LOOPS",
     "TIMEOUT_BODY",
     "TIMEOUT_HEADERS",
     "TIMEOUT_KEEP_ALIVE",
     "Server",
     "bind",
+    "http_protocol",
+    "loop_factory",
     "serve",
 ]
 
@@ -49,6 +60,44 @@ LISTEN_BACKLOG = 2048
 TIMEOUT_KEEP_ALIVE = 5.0  # seconds an idle connection stays open after a response
 TIMEOUT_HEADERS = 10.0  # seconds a request's headers may take from its first byte
 TIMEOUT_BODY = 30.0  # seconds a request's body may take after its headers
+
+
+LOOPS = ("auto", "asyncio", "uvloop")
+HTTP_PARSERS = ("auto", "h11", "httptools")
+_FAST = "pip install 'torpor[fast]'"
+
+
+def loop_factory(choice: str = "auto") -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What ``asyncio.Runner(loop_factory=...)`` takes for ``choice``: uvloop's loop for
+    ``"uvloop"``, and for ``"auto"`` when uvloop is installed; None (asyncio's) otherwise."""
+    if choice not in LOOPS:
+        raise ConfigError("loop", f"must be one of {', '.join(LOOPS)}, got {choice!r}")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop  # type: ignore[import-not-found,unused-ignore]  # the fast extra
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("loop", f"uvloop is not installed: {_FAST}") from None
+        return None
+    return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
+
+
+def http_protocol(choice: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class for ``choice`` (``"auto"``: httptools when installed)."""
+    if choice == "auto":
+        return AutoHTTPProtocol
+    if choice == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+    if choice == "httptools":
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        except ImportError:
+            raise ConfigError("http", f"httptools is not installed: {_FAST}") from None
+        return HttpToolsProtocol
+    raise ConfigError("http", f"must be one of {', '.join(HTTP_PARSERS)}, got {choice!r}")
 
 
 class Server(uvicorn.Server):
@@ -93,10 +142,12 @@ async def serve(
     timeout_headers: float = TIMEOUT_HEADERS,
     timeout_body: float = TIMEOUT_BODY,
     limit_connections: int | None = None,
+    http: str = "auto",
 ) -> None:
     """Serve on ``sock`` (already listening: clients may connect before this starts) until
     SIGTERM or SIGINT, then drain (``grace`` seconds for in-flight turns) and return.
     ``ready`` is called once the signals are handled (a "listening" line belongs there).
+    ``http``: uvicorn's parser (:func:`http_protocol`), with the deadlines either way.
 
     A connection idle after a response is closed after ``timeout_keep_alive`` seconds; a
     request's headers must arrive within ``timeout_headers`` of its first byte (of the
@@ -108,6 +159,7 @@ async def serve(
     """
     if not timeout_keep_alive > 0:
         raise ValueError(f"timeout_keep_alive must be > 0, got {timeout_keep_alive!r}")
+    protocol = http_protocol(http)
     if limit_connections is None:
         limit_connections = default_connection_limit()
     elif limit_connections == 0:
@@ -119,7 +171,7 @@ async def serve(
         timeout_graceful_shutdown=5, server_header=False,
         # uvicorn's timer takes any number of seconds (loop.call_later)
         timeout_keep_alive=cast(int, timeout_keep_alive),
-        http=guarded(AutoHTTPProtocol, guard), ws="none", backlog=ACCEPT_BATCH,
+        http=guarded(protocol, guard), ws="none", backlog=ACCEPT_BATCH,
         # the guard keeps open connections at the cap by closing idle ones; one more means
         # every connection has a request in progress: uvicorn answers 503 (and closes)
         limit_concurrency=None if limit_connections is None else limit_connections + 1,

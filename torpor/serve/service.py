@@ -42,6 +42,7 @@ def rss_bytes() -> int | None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_PRUNE_AT = 64  # tracked turns before the ended ones are dropped (then twice those running)
 
 
 def _running(rt: Runtime) -> bool:
@@ -65,9 +66,14 @@ class Service:
         self.departing = False  # a cluster node draining: its shards move to the others
         self.stopped = False
         self.started_at = time.time()
-        self._inflight: dict[Turn, asyncio.Task[Any]] = {}
+        # Turns started over HTTP: no task per turn to learn of its end, its done() is
+        # enough (ended ones are dropped as the set grows, and skipped when read).
+        self._inflight: set[Turn] = set()
+        self._prune_at = _PRUNE_AT
         # the open Server-Sent Events streams, and the one timer that pings the idle ones
-        self.streams = Streams(ping_interval, metrics.open_streams.set)
+        self.streams = Streams(ping_interval)
+        # read when scraped, not set twice per stream
+        metrics.open_streams.set_function(lambda: len(self.streams))
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
 
@@ -108,10 +114,17 @@ class Service:
             # A cluster node hands its shards off while it drains: requests for them wait
             # for their new owners and are proxied there instead of refused.
             self.departing = await self.runtime.admin.depart()
-        pending = [t for t in self._inflight.values() if not t.done()]
+        pending = [t for t in self._inflight if not t.done()]
         log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
         if pending:
-            _, late = await asyncio.wait(pending, timeout=grace)
+            # Cancelling a wait for a turn's result cancels the wait only, never the turn.
+            waits = [asyncio.ensure_future(turn.result()) for turn in pending]
+            _, late = await asyncio.wait(waits, timeout=grace)
+            for wait in waits:
+                if not wait.done():
+                    wait.cancel()
+                elif not wait.cancelled():
+                    wait.exception()  # an aborted turn was the stream's to report
             if late:
                 log.warning("turns_aborted_at_deadline", turns=len(late))
         if self.owns_runtime:
@@ -148,30 +161,27 @@ class Service:
 
         True when an earlier request was handed this very turn, still running: this one
         is a keyed retry that joined it (the runtime hands a turn out once otherwise)."""
-        if turn in self._inflight:
-            return True
+        inflight = self._inflight
+        if turn in inflight:
+            return not turn.done()
         if turn.done():
             return False
-        task = asyncio.get_running_loop().create_task(turn.result())
-        self._inflight[turn] = task
-        task.add_done_callback(lambda done: self._untrack(turn, done))
+        if len(inflight) >= self._prune_at:  # amortised O(1) per turn
+            self._inflight = inflight = {t for t in inflight if not t.done()}
+            self._prune_at = max(_PRUNE_AT, 2 * len(inflight))
+        inflight.add(turn)
         return False
-
-    def _untrack(self, turn: Turn, task: asyncio.Task[Any]) -> None:
-        self._inflight.pop(turn, None)
-        if not task.cancelled():
-            task.exception()  # an aborted turn was the stream's to report
 
     @property
     def turns_in_flight(self) -> int:
-        return len(self._inflight)
+        return sum(not turn.done() for turn in self._inflight)
 
     def server_stats(self) -> dict[str, Any]:
         return {
             "rss_bytes": rss_bytes(),
             "uptime_seconds": round(time.time() - self.started_at, 3),
             "open_streams": len(self.streams),
-            "turns_in_flight": len(self._inflight),
+            "turns_in_flight": self.turns_in_flight,
             "draining": self.draining,
             **self.metrics.clock.summary(),
         }

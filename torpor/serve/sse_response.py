@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -83,18 +83,15 @@ class Streams:
 
     Every ``interval`` seconds each stream looks whether its client left, and gets a
     ping if it sent no event since the last tick (so an idle stream hears from the
-    server at least every two intervals). ``changed(n)`` is told the number of open
-    streams when it changes.
+    server at least every two intervals). ``len()`` is how many are open.
     """
 
-    __slots__ = ("_handle", "_open", "changed", "interval")
+    __slots__ = ("_handle", "_open", "interval")
 
-    def __init__(self, interval: float = PING_SECONDS,
-                 changed: Callable[[int], None] | None = None) -> None:
+    def __init__(self, interval: float = PING_SECONDS) -> None:
         if not interval > 0:
             raise ValueError(f"the ping interval must be > 0 seconds, got {interval!r}")
         self.interval = interval
-        self.changed = changed
         self._open: set[EventStream] = set()
         self._handle: asyncio.TimerHandle | None = None
 
@@ -105,16 +102,12 @@ class Streams:
         self._open.add(stream)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
-        if self.changed is not None:
-            self.changed(len(self._open))
 
     def discard(self, stream: EventStream) -> None:
         self._open.discard(stream)
         if not self._open and self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if self.changed is not None:
-            self.changed(len(self._open))
 
     def stop_all(self) -> None:
         """End every open stream once it has sent what its source holds (draining)."""
