@@ -71,17 +71,11 @@ def _server(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGUSR1, before)
     signal.signal(signal.SIGUSR2, after)
-    if args.loop == "uvloop":
-        import uvloop  # type: ignore[import-not-found,unused-ignore]  # optional
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    from _serve_launch import _force_http
-
-    _force_http(args.http)
     from torpor.cli import main
 
     return main(["serve", "--db", f"sqlite:///{args.db}", "--port", "0", "--model", "echo",
-                 "--token", TOKEN, "--log-level", "warning"])
+                 "--token", TOKEN, "--log-level", "warning", "--loop", args.loop,
+                 "--http", args.http])
 
 
 async def _client(args: argparse.Namespace, process: subprocess.Popen[str],
