@@ -63,6 +63,7 @@ BUCKETS = (
     ("/json/", "JSON encode/decode"),
     ("sse_starlette/event.py", "SSE framing (sse-starlette ServerSentEvent)"),
     ("sse_starlette/", "sse-starlette response (task group, ping, disconnect watch)"),
+    ("torpor/serve/sse_response.py", "SSE response (torpor's lean ASGI response, pings)"),
     ("torpor/serve/sse.py", "SSE framing (torpor Framer, cursors)"),
     ("torpor/serve/streams.py", "follower → SSE glue (serve/streams.py)"),
     ("torpor/actors/stream.py", "follower / subscription (hub, Follower)"),

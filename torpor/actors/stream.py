@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Coroutine
 from types import TracebackType
-from typing import TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from torpor.events import Aborted, AssistantMessage, Event
 from torpor.llm.protocol import TextDelta
 
-__all__ = ["Follower", "StreamHub", "StreamItem", "Subscriber"]
+__all__ = ["Follower", "Origin", "StreamHub", "StreamItem", "Subscriber"]
 
 StreamItem: TypeAlias = TextDelta | Event
 """Live text (``TextDelta``) or something durably logged (``Event``)."""
@@ -71,32 +71,54 @@ class Subscriber:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def __aiter__(self) -> AsyncIterator[StreamItem]:
-        return self._iterate()
+    def __aiter__(self) -> Subscriber:
+        return self
 
-    async def _iterate(self) -> AsyncIterator[StreamItem]:
-        while True:
-            while self._items:
-                yield self._items.popleft()
-            self._items = None  # drained: a long-lived follower keeps no empty deque
-            if self._closed:
-                if self._error is not None:
-                    raise self._error
-                return
-            await self._wait()
+    async def __anext__(self) -> StreamItem:
+        # A method, not an async generator: an idle reader holds one coroutine frame, not
+        # generator frames the event loop also tracks (about 1 KB less per idle follower).
+        while (item := self.take()) is None:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return item
 
-    async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+    def wake_on(self, future: asyncio.Future[None] | None) -> None:
+        """Complete ``future`` when :meth:`take` has something again (an item, or the end);
+        None: no longer. For a reader that waits on its own future, not by iterating."""
+        self._waiter = future
+
+    def take(self) -> StreamItem | None:
+        """The next item without waiting, None if there is none yet; at the end, the error
+        the stream was closed with, or StopAsyncIteration."""
+        items = self._items
+        if items:
+            item = items.popleft()
+            if not items:
+                self._items = None  # drained: a long-lived follower keeps no empty deque
+            return item
+        if self._closed:
+            if self._error is not None:
+                raise self._error
+            raise StopAsyncIteration
+        return None
 
 
-ReplayFn: TypeAlias = Callable[[int], Awaitable[list[Event]]]
-Replay: TypeAlias = ReplayFn | list[Event]
-"""How a follower gets what was logged after its cursor: read from the log, or the events
-themselves when memory held them (up to its cut)."""
+class Origin(Protocol):
+    """Where a follower's conversation is: its log, and who lets the follower go."""
+
+    async def replay(self, conversation_id: str, position: int) -> list[Event]:
+        """The events logged at or after ``position``."""
+        ...
+
+    def release(self, follower: Follower, conversation_id: str) -> None: ...
+
+
+Replay: TypeAlias = bool | list[Event]
+"""What a follower replays after its cursor: True, read it from the log (its origin's
+``replay``); the events themselves when memory held them (up to its cut); False, nothing."""
 
 
 class Follower(Subscriber):
@@ -106,25 +128,27 @@ class Follower(Subscriber):
     replay is read lazily on the first iteration (unless memory held it: then it
     is given). ``cut`` is the highest position the replay must cover (the agent's
     head when it was made, if it was live); events pushed live at or below it are
-    dropped, since the replay holds them.
-    Close it (``close()``, or leave ``async with``) to release it at once; it
-    also ends when the runtime stops.
+    dropped, since the replay holds them. Close it (``close()``, or leave ``async
+    with``) to release it at once; it also ends when the runtime stops. Iterating it
+    again (after a ``break``) goes on where the last iteration stopped.
     """
 
-    __slots__ = ("_after", "_cut", "_release", "_replay")
+    __slots__ = ("_after", "_cut", "_id", "_origin", "_replay")
 
     def __init__(
         self,
+        origin: Origin,
+        conversation_id: str,
         after: int | None,
         cut: int | None,
-        replay: Replay | None,
-        release: Callable[[Follower], None],
+        replay: Replay,
     ) -> None:
         super().__init__()
+        self._origin: Origin | None = origin  # None once released
+        self._id = conversation_id
         self._after = after
         self._cut = cut
-        self._replay = replay
-        self._release: Callable[[Follower], None] | None = release
+        self._replay: Replay = replay if after is not None else False
 
     def push(self, item: StreamItem) -> None:
         cut = self._cut
@@ -133,9 +157,9 @@ class Follower(Subscriber):
         super().push(item)
 
     def close(self, error: BaseException | None = None) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release(self)
+        origin, self._origin = self._origin, None
+        if origin is not None:
+            origin.release(self, self._id)
         super().close(error)
 
     async def __aenter__(self) -> Follower:
@@ -149,28 +173,48 @@ class Follower(Subscriber):
     ) -> None:
         self.close()
 
-    async def _iterate(self) -> AsyncIterator[StreamItem]:
-        replay, self._replay = self._replay, None
-        if replay is not None and self._after is not None:
-            if isinstance(replay, list):
-                events = replay
-            else:
-                try:
-                    events = await replay(self._after + 1)
-                except BaseException:
-                    self.close()
-                    raise
-            cut = self._cut
-            held = list(self._items or ())
-            if cut is None:  # nothing was live: the replay covers all it read
-                cut = events[-1].position if events else self._after
-                self._cut = cut
-                held = _after_replay(held, cut)
-            # Kept on the follower, not in this generator: iterating it again (after a
-            # ``break``) goes on where the last iteration stopped.
-            self._items = deque([*(e for e in events if e.position <= cut), *held])
-        async for item in super()._iterate():
-            yield item
+    def __anext__(self) -> Coroutine[Any, Any, StreamItem]:
+        # Not a coroutine itself: past the replay, the reader waits in Subscriber's frame only.
+        if self._replay is not False:
+            return self._replayed_then_next()
+        return super().__anext__()
+
+    async def _replayed_then_next(self) -> StreamItem:
+        await self.replayed()
+        # Subscriber.__anext__'s loop, here: awaiting it would keep two frames waiting.
+        while (item := self.take()) is None:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return item
+
+    async def replayed(self) -> None:
+        """Read the replay now, if it is still to be read (iterating reads it first; a
+        reader that only calls :meth:`take` calls this once before)."""
+        replay, self._replay = self._replay, False
+        origin, after = self._origin, self._after
+        if replay is False or origin is None or after is None:
+            return
+        if isinstance(replay, list):
+            events = replay
+        else:
+            try:
+                events = await origin.replay(self._id, after + 1)
+            except BaseException:
+                self.close()
+                raise
+        cut = self._cut
+        held = list(self._items or ())
+        if cut is None:  # nothing was live: the replay covers all it read
+            cut = events[-1].position if events else after
+            self._cut = cut
+            held = _after_replay(held, cut)
+        # Kept on the follower, not in this coroutine: iterating it again (after a
+        # ``break``) goes on where the last iteration stopped.
+        items = [*(e for e in events if e.position <= cut), *held]
+        self._items = deque(items) if items else None
 
 
 def _after_replay(items: list[StreamItem], cut: int) -> list[StreamItem]:

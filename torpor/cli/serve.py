@@ -162,7 +162,6 @@ def _check_extra() -> None:
     try:
         import httpx  # noqa: F401
         import prometheus_client  # noqa: F401
-        import sse_starlette  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:

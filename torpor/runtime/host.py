@@ -543,11 +543,7 @@ class Runtime(MemoryAPI):
         followers = host.followers_by_id.setdefault(conversation_id, [])
         agent = self._registry.get(conversation_id)
         live = agent is not None and agent.ws is not None
-        store = self.store
-
-        async def read(position: int) -> list[Event]:
-            return await store.read_since(conversation_id, position)
-
+        self.store  # noqa: B018 - raises RuntimeClosed unless running (the replay reads it)
         cut = agent.head if live and agent is not None else None
         hub = agent.hub if agent is not None else None
         in_flight = True
@@ -557,13 +553,13 @@ class Runtime(MemoryAPI):
             # comes first. A user message sent mid-turn does not: the answer still streams.
             cut = after
             in_flight = hub is not None and not hub.sealing
-        replay: Replay | None = None
+        replay: Replay = False
         if after is not None:
             # A live agent keeps its latest events: a cursor among them (a POST streaming
             # the turn it just logged) needs no read of the log.
             recent = agent.logged_after(after) if live and agent is not None else None
-            replay = read if recent is None else recent
-        follower = Follower(after, cut, replay, lambda f: host.release(f, conversation_id))
+            replay = True if recent is None else recent
+        follower = Follower(host, conversation_id, after, cut, replay)
         if hub is not None:
             if hub.parts and in_flight:
                 follower.push(TextDelta("".join(hub.parts)))

@@ -169,6 +169,10 @@ class AgentHost:
                 for event in events:
                     follower.push(event)
 
+    async def replay(self, conversation_id: str, position: int) -> list[Event]:
+        """A follower's replay: what the log holds at or after ``position``."""
+        return await self._runtime.store.read_since(conversation_id, position)
+
     def release(self, follower: Follower, conversation_id: str) -> None:
         followers = self.followers_by_id.get(conversation_id)
         if followers is None:

@@ -106,9 +106,14 @@ class Watcher:
     def __aiter__(self) -> AsyncIterator[Transition]:
         return self
 
+    @property
+    def open(self) -> bool:
+        """Whether transitions may still come (not closed, the runtime running)."""
+        return not self._hub.closed and self in self._hub.watchers
+
     async def __anext__(self) -> Transition:
         while not self.items:
-            if self._hub.closed or self not in self._hub.watchers:
+            if not self.open:
                 raise StopAsyncIteration
             self.waiter = asyncio.get_running_loop().create_future()
             try:

@@ -13,22 +13,23 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
-from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from torpor.errors import InvalidInput
+from torpor.runtime.stats import Watcher
 from torpor.serve.access import check_admin
 from torpor.serve.chat import int_param, json_response
+from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
 from torpor.serve.problems import HTTPProblem
 from torpor.serve.service import Service
-from torpor.serve.streams import PING_SECONDS
+from torpor.serve.sse_response import EventStream, encode_event
 from torpor.text import check_id
 
 __all__ = ["admin_routes"]
@@ -106,22 +107,37 @@ class AdminAPI:
         return json_response(msgspec.to_builtins(call))
 
     async def watch(self, request: Request) -> Response:
-        watcher = self.rt.admin.watch()
-
-        async def events() -> AsyncIterator[ServerSentEvent]:
-            try:
-                with watcher:
-                    async for t in watcher:
-                        yield ServerSentEvent(data=_encode(t).decode(), event="transition")
-            finally:
-                watcher.close()
-
-        return EventSourceResponse(events(), ping=PING_SECONDS,
-                                   headers={"Cache-Control": "no-store"})
+        return EventStream(_Transitions(self.rt.admin.watch()), self.service.streams)
 
     async def metrics(self, request: Request) -> Response:
         body = self.service.metrics.render(await self.rt.admin.stats())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class _Transitions:
+    """An admin watcher's transitions as encoded events (the stream's source)."""
+
+    __slots__ = ("watcher",)
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.watcher = watcher
+
+    async def open(self) -> None:
+        pass
+
+    def take(self) -> bytes | None:
+        watcher = self.watcher
+        if watcher.items:
+            return encode_event(_encode(watcher.items.popleft()), event="transition")
+        if not watcher.open:
+            raise StopAsyncIteration
+        return None
+
+    def wake_on(self, future: asyncio.Future[None] | None) -> None:
+        self.watcher.waiter = future
+
+    def close(self) -> None:
+        self.watcher.close()
 
 
 def admin_routes(service: Service, token: str | None, remote: bool) -> list[Route]:
@@ -135,7 +151,7 @@ def admin_routes(service: Service, token: str | None, remote: bool) -> list[Rout
         Route(agent + "/unpark", g(api.unpark), methods=["POST"]),
         Route(agent, g(api.inspect), methods=["GET"]),
         Route("/admin/stats", g(api.stats), methods=["GET"]),
-        Route("/admin/watch", g(api.watch), methods=["GET"]),
+        Route("/admin/watch", Deferred(g(api.watch)), methods=["GET"]),
         Route("/admin/pending", g(api.pending), methods=["GET"]),
         Route("/admin/cluster", g(api.cluster), methods=["GET"]),
         Route("/admin/branches/{conversation_id:path}", g(api.branches), methods=["GET"]),

@@ -25,12 +25,14 @@ from torpor.runtime import Runtime
 from torpor.serve.access import Authorize
 from torpor.serve.admin import admin_routes
 from torpor.serve.chat import chat_routes
+from torpor.serve.deferred import DEFER, Deferred, deferred
 from torpor.serve.logs import conversation_id_var, request_id_var
 from torpor.serve.metrics import Metrics
 from torpor.serve.page import page_routes
 from torpor.serve.problems import HTTPProblem, problem, problem_for
 from torpor.serve.proxy import Proxy, Routing
 from torpor.serve.service import Service
+from torpor.serve.sse_response import PING_SECONDS
 
 __all__ = ["app", "service_of"]
 
@@ -59,7 +61,9 @@ _request_ids = _RequestIds()
 
 class RequestContext:
     """Pure ASGI middleware: a request id (``X-Request-ID``), bound ids, an access record,
-    and request counts by route (streams are not buffered, unlike BaseHTTPMiddleware)."""
+    and request counts by route (streams are not buffered, unlike BaseHTTPMiddleware).
+    Streaming routes run here, once the routing layers below have returned (see
+    :mod:`torpor.serve.deferred`); a stream's access record comes when it ends."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -79,23 +83,20 @@ class RequestContext:
         scope.setdefault("state", {})["request_id"] = request_id
         request_id_var.set(request_id)
         conversation_id_var.set(None)
-        status = 500
         started = time.perf_counter()
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = list(message.get("headers", ()))
-                headers.append((b"x-request-id", request_id.encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
+        send_with_id = _WithId(send, request_id)
+        later: list[Deferred] = []
+        scope[DEFER] = later
         try:
             await self.app(scope, receive, send_with_id)
+            endpoint = deferred(later, scope)
+            if endpoint is not None:  # a streaming route: run here, no routing frames kept
+                response = await endpoint.respond(scope, receive, send_with_id)
+                await response(scope, receive, send_with_id)
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
+            status = send_with_id.status
             method = scope["method"]
             key = (method, template, status)
             counter = self._counted.get(key)
@@ -106,6 +107,26 @@ class RequestContext:
             if log.isEnabledFor(logging.INFO):  # nothing built for a level above info
                 log.info("request", method=method, path=scope["path"], status=status,
                          ms=round((time.perf_counter() - started) * 1000, 3))
+
+
+class _WithId:
+    """``send`` that adds the request id to the response's headers and notes its status
+    (an object, not a closure: an open stream keeps it, and cells cost more)."""
+
+    __slots__ = ("request_id", "send", "status")
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self.send = send
+        self.request_id = request_id
+        self.status = 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            headers = list(message.get("headers", ()))
+            headers.append((b"x-request-id", self.request_id.encode()))
+            message = {**message, "headers": headers}
+        await self.send(message)
 
 
 async def _torpor_error(request: Request, exc: Exception) -> Response:
@@ -144,6 +165,7 @@ def app(
     admin_remote: bool = False,
     metrics: Metrics | None = None,
     shutdown_grace: float = 10.0,
+    ping_interval: float = PING_SECONDS,
     page: bool = True,
     cluster_routing: Routing = "proxy",
 ) -> Starlette:
@@ -154,6 +176,9 @@ def app(
     :func:`bearer_token`, :func:`bearer_tokens`, :func:`allow_all`).
     ``admin_token`` guards ``/admin`` and ``/metrics`` (None: they refuse
     everyone); they answer loopback clients only unless ``admin_remote``.
+
+    Server-Sent Events streams that sent nothing for ``ping_interval`` seconds get a
+    comment line (a ping), so proxies keep them open.
 
     Lifespan: if the runtime is not running when the app starts, the app
     enters it and leaves it at shutdown (after draining, up to
@@ -173,7 +198,8 @@ def app(
     if cluster_routing not in ("proxy", "redirect"):
         raise ValueError(f'cluster_routing must be "proxy" or "redirect", got {cluster_routing!r}')
     metrics = metrics if metrics is not None else Metrics()
-    service = Service(runtime, metrics, shutdown_grace=shutdown_grace)
+    service = Service(runtime, metrics, shutdown_grace=shutdown_grace,
+                      ping_interval=ping_interval)
     proxy = Proxy(runtime, cluster_routing)
 
     @asynccontextmanager

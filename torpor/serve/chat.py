@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from torpor.errors import Busy, InvalidInput, UnknownConversation
 from torpor.serve.access import Action, Authorize, permit
+from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
 from torpor.serve.problems import HTTPProblem
 from torpor.serve.proxy import Proxy
@@ -239,10 +240,11 @@ def chat_routes(service: Service, authorize: Authorize, proxy: Proxy) -> list[Ro
     base = "/v1/conversations/{conversation_id:path}"
     owned = proxy.route
     return [
-        Route(base + "/messages", owned(api.send), methods=["POST"]),
-        Route(base + "/stream", owned(api.stream), methods=["GET"]),
+        # the routes that answer with a stream run above the routing layers (see deferred)
+        Route(base + "/messages", Deferred(owned(api.send)), methods=["POST"]),
+        Route(base + "/stream", Deferred(owned(api.stream)), methods=["GET"]),
         Route(base + "/history", api.history, methods=["GET"]),
         Route(base + "/recall", api.recall, methods=["GET"]),
-        Route(base + "/calls/{call_id}", owned(api.resolve), methods=["POST"]),
+        Route(base + "/calls/{call_id}", Deferred(owned(api.resolve)), methods=["POST"]),
         Route(base + "/cancel", owned(api.cancel), methods=["POST"]),
     ]

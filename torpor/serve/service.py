@@ -20,12 +20,12 @@ import time
 from typing import Any
 
 from torpor._logging import get_logger
-from torpor.actors.stream import Follower
 from torpor.actors.turn import Turn
 from torpor.errors import RuntimeClosed
 from torpor.runtime import Runtime
 from torpor.serve.metrics import Metrics
 from torpor.serve.problems import Draining
+from torpor.serve.sse_response import PING_SECONDS, Streams
 
 __all__ = ["Service"]
 
@@ -56,7 +56,8 @@ def _running(rt: Runtime) -> bool:
 class Service:
     """One served runtime and the state of the HTTP face around it."""
 
-    def __init__(self, runtime: Runtime, metrics: Metrics, *, shutdown_grace: float) -> None:
+    def __init__(self, runtime: Runtime, metrics: Metrics, *, shutdown_grace: float,
+                 ping_interval: float = PING_SECONDS) -> None:
         self.runtime = runtime
         self.metrics = metrics
         self.shutdown_grace = shutdown_grace
@@ -69,9 +70,10 @@ class Service:
         # enough (ended ones are dropped as the set grows, and skipped when read).
         self._inflight: set[Turn] = set()
         self._prune_at = _PRUNE_AT
-        self._streams: set[Follower] = set()
+        # the open Server-Sent Events streams, and the one timer that pings the idle ones
+        self.streams = Streams(ping_interval)
         # read when scraped, not set twice per stream
-        metrics.open_streams.set_function(lambda: len(self._streams))
+        metrics.open_streams.set_function(lambda: len(self.streams))
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
 
@@ -128,8 +130,9 @@ class Service:
         if self.owns_runtime:
             with contextlib.suppress(RuntimeClosed):
                 await self.runtime.__aexit__(None, None, None)
-        for follower in list(self._streams):
-            follower.close()
+        # Each stream sends what its follower holds (the Aborted("shutdown") of a turn
+        # the runtime's leaving ended) and then ends.
+        self.streams.stop_all()
         self.stopped = True
         watch, self._watch = self._watch, None
         if watch is not None:
@@ -173,17 +176,11 @@ class Service:
     def turns_in_flight(self) -> int:
         return sum(not turn.done() for turn in self._inflight)
 
-    def opened(self, follower: Follower) -> None:
-        self._streams.add(follower)
-
-    def closed(self, follower: Follower) -> None:
-        self._streams.discard(follower)
-
     def server_stats(self) -> dict[str, Any]:
         return {
             "rss_bytes": rss_bytes(),
             "uptime_seconds": round(time.time() - self.started_at, 3),
-            "open_streams": len(self._streams),
+            "open_streams": len(self.streams),
             "turns_in_flight": self.turns_in_flight,
             "draining": self.draining,
             **self.metrics.clock.summary(),

@@ -2,69 +2,100 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
 
 import msgspec
-from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 
 from torpor._logging import get_logger
-from torpor.actors.stream import Follower
+from torpor.actors.stream import Follower, StreamItem
 from torpor.errors import TorporError
 from torpor.events import Event
 from torpor.serve.problems import status_for
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, Framer, ends_turn
+from torpor.serve.sse_response import PING_SECONDS, EventStream, encode_event
 
 __all__ = ["PING_SECONDS", "RETRY_MS", "follow_response"]
 
 log = get_logger("torpor.serve")
 
-PING_SECONDS = 15.0  # a comment line keeps proxies from closing an idle stream
 RETRY_MS = 1000  # what EventSource clients wait before reconnecting
 
 _encode = msgspec.json.Encoder().encode
 
 
-async def _frames(
-    service: Service, follower: Follower, cursor: Cursor, until_turn: int | None
-) -> AsyncIterator[ServerSentEvent]:
-    framer = Framer(cursor)
-    service.opened(follower)
-    first = True
-    try:
-        async for item in follower:
-            for frame in framer.frames(item):
-                yield ServerSentEvent(
-                    data=_encode(frame.data).decode(), event=frame.event, id=frame.id,
-                    retry=RETRY_MS if first else None,
-                )
-                first = False
-            if until_turn is not None and isinstance(item, Event) and ends_turn(item, until_turn):
-                return
-    except TorporError as exc:  # the log could not be read (store down, corrupt row)
+class _Frames:
+    """A follower's items as encoded events, taken without waiting (an idle stream holds
+    no coroutine of its own: the follower completes the stream's future)."""
+
+    __slots__ = ("_ended", "_follower", "_framer", "_queued", "_retry", "_until_turn")
+
+    def __init__(self, follower: Follower, cursor: Cursor, until_turn: int | None) -> None:
+        self._follower = follower
+        self._framer = Framer(cursor)
+        self._until_turn = until_turn
+        self._retry: int | None = RETRY_MS  # on the first event only
+        self._queued: list[bytes] | None = None  # the frames of one item, not yet taken
+        self._ended = False
+
+    async def open(self) -> None:
+        try:
+            await self._follower.replayed()
+        except TorporError as exc:
+            self._failed(exc)
+
+    def take(self) -> bytes | None:
+        queued = self._queued
+        while not queued:
+            if self._ended:
+                raise StopAsyncIteration
+            try:
+                item = self._follower.take()
+            except TorporError as exc:
+                self._failed(exc)
+                queued = self._queued
+                continue
+            if item is None:
+                return None
+            queued = self._queued = self._encode(item)
+        frame = queued.pop(0)
+        if not queued:
+            self._queued = None
+        return frame
+
+    def wake_on(self, future: asyncio.Future[None] | None) -> None:
+        self._follower.wake_on(future)
+
+    def close(self) -> None:
+        self._follower.close()
+
+    def _encode(self, item: StreamItem) -> list[bytes]:
+        frames = []
+        for frame in self._framer.frames(item):
+            frames.append(encode_event(_encode(frame.data), event=frame.event, id=frame.id,
+                                       retry=self._retry))
+            self._retry = None
+        until = self._until_turn
+        if until is not None and isinstance(item, Event) and ends_turn(item, until):
+            self._ended = True  # the turn's stream ends with this event
+        return frames
+
+    def _failed(self, exc: TorporError) -> None:
+        """The log could not be read (store down, corrupt row): an error event ends it."""
         status, title = status_for(exc)
         log.warning("stream_error", error=repr(exc))
-        yield ServerSentEvent(
-            data=_encode({"status": status, "title": title, "error": type(exc).__name__,
-                          "detail": str(exc)}).decode(),
-            event="error",
-        )
-    finally:
-        follower.close()
-        service.closed(follower)
+        self._queued = [encode_event(_encode({"status": status, "title": title,
+                                              "error": type(exc).__name__,
+                                              "detail": str(exc)}), event="error")]
+        self._ended = True
 
 
 def follow_response(
     service: Service, follower: Follower, cursor: Cursor, *, until_turn: int | None = None,
     status_code: int = 200,
-) -> EventSourceResponse:
+) -> EventStream:
     """Stream what ``follower`` yields after ``cursor``; end after turn ``until_turn`` ends
-    (None: follow until the client leaves or the server stops)."""
-    return EventSourceResponse(
-        _frames(service, follower, cursor, until_turn),
-        status_code=status_code,
-        ping=PING_SECONDS,
-        headers={"Cache-Control": "no-store"},
-        client_close_handler_callable=None,
-    )
+    (None: follow until the client leaves or the server stops: draining closes the
+    follower, which ends the stream once it has sent what the log says)."""
+    return EventStream(_Frames(follower, cursor, until_turn), service.streams,
+                       status_code=status_code)
