@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -31,29 +30,6 @@ from test_cluster_proxy import ADMIN, AUTH, SHARDS, Node, node, owned_by, split 
 from torpor.store.postgres import PostgresStore  # noqa: E402
 
 JSON = {**AUTH, "Accept": "application/json"}
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def records() -> Iterator[Records]:
-    handler = Records()
-    root = logging.getLogger()
-    saved = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(saved)
 
 
 async def every_route(client: httpx.AsyncClient, nodes: list[Node], cids: list[str],
@@ -105,7 +81,10 @@ async def until_serving(*nodes: Node) -> None:
             await leases.next_change()
 
 
-async def test_no_request_answers_500_while_postgresql_is_down(records: Records) -> None:
+async def test_no_request_answers_500_while_postgresql_is_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
     try:
         server = running_cluster()
         pg = server.__enter__()
@@ -152,7 +131,7 @@ async def test_no_request_answers_500_while_postgresql_is_down(records: Records)
                     assert sent.status_code == 202, sent.text
     finally:
         server.__exit__(None, None, None)
-    tracebacks = [f"{r.name}: {r.getMessage()[:200]}" for r in records.records
+    tracebacks = [f"{r.name}: {r.getMessage()[:200]}" for r in caplog.records
                   if r.levelno >= logging.ERROR and r.exc_info]
     assert tracebacks == []
-    assert not [r for r in records.records if r.getMessage().startswith("unexpected_error")]
+    assert not [r for r in caplog.records if r.getMessage().startswith("unexpected_error")]
