@@ -61,11 +61,6 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
     finished = True
     waiting: list[Event] = []
     held = postponed or frozenset()
-    # A user message logged before the turn ahead of it ended was postponed; if nothing of
-    # its own turn followed, it never started (or was cut before it logged anything, when
-    # running it now repeats no side effect): it waits to run, it was not interrupted.
-    progressed = {e.turn for e in events if not isinstance(e.body, UserMessage)}
-    ended_at = -1  # position of the event that ended the last finished turn
     for event in in_turn_order(events):
         body = event.body
         if waiting:  # behind an open turn only user messages can follow
@@ -77,8 +72,7 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
             # versions could do that): it belongs to that turn, not to one of its own
             continue
         if isinstance(body, UserMessage):
-            behind = event.position < ended_at and event.turn not in progressed
-            if (not finished or behind or event.position in held) and event.turn > turn:
+            if (not finished or event.position in held) and event.turn > turn:
                 waiting.append(event)
                 continue
             if not finished and event.turn <= turn:
@@ -95,15 +89,12 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
             answered = set()
             suspended_on = frozenset()
             finished = not body.tool_calls
-            if finished:
-                ended_at = event.position
         elif isinstance(body, ToolResult):
             answered.add(body.call_id)
         elif isinstance(body, Suspended):
             suspended_on = frozenset(body.call_ids)
         elif isinstance(body, Aborted):
             finished = True
-            ended_at = event.position
             last_assistant = None
             suspended_on = frozenset()
     queued = tuple(waiting)
