@@ -4,6 +4,15 @@ Public API re-exports only; see README.md for a tour.
 """
 
 from torpor.actors import AgentConfig, AgentState, ExternalTool, LocalTool, Subscriber, Turn, tool
+from torpor.actors.observe import (
+    AbortInfo,
+    FoldInfo,
+    ModelCallInfo,
+    ModelCallWatch,
+    Observer,
+    ToolCallInfo,
+    TurnInfo,
+)
 from torpor.cluster import ClusterView, NodeConfig
 from torpor.compaction import ModelSummarizer
 from torpor.errors import (
@@ -78,6 +87,7 @@ from torpor.store.protocol import Checkpoint, EventStore, Marker, ModelCall, Sea
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortInfo",
     "ToolInteraction",
     "SemanticItem",
     "Reconciler",
@@ -110,6 +120,7 @@ __all__ = [
     "EventTooLarge",
     "ExternalTool",
     "FencedError",
+    "FoldInfo",
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
@@ -117,6 +128,8 @@ __all__ = [
     "Marker",
     "Model",
     "ModelCall",
+    "ModelCallInfo",
+    "ModelCallWatch",
     "ModelAuthError",
     "ModelBadRequest",
     "ModelConnectionError",
@@ -129,6 +142,7 @@ __all__ = [
     "ModelTimeout",
     "NodeConfig",
     "NotOwner",
+    "Observer",
     "Parked",
     "Resolved",
     "Runtime",
@@ -148,6 +162,7 @@ __all__ = [
     "TaskHandle",
     "TextDelta",
     "ToolArgumentError",
+    "ToolCallInfo",
     "ToolCall",
     "ToolResult",
     "ToolSpec",
@@ -155,6 +170,7 @@ __all__ = [
     "Transition",
     "Turn",
     "TurnAborted",
+    "TurnInfo",
     "UnknownArtifact",
     "UnknownCall",
     "UnknownConversation",

@@ -42,6 +42,7 @@ from torpor.actors.mailbox import (
     StopRequest,
     UnparkRequest,
 )
+from torpor.actors.observe import AbortInfo, TurnInfo
 from torpor.actors.resolution import replayed_resolution
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
@@ -615,6 +616,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     elif behind:
         hub = StreamHub(host.followers(agent.id))
         turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
+        turn.origin = request.origin
         if agent.postponed is None:
             agent.postponed = []
         agent.postponed.append(Waiting(event, turn, hub))
@@ -629,6 +631,7 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         hub = StreamHub(host.followers(agent.id))
         agent.hub = hub
         turn = agent.current = Turn(agent.id, number, event.position, hub.join())
+        turn.origin = request.origin
         _start_turn(agent, host)
     if not request.accepted.done():
         request.accepted.set_result(turn)
@@ -685,6 +688,17 @@ async def replayed_turn(agent: Agent, host: Host, position: int, number: int) ->
 
 async def _run_turn(agent: Agent, host: Host) -> None:
     """Run (or continue) the current turn; every way it can end is logged."""
+    observers = host.observers
+    current = agent.current
+    if not observers or current is None:
+        await _run_turn_now(agent, host)
+        return
+    info = TurnInfo(agent.id, agent.turn, current.continuation, current.postponed)
+    with observers.turn(info, current.origin):
+        await _run_turn_now(agent, host)
+
+
+async def _run_turn_now(agent: Agent, host: Host) -> None:
     try:
         reason: AbortReason | None = None
         detail = ""
@@ -826,6 +840,8 @@ async def abort_turn(
     """
     if agent.ws is not None:
         await append(agent, host, [Aborted(reason, partial_text=partial, detail=detail)])
+    if host.observers:
+        host.observers.aborted(AbortInfo(agent.id, agent.turn, reason, detail, error))
     turn = agent.current
     hub = agent.hub
     agent.current = None
@@ -913,6 +929,7 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
     agent.current = Turn(
         agent.id, agent.turn, _turn_start(ws, agent.turn), hub.join(), continuation=True
     )
+    agent.current.origin = request.origin
     agent.calls = 0
     if not request.done.done():
         request.done.set_result(agent.current)

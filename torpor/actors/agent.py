@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import anyio
 
     from torpor.actors.config import AgentConfig
+    from torpor.actors.observe import Observers
     from torpor.actors.stream import Follower, StreamHub
     from torpor.actors.tools import Toolbox
     from torpor.actors.turn import Turn
@@ -78,6 +79,7 @@ class Host(Protocol):
     log: Any
     hybrid: HybridRecall | None  # recall fused with vectors, when the runtime has an embedder
     watchdog: ModelWatchdog  # ends model streams that stall (its task is the runtime's)
+    observers: Observers  # metrics, traces: told of turns, model and tool calls, folds
 
     @property
     def store(self) -> EventStore: ...

@@ -26,28 +26,31 @@ __all__ = [
 class SendRequest:
     """A user message. ``accepted`` resolves to the Turn once the message is in the log."""
 
-    __slots__ = ("accepted", "key", "text")
+    __slots__ = ("accepted", "key", "origin", "text")
 
-    def __init__(self, text: str, key: str | None, accepted: asyncio.Future[Turn]) -> None:
+    def __init__(self, text: str, key: str | None, accepted: asyncio.Future[Turn],
+                 origin: object | None = None) -> None:
         self.text = text
         self.key = key
         self.accepted = accepted
+        self.origin = origin  # the sender's trace, for the turn's observers
 
 
 class ResolveRequest:
     """An outside answer to a suspended tool call."""
 
-    __slots__ = ("call_id", "content", "done", "is_error", "key")
+    __slots__ = ("call_id", "content", "done", "is_error", "key", "origin")
 
     def __init__(
         self, call_id: str, content: str, is_error: bool, done: asyncio.Future[Turn | None],
-        key: str | None = None,
+        key: str | None = None, origin: object | None = None,
     ) -> None:
         self.call_id = call_id
         self.content = content
         self.is_error = is_error
         self.done = done
         self.key = key  # idempotency key: the answer's events are logged under it
+        self.origin = origin  # the resolver's trace, for the continuation's observers
 
 
 class CancelRequest:

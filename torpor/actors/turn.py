@@ -37,6 +37,7 @@ class Turn:
         "continuation",
         "conversation_id",
         "number",
+        "origin",
         "postponed",
         "replayed",
         "user_position",
@@ -59,6 +60,7 @@ class Turn:
         self.replayed = replayed  # an idempotent retry of an earlier send
         self.postponed = postponed
         self.continuation = continuation  # the part after a suspension was answered
+        self.origin: object | None = None  # the sender's trace (Observer.origin), if any
         self._sub = subscriber
         # How it ended, and who waits to learn it: plain slots, not a future the callers
         # would each have to shield (a shield costs two callbacks and a loop pass more).

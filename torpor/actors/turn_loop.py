@@ -18,6 +18,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
+from torpor.actors.observe import UNOBSERVED, UNWATCHED, FoldInfo, ModelCallInfo, ToolCallInfo
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
@@ -233,6 +234,13 @@ def _fold_plan(agent: Agent) -> FoldPlan | None:
 
 
 async def _fold(agent: Agent, host: Host, plan: FoldPlan) -> None:
+    observers = host.observers
+    info = FoldInfo(agent.id, agent.turn, agent.cycle + 1)
+    with observers.fold(info) if observers else UNOBSERVED:
+        await _fold_now(agent, host, plan)
+
+
+async def _fold_now(agent: Agent, host: Host, plan: FoldPlan) -> None:
     ws = agent.ws
     assert ws is not None
     profile = agent.profile
@@ -289,72 +297,82 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     clock = asyncio.get_running_loop().time  # the watchdog's clock
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     tokens = CONTEXT_TOKENS.set(rendered.estimated_tokens)  # metrics need not recount
-    stream = _model_of(agent, host).stream(rendered.messages, specs)
-    watched: Call | None = None
-    try:
-        # The call's own scope, which only the watchdog cancels, never the turn's: anyio
-        # then tells its cancel apart from a caller's or the runtime's (those pass
-        # through as cancels), and nothing of the turn outside this stream is hit.
-        with scope() as call_scope:
-            if idle is not None:
-                # Watched by the runtime's one watchdog task, not a timer per call: a
-                # chunk only stores the clock (see torpor.actors.watchdog).
-                watched = host.watchdog.watch(call_scope, idle)
-            agent.cancellable = True
-            if agent.cancels:  # a cancel came while the turn could not be interrupted
-                _cancel_turn(agent)
-            async for item in stream:
-                if watched is not None:
-                    watched.last = clock()
-                if isinstance(item, TextDelta):
-                    if first is None:
-                        first = time.perf_counter()
-                    text = repair_text(item.text)
-                    parts.append(text)
-                    if hub is not None:
-                        hub.text(text)
-                elif isinstance(item, ToolCallDelta):
-                    calls.append(checked_call(item.call, calls))  # or the model's error
-                elif isinstance(item, Usage):
-                    usage = item
+    observers = host.observers
+    watching = observers.model_call(ModelCallInfo(
+        agent.id, agent.turn, agent.calls, _model_name(agent, host), rendered.estimated_tokens,
+        len(specs),
+    )) if observers else UNWATCHED
+    with watching as watch:
+        stream = _model_of(agent, host).stream(rendered.messages, specs)
+        watched: Call | None = None
+        try:
+            # The call's own scope, which only the watchdog cancels, never the turn's: anyio
+            # then tells its cancel apart from a caller's or the runtime's (those pass
+            # through as cancels), and nothing of the turn outside this stream is hit.
+            with scope() as call_scope:
+                if idle is not None:
+                    # Watched by the runtime's one watchdog task, not a timer per call: a
+                    # chunk only stores the clock (see torpor.actors.watchdog).
+                    watched = host.watchdog.watch(call_scope, idle)
+                agent.cancellable = True
+                if agent.cancels:  # a cancel came while the turn could not be interrupted
+                    _cancel_turn(agent)
+                async for item in stream:
+                    if watched is not None:
+                        watched.last = clock()
+                    if isinstance(item, TextDelta):
+                        if first is None:
+                            first = time.perf_counter()
+                            watch.first_token()
+                        text = repair_text(item.text)
+                        parts.append(text)
+                        if hub is not None:
+                            hub.text(text)
+                    elif isinstance(item, ToolCallDelta):
+                        calls.append(checked_call(item.call, calls))  # or the model's error
+                    elif isinstance(item, Usage):
+                        usage = item
+                        watch.usage(item)
+                agent.cancellable = False
+            if call_scope.cancelled_caught:  # the watchdog ended the call: a model error
+                raise _timeout(idle)
+            turn_scope = agent.scope
+            if turn_scope is not None and turn_scope.cancel_called:
+                # Cancelled as the stream ended, before an await of it saw the cancel: it takes
+                # effect here, as a cancel of this call (handled below), not after the answer.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+        except anyio.get_cancelled_exc_class():
             agent.cancellable = False
-        if call_scope.cancelled_caught:  # the watchdog ended the call: a model error
-            raise _timeout(idle)
-        turn_scope = agent.scope
-        if turn_scope is not None and turn_scope.cancel_called:
-            # Cancelled as the stream ended, before an await of it saw the cancel: it takes
-            # effect here, as a cancel of this call (handled below), not after the answer.
-            await anyio.lowlevel.checkpoint_if_cancelled()
-    except anyio.get_cancelled_exc_class():
-        agent.cancellable = False
-        if watched is not None:  # not watched while it closes and records
-            host.watchdog.release(watched)
-        with scope(shield=True):  # the audit of a call is not lost to a cancel
-            await _close(stream)
-            await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error="cancelled",
-                            pushed=pushed)
-            )
-        raise
-    except Exception as exc:
-        agent.cancellable = False
-        if watched is not None:
-            host.watchdog.release(watched)  # the call is over: not watched while it closes
-        with scope(shield=True):
-            await _close(stream)
-            await host.store.record_model_call(
-                _model_call(agent, host, rendered, started, first, None, error=repr(exc),
-                            pushed=pushed)
-            )
-        if isinstance(exc, StoreError):  # ours, not the model's
+            if watched is not None:  # not watched while it closes and records
+                host.watchdog.release(watched)
+            with scope(shield=True):  # the audit of a call is not lost to a cancel
+                await _close(stream)
+                await host.store.record_model_call(
+                    _model_call(agent, host, rendered, started, first, None, error="cancelled",
+                                pushed=pushed)
+                )
             raise
-        raise ModelFailed(exc, "".join(parts)) from exc
-    finally:
-        if watched is not None:
-            host.watchdog.release(watched)
-        CONVERSATION.reset(conversation)
-        CONTEXT_TOKENS.reset(tokens)
-    message = AssistantMessage("".join(parts), tuple(calls))
+        except Exception as exc:
+            agent.cancellable = False
+            if watched is not None:
+                host.watchdog.release(watched)  # the call is over: not watched while it closes
+            with scope(shield=True):
+                await _close(stream)
+                await host.store.record_model_call(
+                    _model_call(agent, host, rendered, started, first, None, error=repr(exc),
+                                pushed=pushed)
+                )
+            if isinstance(exc, StoreError):  # ours, not the model's
+                raise
+            watch.failed(exc)
+            raise ModelFailed(exc, "".join(parts)) from exc
+        finally:
+            if watched is not None:
+                host.watchdog.release(watched)
+            CONVERSATION.reset(conversation)
+            CONTEXT_TOKENS.reset(tokens)
+        message = AssistantMessage("".join(parts), tuple(calls))
+        watch.answered(message)
     audit = _model_call(agent, host, rendered, started, first, usage, pushed=pushed)
     # Not kept while the commit is awaited: with thousands of turns waiting on the writer,
     # every object a waiting turn holds is one more for the cyclic GC to walk.
@@ -370,6 +388,11 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
 
 def _timeout(idle: float | None) -> ModelTimeout:
     return ModelTimeout(f"the model sent nothing for {idle:g} seconds")
+
+
+def _model_name(agent: Agent, host: Host) -> str:
+    model = _model_of(agent, host)
+    return getattr(model, "name", None) or type(model).__name__
 
 
 def _model_of(agent: Agent, host: Host) -> Model:
@@ -418,7 +441,6 @@ def _model_call(
     """The audit row of one model call; also calibrates the agent's token estimate."""
     now = time.perf_counter()
     policy = agent.profile.policy
-    model = _model_of(agent, host)
     if usage is not None:
         reported = _counted(usage.prompt_tokens)
         completion = _counted(usage.completion_tokens)
@@ -463,7 +485,7 @@ def _model_call(
         latency_ms=(now - started) * 1000.0,
         ttft_ms=(first - started) * 1000.0 if first is not None else None,
         created_at=now_ms,
-        model=getattr(model, "name", type(model).__name__),
+        model=_model_name(agent, host),
         error=error,
         turn_id=shape.turn_id,
         events_in_context=shape.events_in_context,
@@ -490,7 +512,16 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
     results: dict[str, ToolResult] = {}
     external: list[str] = []
 
+    observers = host.observers
+
     async def one(call: ToolCall) -> None:
+        if observers:  # a tool's own spans nest under its call's
+            with observers.tool_call(ToolCallInfo(agent.id, agent.turn, call.id, call.name)):
+                await run_one(call)
+        else:
+            await run_one(call)
+
+    async def run_one(call: ToolCall) -> None:
         builtin = BUILTIN_TOOLS.get(call.name) if config.recall_tools else None
         if (call.name == TASK_CARD_TOOL.name and config.task_card_tool
                 and toolbox.get(call.name) is None):

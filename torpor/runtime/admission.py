@@ -141,7 +141,8 @@ class Admission:
         samples = list(self.waits)
         return percentile(samples, 50), percentile(samples, 99)
 
-    async def send(self, agent: Agent, text: str, key: str | None) -> Turn | None:
+    async def send(self, agent: Agent, text: str, key: str | None,
+                   origin: object | None = None) -> Turn | None:
         """Log a message for a queued conversation; its turn runs once it has a slot.
 
         A queued conversation has no actor yet: until it is let in, this queue writes
@@ -181,6 +182,7 @@ class Admission:
                 host.publish(agent, events)
                 hub = StreamHub(host.followers(agent.id))
                 turn = Turn(agent.id, number, event.position, hub.join(), postponed=True)
+                turn.origin = origin
                 if self._closed is not None or (
                     self.queue.get(agent.id) is not agent
                     and self._registry.agents.get(agent.id) is not agent

@@ -13,6 +13,7 @@ from torpor._logging import get_logger
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
 from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
+from torpor.actors.observe import Observer
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower, Replay
 from torpor.actors.tools import Toolbox
@@ -343,6 +344,12 @@ class Runtime(MemoryAPI):
         return self._agent(conversation_id) if exists else None
 
     # -- public API ---------------------------------------------------------------
+    def observe(self, observer: Observer) -> Callable[[], None]:
+        """Tell ``observer`` (a :class:`torpor.Observer`) of every turn, model call, tool call,
+        fold and abort from now on; the returned function stops that. Metrics and
+        OpenTelemetry spans are observers (``torpor.serve.app`` and ``torpor.otel``)."""
+        return self._host.observers.add(observer)
+
     async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Turn:
         """Log a user message and start its turn, or postpone it behind the open one.
 
@@ -361,12 +368,13 @@ class Runtime(MemoryAPI):
         if key is not None:
             check_id(key, "key")
         self._check_owner(conversation_id)
+        origin = self._host.observers.origin()  # the caller's trace, for the turn's span
         agent = self._registry.get(conversation_id)
         if agent is None and self._admission.must_wait(conversation_id):
             # Over the live-agent cap: durable now, run when a slot frees (fair order).
             agent = self._admission.waiting(conversation_id)
             self._check_bound(agent)
-            queued = await self._admission.send(agent, text, key)
+            queued = await self._admission.send(agent, text, key, origin)
             if queued is not None:
                 return queued
             agent = self._registry.get(conversation_id)  # let in meanwhile: ask its actor
@@ -376,7 +384,7 @@ class Runtime(MemoryAPI):
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
         self._check_bound(agent)
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
-        return await self._ask(agent, SendRequest(text, key, accepted), accepted)  # type: ignore[no-any-return]
+        return await self._ask(agent, SendRequest(text, key, accepted, origin), accepted)  # type: ignore[no-any-return]
 
     async def _ask(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> Any:
         """Post ``request`` to the agent's actor and await its reply (the actor's alone to
@@ -456,7 +464,8 @@ class Runtime(MemoryAPI):
             raise UnknownConversation(conversation_id)
         done: asyncio.Future[Turn | None] = asyncio.get_running_loop().create_future()
         return await self._ask(  # type: ignore[no-any-return]
-            agent, ResolveRequest(call_id, result, is_error, done, key), done
+            agent, ResolveRequest(call_id, result, is_error, done, key,
+                                  self._host.observers.origin()), done
         )
 
     async def cancel(self, conversation_id: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
+from torpor.actors.observe import Observers
 from torpor.actors.state import AgentState, transition
 from torpor.actors.stream import Follower
 from torpor.actors.watchdog import ModelWatchdog
@@ -48,8 +49,8 @@ class AgentHost:
 
     __slots__ = (
         "_config", "_counters", "_registry", "_runtime", "_watchers", "abandoned",
-        "followers_by_id", "hybrid", "log", "model", "poke_embedding", "revivals", "watchdog",
-        "ws_total",
+        "followers_by_id", "hybrid", "log", "model", "observers", "poke_embedding", "revivals",
+        "watchdog", "ws_total",
     )
 
     def __init__(
@@ -77,6 +78,7 @@ class AgentHost:
         self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
         self.poke_embedding: Callable[[], None] | None = None  # new events to embed
         self.watchdog = ModelWatchdog()  # its task: Runtime.__aenter__
+        self.observers = Observers()  # Runtime.observe adds to it
 
     @property
     def store(self) -> EventStore:
