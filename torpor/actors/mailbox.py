@@ -24,14 +24,21 @@ __all__ = [
 
 
 class SendRequest:
-    """A user message. ``accepted`` resolves to the Turn once the message is in the log."""
+    """A user message. ``accepted`` resolves to the Turn once the message is in the log.
 
-    __slots__ = ("accepted", "key", "text")
+    ``metadata``: checked already (:func:`torpor.metadata.check_metadata`), logged with it.
+    """
 
-    def __init__(self, text: str, key: str | None, accepted: asyncio.Future[Turn]) -> None:
+    __slots__ = ("accepted", "key", "metadata", "text")
+
+    def __init__(
+        self, text: str, key: str | None, accepted: asyncio.Future[Turn],
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         self.text = text
         self.key = key
         self.accepted = accepted
+        self.metadata = metadata
 
 
 class ResolveRequest:
