@@ -289,3 +289,12 @@ async def test_a_turns_metadata_is_read_from_the_log_once_folded_out_of_the_work
         assert await turn_metadata(store, "c", 2, tail) == {"user": "ben"}
         assert await turn_metadata(store, "c", 1, ()) == {"user": "ann"}
         assert await turn_metadata(store, "c", 3, tail) is None
+
+
+def test_a_working_sets_byte_estimate_counts_the_metadata() -> None:
+    from torpor.compaction.footprint import event_bytes
+    from torpor.events import Event
+
+    plain = Event("c", 0, 1, 5, 0, UserMessage("hi"))
+    tagged = Event("c", 0, 1, 5, 0, UserMessage("hi", {"user": "x" * 1000}))
+    assert event_bytes(tagged) >= event_bytes(plain) + 1000
