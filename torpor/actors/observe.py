@@ -55,7 +55,8 @@ class TurnInfo(msgspec.Struct, frozen=True, gc=False):
 
 
 class ModelCallInfo(msgspec.Struct, frozen=True, gc=False):
-    """One model call of a turn: ``call_index`` counts the turn's calls from 1."""
+    """One model call of a turn: ``call_index`` counts the turn's calls from 1; ``model``
+    is the model's name as the audit records it."""
 
     conversation_id: str
     turn: int
@@ -63,6 +64,10 @@ class ModelCallInfo(msgspec.Struct, frozen=True, gc=False):
     model: str
     estimated_tokens: int
     tools: int = 0
+    # What the model object says of itself, where it does (an adapter's ``provider`` and
+    # ``model``): the GenAI span conventions name the provider and the model requested.
+    provider: str | None = None
+    request_model: str | None = None
 
 
 class ToolCallInfo(msgspec.Struct, frozen=True, gc=False):
@@ -194,6 +199,9 @@ class Observers(Observer):
 
     def __bool__(self) -> bool:
         return bool(self._all)
+
+    def __iter__(self) -> Iterator[Observer]:
+        return iter(self._all)
 
     def add(self, observer: Observer) -> Callable[[], None]:
         """Add ``observer``; the returned function removes it again."""

@@ -299,10 +299,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     conversation = CONVERSATION.set(agent.id)  # adapters key prompt caches by it
     tokens = CONTEXT_TOKENS.set(rendered.estimated_tokens)  # metrics need not recount
     observers = host.observers
-    watching = observers.model_call(ModelCallInfo(
-        agent.id, agent.turn, agent.calls, _model_name(agent, host), rendered.estimated_tokens,
-        len(specs),
-    )) if observers else UNWATCHED
+    watching = observers.model_call(_call_info(agent, host, rendered.estimated_tokens,
+                                               len(specs))) if observers else UNWATCHED
     with watching as watch:
         stream = _model_of(agent, host).stream(rendered.messages, specs)
         watched: Call | None = None
@@ -389,6 +387,16 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
 
 def _timeout(idle: float | None) -> ModelTimeout:
     return ModelTimeout(f"the model sent nothing for {idle:g} seconds")
+
+
+def _call_info(agent: Agent, host: Host, estimated: int, tools: int) -> ModelCallInfo:
+    model = _model_of(agent, host)
+    provider, requested = getattr(model, "provider", None), getattr(model, "model", None)
+    return ModelCallInfo(
+        agent.id, agent.turn, agent.calls, _model_name(agent, host), estimated, tools,
+        provider if isinstance(provider, str) else None,
+        requested if isinstance(requested, str) else None,
+    )
 
 
 def _model_name(agent: Agent, host: Host) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -206,6 +207,12 @@ class Runtime(MemoryAPI):
                 )
             )
             self._host.revivals = asyncio.Semaphore(self.config.max_concurrent_revivals)
+            if "opentelemetry.trace" in sys.modules:  # a host that set up tracing loaded it
+                from torpor.otel import automatic
+
+                untrace = automatic(self._host.observers)
+                if untrace is not None:  # removed once the agents stopped (their aborts)
+                    stack.callback(untrace)
             # A bare task, not a task group around the caller's block: an exception in
             # the block must reach the caller as itself, not wrapped in a group.
             sweeper = asyncio.get_running_loop().create_task(self._lifecycle.run())

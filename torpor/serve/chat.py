@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from torpor.errors import Busy, InvalidInput, UnknownConversation
+from torpor.serve import traces
 from torpor.serve.access import Action, Authorize, permit
 from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
@@ -150,7 +151,8 @@ class ChatAPI:
                                "by the client")
         key = request.headers.get("idempotency-key")
         try:
-            turn = await self.rt.send(conversation_id, text, key=key, metadata=metadata)
+            with traces.joined(request.headers):  # the request's trace: the turn span's parent
+                turn = await self.rt.send(conversation_id, text, key=key, metadata=metadata)
         except Busy:
             self.service.metrics.mailbox_refusals.inc()
             raise
@@ -223,8 +225,9 @@ class ChatAPI:
             raise InvalidInput("is_error", "must be true or false")
         key = request.headers.get("idempotency-key")
         head = await self._known(conversation_id)
-        turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error,
-                                     key=key)
+        with traces.joined(request.headers):
+            turn = await self.rt.resolve(conversation_id, call_id, result, is_error=is_error,
+                                         key=key)
         joined = turn is not None and self.service.track(turn)
         if turn is None or _wants_json(request):
             return json_response({"resolved": call_id, "continuation": turn is not None,

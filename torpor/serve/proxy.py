@@ -55,6 +55,7 @@ from torpor.cluster import shard_of
 from torpor.errors import NotOwner, StoreUnavailable
 from torpor.runtime import Runtime
 from torpor.serve.problems import OwnerUnreachable
+from torpor.serve.traces import forwarded
 
 __all__ = ["HOP_HEADER", "Proxy", "Routing"]
 
@@ -200,6 +201,7 @@ class Proxy:
         assert client is not None and self.node_id is not None
         headers = [(k, v) for k, v in request.headers.items()
                    if k not in _NOT_FORWARDED and k != "x-request-id"]
+        headers = forwarded(headers)  # the trace goes on (the client's, or this node's span)
         headers.append((HOP_HEADER, self.node_id))
         request_id = getattr(request.state, "request_id", None)
         if isinstance(request_id, str):  # the owner logs this request under the same id
