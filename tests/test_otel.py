@@ -31,8 +31,15 @@ from opentelemetry.trace import SpanKind, StatusCode
 from serve_support import ADMIN, TOKEN, serving
 
 import torpor
-from torpor import AgentConfig, ExternalTool, ModelContextTooLong, ModelRateLimited, Runtime
-from torpor import ScriptedModel, TurnAborted
+from torpor import (
+    AgentConfig,
+    ExternalTool,
+    ModelContextTooLong,
+    ModelRateLimited,
+    Runtime,
+    ScriptedModel,
+    TurnAborted,
+)
 from torpor.llm.scripted import Call, Fail, Report, Signal, Text, Wait
 from torpor.otel import TracingObserver, instrument
 from torpor.serve import app, bearer_token
@@ -320,7 +327,7 @@ class _Receiver(BaseHTTPRequestHandler):
 
     received: list[ExportTraceServiceRequest]
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if self.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
