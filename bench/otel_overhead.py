@@ -22,6 +22,11 @@ tool, the tool, and a model call answering (a ScriptedModel: no model time). The
 after them (it turns the trace-context hook on for the process). Per turn: process
 CPU time (the store's writer thread included; other processes' load does not count)
 and wall time, the median over rounds; ``off/absent`` is the ratio of the medians.
+Times on a shared machine move by several percent from round to round, more than the
+difference sought, so each mode also counts the function calls a turn makes on the
+event loop's thread (``sys.setprofile``, 200 turns): a figure no load changes; and
+``http_hook_ns`` times the one thing an ``off`` turn runs that an ``absent`` one does
+not, the HTTP routes' hook finding tracing off.
 
 Usage: ``python bench/otel_overhead.py [--turns 2000] [--rounds 8] [--quick] [--json FILE]``
 """
@@ -34,6 +39,7 @@ import contextlib
 import statistics
 import sys
 import time
+import timeit
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,6 +92,44 @@ async def one_round(turns: int, observer: Any = None) -> dict[str, float]:
     return {"cpu_us": cpu / turns * 1e6, "wall_us": wall / turns * 1e6}
 
 
+async def calls_per_turn(turns: int, observer: Any = None) -> float:
+    """Python and C function calls per turn on the event loop's thread: the same count
+    on any host under any load, unlike times (a timed difference under 1% drowns in the
+    noise of a shared machine)."""
+    counted = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            counted[0] += 1
+
+    async def measured() -> None:
+        sys.setprofile(count)
+        try:
+            for i in range(turns):
+                with traces.joined(HEADERS):
+                    turn = await rt.send(f"c{i % 10}", "where is A1?")
+                await turn.result()
+        finally:
+            sys.setprofile(None)
+
+    async with Runtime("sqlite://", model=model(), agent=AgentConfig(tools=[lookup])) as rt:
+        if observer is not None:
+            rt.observe(observer)
+        for i in range(10):
+            await (await rt.send(f"c{i}", "hi")).result()
+        await measured()
+    return counted[0] / turns
+
+
+def hook_ns() -> float:
+    """ns of the HTTP routes' trace-context hook, entered and left (the best of 5)."""
+    def once() -> None:
+        with traces.joined(HEADERS):
+            pass
+
+    return min(timeit.timeit(once, number=100_000) for _ in range(5)) / 100_000 * 1e9
+
+
 def summary(rounds: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "cpu_us_per_turn": round(statistics.median(r["cpu_us"] for r in rounds), 1),
@@ -114,6 +158,12 @@ async def main(turns: int, rounds: int) -> dict[str, Any]:
         for run in order:
             await run()
 
+    with hidden():
+        calls_absent = await calls_per_turn(200)
+        hook_absent = hook_ns()
+    calls_off = await calls_per_turn(200)  # the `off` rounds loaded opentelemetry.trace
+    hook_off = hook_ns()
+
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -130,6 +180,7 @@ async def main(turns: int, rounds: int) -> dict[str, Any]:
         exporter.clear()
         on.append(await one_round(turns, TracingObserver(provider)))
         spans_per_turn = len(exporter.get_finished_spans()) / (turns + 10)
+    calls_on = await calls_per_turn(200, TracingObserver(provider))
     a, o, t = summary(absent), summary(off), summary(on)
     paired = [x["cpu_us"] / y["cpu_us"] for x, y in zip(off, absent, strict=True)]
     return {
@@ -144,6 +195,10 @@ async def main(turns: int, rounds: int) -> dict[str, Any]:
         "off_over_absent_wall": round(o["wall_us_per_turn"] / a["wall_us_per_turn"], 4),
         "off_over_absent_cpu_paired_median": round(statistics.median(paired), 4),
         "on_over_absent_cpu": round(t["cpu_us_per_turn"] / a["cpu_us_per_turn"], 3),
+        "calls_per_turn": {"absent": round(calls_absent, 1), "off": round(calls_off, 1),
+                           "on": round(calls_on, 1)},
+        "off_over_absent_calls": round(calls_off / calls_absent, 5),
+        "http_hook_ns": {"absent": round(hook_absent), "off": round(hook_off)},
     }
 
 
@@ -158,12 +213,14 @@ if __name__ == "__main__":
         args.turns, args.rounds = 300, 3
     quiet()
     result = asyncio.run(main(args.turns, args.rounds))
+    calls = result["calls_per_turn"]
     rows = [(mode, result[mode]["cpu_us_per_turn"], result[mode]["wall_us_per_turn"],
-             ratio) for mode, ratio in (("absent", 1.0),
-                                       ("off", result["off_over_absent_cpu"]),
-                                       ("on", result["on_over_absent_cpu"]))]
+             ratio, calls[mode], round(calls[mode] / calls["absent"], 4))
+            for mode, ratio in (("absent", 1.0), ("off", result["off_over_absent_cpu"]),
+                                ("on", result["on_over_absent_cpu"]))]
     emit({"benchmark": "otel_overhead", **result},
          [table(f"Tracing cost per turn (model call, tool, model call; {args.turns} turns x "
                 f"{args.rounds} rounds)", ["mode", "CPU µs/turn", "wall µs/turn",
-                                           "CPU vs absent"], rows)],
+                                           "CPU vs absent", "calls/turn", "calls vs absent"],
+                rows)],
          args.json)

@@ -267,6 +267,22 @@ async def test_traceparent_over_http_parents_the_turn_also_postponed_and_continu
     assert (continued.attributes or {})["torpor.turn"] == 2
 
 
+async def test_a_suspended_turn_cancelled_later_still_shows_its_abort(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    model = ScriptedModel([[Call("approve", {}, id="k1")]])
+    async with Runtime("sqlite://", model=model, agent=AgentConfig(tools=[APPROVE])) as rt:
+        instrument(rt, provider)
+        assert isinstance(await (await rt.send("c", "pay")).result(), torpor.Suspended)
+        assert await rt.cancel("c")
+    suspended, cancelled = _turns(exporter)
+    assert suspended.status.status_code is StatusCode.UNSET  # it ended waiting, not failed
+    assert cancelled.status.status_code is StatusCode.ERROR
+    assert (cancelled.attributes or {})["torpor.abort.reason"] == "cancelled"
+    assert (cancelled.attributes or {})["gen_ai.conversation.id"] == "c"
+
+
 class ServerSpans:
     """What OpenTelemetry's ASGI middleware does: a server span per request, current
     while the app runs, a child of the request's traceparent."""
