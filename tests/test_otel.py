@@ -456,3 +456,30 @@ def test_tracing_is_automatic_with_a_global_provider_and_absent_without() -> Non
     assert _run("import opentelemetry.trace")["observed"] is False
     # Never loaded by the host: torpor does not load it either.
     assert _run("") == {"observed": False, "imported": [], "spans": None}
+
+
+async def test_a_proxied_turn_on_the_owner_node_is_a_child_of_the_requests_trace(
+    pg_url: str, spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    from test_cluster_proxy import node, owned_by, split
+
+    from torpor.llm.echo import EchoModel
+    from torpor.serve.proxy import OWNER_HEADER
+
+    provider, exporter = spans
+    async with node(pg_url, "a", EchoModel()) as a, node(pg_url, "b", EchoModel()) as b:
+        instrument(a.rt, provider)
+        instrument(b.rt, provider)
+        held = await split(a, b)
+        cid = owned_by(held["a"], "t")
+        async with httpx.AsyncClient(timeout=20) as http:
+            response = await http.post(
+                f"{b.url}/v1/conversations/{cid}/messages", json={"text": "hi"},
+                headers={"Authorization": f"Bearer {TOKEN}", "Accept": "text/event-stream",
+                         "traceparent": traceparent(TRACE_A, PARENT_A)})
+            assert response.status_code == 200
+            assert response.headers[OWNER_HEADER] == a.url.removeprefix("http://")
+    (turn,) = _turns(exporter)
+    assert (turn.attributes or {})["gen_ai.conversation.id"] == cid
+    assert f"{trace_id(turn):032x}" == TRACE_A
+    assert turn.parent is not None and f"{turn.parent.span_id:016x}" == PARENT_A
