@@ -110,7 +110,7 @@ class AdminAPI:
         return EventStream(_Transitions(self.rt.admin.watch()), self.service.streams)
 
     async def metrics(self, request: Request) -> Response:
-        body = self.service.metrics.render(await self.rt.admin.stats())
+        body = await self.service.metrics.scrape(self.rt)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
