@@ -171,8 +171,10 @@ def _aborted(body: Aborted, where: str) -> None:
     check_text(body.partial_text, f"{where}.partial_text")
     check_text(body.detail, f"{where}.detail")
     _artifact(body.artifact, body.full_size, where)
-    if body.error is not None:
-        check_id(body.error, f"{where}.error")
+    error = body.error
+    if error is not None and (type(error) is not str or not error.isidentifier()
+                              or not error.isascii() or len(error) > 64):
+        raise InvalidInput(f"{where}.error", f"must be an error's name, got {error!r:.80}")
     if type(body.retryable) is not bool:
         raise InvalidInput(f"{where}.retryable", "must be true or false")
     after = body.retry_after
