@@ -210,3 +210,43 @@ async def test_the_structured_fields_read_back_the_same_after_a_restart(tmp_path
             await replayed.result()
     assert again.value.fields == live.value.fields
     assert again.value.error is None  # replayed: no live exception behind it
+
+
+async def test_top_shows_model_errors_aborted_turns_and_pending_approvals() -> None:
+    """During a run where turns failed, ``torpor top`` says so (it showed ``crashes / parks
+    0 / 0``), and none of its titles wraps, at 140 columns or fewer."""
+    from torpor.cli.top import Top
+
+    model = ScriptedModel([[Fail(RATE_LIMITED)], [Fail(RATE_LIMITED)],
+                           [Call("approve", {}, id="p1")]])
+    async with Runtime("sqlite://", model=model,
+                       agent=AgentConfig(tools=[APPROVE])) as rt, served(rt) as (
+                           url, client, _app):
+        for cid in ("f1", "f2", "w"):
+            conn, response = await post_message(client, cid, "hi")
+            await events_until(response, ended)
+            await conn.close()
+        top = Top(url, ADMIN)
+        await top.refresh()
+    assert top.connected
+    titles = ("agents per state", "runtime", "failures", "busiest (last 10 s)", "parked")
+    for width in (140, 80, 40):
+        lines = _rendered(top, width).splitlines()
+        assert lines[0].startswith("torpor top  http") and len(lines[0]) <= width
+        assert lines[1].strip() == "agents per state"  # the title took one line
+        for title in titles:  # each title whole on a line of its own
+            assert any(line.strip() == title for line in lines), (width, title)
+    text = _rendered(top, 140)
+    assert "model errors" in text and "2 (ModelRateLimited 2)" in text
+    assert "aborted turns" in text and "2 (model_error 2)" in text
+    assert "pending approvals" in text and "1 (oldest" in text
+
+
+def _rendered(top: object, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(top.render())  # type: ignore[attr-defined]
+    return out.getvalue()

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from torpor.store.protocol import PendingSummary
 
 __all__ = ["ABORT_REASONS", "MODEL_ERROR_TYPES", "InstrumentedModel", "LogTap", "Metrics",
-           "ModelSeries", "TurnClock"]
+           "ModelSeries", "TurnClock", "pending_figures"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -452,13 +452,38 @@ class Metrics:
         approvals as of ``pending``)."""
         self._stats.stats = stats
         if pending is not None:
-            self.pending_conversations.set(pending.conversations)
-            self.pending_calls.set(pending.calls)
-            oldest = pending.oldest
-            self.pending_oldest.set(
-                0.0 if oldest is None else max(0.0, time.time() - oldest / 1000.0))
+            figures = pending_figures(pending)
+            self.pending_conversations.set(figures["conversations"])
+            self.pending_calls.set(figures["calls"])
+            self.pending_oldest.set(figures["oldest_seconds"])
         return generate_latest(self.registry)
+
+    def failures(self) -> dict[str, dict[str, int]]:
+        """Model errors by type (every model's) and aborted turns by reason, those not zero
+        (``/admin/stats`` shows them; ``torpor top`` reads them there)."""
+        return {
+            "model_errors": _totals(self.model_errors, "type"),
+            "aborted": _totals(self.turns_aborted, "reason"),
+        }
 
     async def scrape(self, runtime: Runtime) -> bytes:
         """What ``/metrics`` answers: the figures read at scrape time, then every series."""
         return self.render(await runtime.admin.stats(), await runtime.store.pending_summary())
+
+
+def pending_figures(pending: PendingSummary) -> dict[str, Any]:
+    """Pending approvals as shown: counts, and the oldest call's age in seconds (0: none)."""
+    oldest = pending.oldest
+    age = 0.0 if oldest is None else max(0.0, round(time.time() - oldest / 1000.0, 3))
+    return {"conversations": pending.conversations, "calls": pending.calls,
+            "oldest_seconds": age}
+
+
+def _totals(counter: Counter, label: str) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                key = sample.labels[label]
+                totals[key] = totals.get(key, 0) + int(sample.value)
+    return totals
