@@ -250,3 +250,20 @@ def _rendered(top: object, width: int) -> str:
     out = io.StringIO()
     Console(file=out, width=width, color_system=None).print(top.render())  # type: ignore[attr-defined]
     return out.getvalue()
+
+
+async def test_a_stopped_app_no_longer_measures_the_runtime_it_served() -> None:
+    """The observer goes with the app (the runtime may outlive it, and serve another)."""
+    from torpor.serve import Metrics
+
+    metrics = Metrics(process=False)
+    async with Runtime("sqlite://", model=ScriptedModel.replies("a", "b", name="m")) as rt:
+        async with served(rt, metrics=metrics) as (_, client, _app):
+            conn, response = await post_message(client, "s", "one")
+            await events_until(response, ended)
+            await conn.close()
+        count = {"model": "m"}
+        assert metrics.registry.get_sample_value("torpor_model_call_seconds_count", count) == 1
+        assert metrics.observing == 0
+        await (await rt.send("s", "two")).result()
+        assert metrics.registry.get_sample_value("torpor_model_call_seconds_count", count) == 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, get_args
 
 from prometheus_client import (
@@ -423,9 +423,22 @@ class Metrics:
                                           else "none")
         self.recent_ttft: deque[float] = deque(maxlen=4096)
         self.observing = 0  # runtimes whose observer reports to these metrics
+        self._detach: list[Callable[[], None]] = []
         self._models: dict[str, ModelSeries] = {}
         self.clock = TurnClock(self)
         self.tap = LogTap(self)
+
+    def on_detach(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` when the app stops (:meth:`detach`): an observer's removal, say."""
+        self._detach.append(undo)
+
+    def detach(self) -> None:
+        """The app stopped: untap the loggers and remove the observers it registered (a
+        runtime that outlives its app no longer reports to it)."""
+        self.tap.uninstall()
+        undo, self._detach = self._detach, []
+        for step in undo:
+            step()
 
     def model(self, name: str) -> ModelSeries:
         """The series of the model called ``name`` (created, at zero, on first use)."""

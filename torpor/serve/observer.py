@@ -50,11 +50,16 @@ def observe_runtime(runtime: Runtime, metrics: Metrics) -> Callable[[], None]:
         metrics.model(model_name(_unwrapped(own)))
     remove = runtime.observe(MetricsObserver(metrics))
     metrics.observing += 1
+    removed = False
 
     def unobserve() -> None:
-        remove()
-        metrics.observing -= 1
+        nonlocal removed
+        if not removed:
+            removed = True
+            remove()
+            metrics.observing -= 1
 
+    metrics.on_detach(unobserve)
     return unobserve
 
 

@@ -140,7 +140,7 @@ class Service:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-        self.metrics.tap.uninstall()
+        self.metrics.detach()  # the loggers untapped, the runtime's metrics observer removed
         log.info("stopped")
 
     # -- admission -------------------------------------------------------------------------
