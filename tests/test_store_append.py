@@ -312,3 +312,19 @@ async def test_an_answer_and_its_audit_row_are_one_operation(store: AnyStore) ->
         )
     assert [c.call_index for c in await store.model_calls("c")] == [1, 2]
     assert [e.position for e in await store.read_since("c", 0)] == [0, 1]
+
+
+async def test_a_user_messages_metadata_is_stored_and_checked_like_its_text(
+    store: AnyStore,
+) -> None:
+    meta = {"user": "alice", "roles": ["buyer", "ops"], "n": 3, "score": 0.5, "ok": True,
+            "none": None, "nested": {"tenant": "ünïcode"}}
+    await store.append("c", [UserMessage("plain"), UserMessage("with", meta)], key="k")
+    assert [e.body for e in await store.read_since("c", 0)] == [
+        UserMessage("plain"), UserMessage("with", meta)]
+    assert await store.keyed("c", "k") is not None
+    for bad in ({"nul": "a\x00b"}, {1: "int key"}, {"set": {1, 2}}, ["not", "a", "dict"]):
+        with pytest.raises(InvalidInput) as caught:
+            await store.append("c", [UserMessage("bad", bad)])  # type: ignore[arg-type]
+        assert "metadata" in caught.value.what
+    assert await store.head("c") == 1

@@ -3,7 +3,16 @@
 Public API re-exports only; see README.md for a tour.
 """
 
-from torpor.actors import AgentConfig, AgentState, ExternalTool, LocalTool, Subscriber, Turn, tool
+from torpor.actors import (
+    AgentConfig,
+    AgentState,
+    ExternalTool,
+    LocalTool,
+    Subscriber,
+    ToolContext,
+    Turn,
+    tool,
+)
 from torpor.actors.observe import (
     AbortInfo,
     FoldInfo,
@@ -79,6 +88,7 @@ from torpor.memory import (
     SemanticItem,
     ToolInteraction,
 )
+from torpor.metadata import MAX_METADATA_BYTES, MAX_METADATA_DEPTH
 from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, TaskHandle, Transition
 from torpor.runtime.memory_api import MemoryView
 from torpor.store import open_store
@@ -125,6 +135,8 @@ __all__ = [
     "InvalidInput",
     "InvalidTransition",
     "LocalTool",
+    "MAX_METADATA_BYTES",
+    "MAX_METADATA_DEPTH",
     "Marker",
     "Model",
     "ModelCall",
@@ -164,6 +176,7 @@ __all__ = [
     "ToolArgumentError",
     "ToolCallInfo",
     "ToolCall",
+    "ToolContext",
     "ToolResult",
     "ToolSpec",
     "TorporError",

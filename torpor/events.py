@@ -44,8 +44,17 @@ class ToolCall(msgspec.Struct, frozen=True, gc=False):
     arguments: dict[str, Any] = {}
 
 
-class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False):
+class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False, omit_defaults=True):
+    """What the user said; ``metadata``: what the host said about the sender.
+
+    ``metadata`` is the small JSON object given to ``Runtime.send(metadata=...)``
+    (or set by the HTTP ``authorize`` hook), handed to the turn's tools in their
+    :class:`~torpor.ToolContext`. ``omit_defaults``: absent, it costs nothing in
+    the row, and rows written before it existed still decode.
+    """
+
     text: str
+    metadata: dict[str, Any] | None = None
 
 
 class AssistantMessage(

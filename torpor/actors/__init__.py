@@ -3,6 +3,7 @@
 from torpor.actors.config import AgentConfig
 from torpor.actors.state import AgentState
 from torpor.actors.stream import StreamItem, Subscriber
+from torpor.actors.tool_context import ToolContext
 from torpor.actors.tools import ExternalTool, LocalTool, Toolbox, tool
 from torpor.actors.turn import Turn
 
@@ -13,6 +14,7 @@ __all__ = [
     "LocalTool",
     "StreamItem",
     "Subscriber",
+    "ToolContext",
     "Toolbox",
     "Turn",
     "tool",

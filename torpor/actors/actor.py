@@ -602,7 +602,8 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
         # No shield: no cancel scope encloses the actor here, and the runtime stops its
         # actors with Task.cancel, which no scope holds back.
         events = await logged(
-            agent, host, [UserMessage(request.text)], turn=number, key=request.key
+            agent, host, [UserMessage(request.text, request.metadata)], turn=number,
+            key=request.key,
         )
     except StoreUnavailable as exc:
         fail(request, exc)

@@ -24,16 +24,23 @@ __all__ = [
 
 
 class SendRequest:
-    """A user message. ``accepted`` resolves to the Turn once the message is in the log."""
+    """A user message. ``accepted`` resolves to the Turn once the message is in the log.
 
-    __slots__ = ("accepted", "key", "origin", "text")
+    ``metadata``: checked already (:func:`torpor.metadata.check_metadata`), logged with it.
+    ``origin``: the sender's trace (``Observer.origin``), for the turn's observers.
+    """
 
-    def __init__(self, text: str, key: str | None, accepted: asyncio.Future[Turn],
-                 origin: object | None = None) -> None:
+    __slots__ = ("accepted", "key", "metadata", "origin", "text")
+
+    def __init__(
+        self, text: str, key: str | None, accepted: asyncio.Future[Turn],
+        metadata: dict[str, Any] | None = None, origin: object | None = None,
+    ) -> None:
         self.text = text
         self.key = key
         self.accepted = accepted
-        self.origin = origin  # the sender's trace, for the turn's observers
+        self.metadata = metadata
+        self.origin = origin
 
 
 class ResolveRequest:

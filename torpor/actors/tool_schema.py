@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from torpor.actors.tool_context import ToolContext
 from torpor.errors import ConfigError
 
 __all__ = ["DerivedSignature", "check_tool_name", "derive_signature"]
@@ -43,6 +44,7 @@ class DerivedSignature:
     parameters: dict[str, Any]  # JSON schema of the arguments object
     description: str  # the docstring's first paragraph
     summary: str  # "x: int, flag: bool = False", quoted back to the model on bad arguments
+    context: str | None = None  # the parameter that gets the ToolContext (not in the schema)
 
 
 def _split_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
@@ -117,10 +119,20 @@ def derive_signature(
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     summary: list[str] = []
     copied_defaults: dict[str, Any] = {}
+    context: str | None = None
     for param in signature.parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
             raise fail(f"parameter {param.name!r} must be passable by keyword ({param.kind})")
         annotation = hints.get(param.name, Any)
+        if annotation is ToolContext:  # the runtime's to fill: the model never sees it
+            if context is not None:
+                raise fail(f"parameters {context!r} and {param.name!r} both ask for the "
+                           "ToolContext; one is enough")
+            context = param.name
+            continue
+        if _mentions_context(annotation):
+            raise fail(f"parameter {param.name!r}: annotate it exactly ToolContext to get "
+                       "the call's context")
         label = f"{param.name}: {_label(annotation)}"
         if param.default is param.empty:
             fields.append((param.name, annotation))
@@ -163,4 +175,13 @@ def derive_signature(
         parameters=schema,
         description=first_paragraph if description is None else description,
         summary=", ".join(summary),
+        context=context,
+    )
+
+
+def _mentions_context(annotation: Any) -> bool:
+    """``ToolContext | None``, ``Annotated[ToolContext, ...]`` and such: not filled in, and
+    not JSON either, so refused with a message that says what to write instead."""
+    return any(
+        arg is ToolContext or _mentions_context(arg) for arg in typing.get_args(annotation)
     )

@@ -18,6 +18,7 @@ import msgspec
 
 from torpor._logging import get_logger
 from torpor.actors.json_schema import check_schema, schema_errors
+from torpor.actors.tool_context import ToolContext
 from torpor.actors.tool_schema import check_tool_name, derive_signature
 from torpor.errors import ConfigError, ToolArgumentError
 from torpor.events import ToolCall, ToolResult
@@ -47,9 +48,14 @@ class LocalTool:
 
     Still callable like the function it wraps, so decorating a function does
     not take it away from the code that calls it directly.
+
+    ``context``: the name of the parameter annotated :class:`~torpor.ToolContext`, if the
+    function has one (filled in by the runtime on each call, not part of ``spec``).
     """
 
-    __slots__ = ("_arguments_type", "_summary", "description", "fn", "name", "spec", "timeout")
+    __slots__ = (
+        "_arguments_type", "_summary", "context", "description", "fn", "name", "spec", "timeout"
+    )
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class LocalTool:
         self.spec = ToolSpec(tool_name, derived.description, derived.parameters)
         self._arguments_type = derived.arguments_type
         self._summary = derived.summary
+        self.context = derived.context
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Convert the model's JSON arguments to the function's types, or raise ToolArgumentError.
@@ -179,6 +186,7 @@ async def run_tool(
     timeout: float | None,  # noqa: ASYNC109 - a default that the tool's own timeout overrides
     grace: float = 5.0,
     abandon: Callable[[asyncio.Task[Any], str], None] | None = None,
+    context: ToolContext | None = None,
 ) -> ToolResult:
     """Run one call of a local tool and always return its result; only cancellation escapes.
 
@@ -187,12 +195,19 @@ async def run_tool(
     hold the turn: past its timeout (or a cancel) it gets ``grace`` seconds to
     stop, then it is handed to ``abandon`` (the runtime owns it from there and
     reports it) and the turn goes on without it.
+
+    ``context``: what the tool's ``ToolContext`` parameter gets (a tool that has one and
+    is given none gets an error result: the runtime always gives one).
     """
     limit = tool.timeout if tool.timeout is not None else timeout
     try:
         arguments = tool.validate(call.arguments)
     except ToolArgumentError as exc:
         return _error(call, tool.name, str(exc))
+    if tool.context is not None:  # after validate: the model cannot name it (unknown field)
+        if context is None:
+            return _error(call, tool.name, f"tool {tool.name!r} needs a ToolContext")
+        arguments[tool.context] = context
     task = asyncio.get_running_loop().create_task(tool.fn(**arguments))
     what = f"tool {tool.name!r} (call {call.id})"
     try:

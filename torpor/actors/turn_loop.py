@@ -24,6 +24,7 @@ from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
 from torpor.actors.tool_calls import checked_call
 from torpor.actors.tools import ExternalTool, LocalTool, run_tool
+from torpor.actors.turn_context import context_for
 from torpor.actors.watchdog import Call
 from torpor.compaction import FoldPlan, Rendered, build_checkpoint, encode_recipe, plan_fold
 from torpor.compaction.anatomy import anatomy
@@ -534,8 +535,9 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
             return
         tool = toolbox.get(call.name)
         if isinstance(tool, LocalTool):
+            context = None if tool.context is None else await context_for(agent, host, call)
             results[call.id] = await run_tool(
-                tool, call, timeout=timeout, grace=grace, abandon=host.abandon
+                tool, call, timeout=timeout, grace=grace, abandon=host.abandon, context=context
             )
         else:
             results[call.id] = toolbox.unknown_tool_result(call)

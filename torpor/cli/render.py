@@ -39,6 +39,8 @@ def call_text(call: ToolCall) -> str:
 def body_text(body: Body) -> str:
     """What the event says, in words."""
     if isinstance(body, UserMessage):
+        if body.metadata:  # what the host said about the sender: an operator may need it
+            return f"{body.text} [metadata {msgspec.json.encode(body.metadata).decode()}]"
         return body.text
     if isinstance(body, AssistantMessage):
         calls = " ".join(f"-> {call_text(c)} [{c.id}]" for c in body.tool_calls)

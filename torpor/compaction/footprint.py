@@ -105,7 +105,9 @@ def event_bytes(event: Event) -> int:
         size += _BYTES + len(hints)
     if kind is UserMessage:
         text = body.text  # type: ignore[union-attr]
-        return size + (_ASCII + len(text) if text.isascii() else str_bytes(text))
+        size += _ASCII + len(text) if text.isascii() else str_bytes(text)
+        metadata = body.metadata  # type: ignore[union-attr]
+        return size if metadata is None else size + _deep(metadata)
     if kind is ToolResult:
         assert isinstance(body, ToolResult)
         text = body.content

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -141,8 +141,10 @@ class Admission:
         samples = list(self.waits)
         return percentile(samples, 50), percentile(samples, 99)
 
-    async def send(self, agent: Agent, text: str, key: str | None,
-                   origin: object | None = None) -> Turn | None:
+    async def send(
+        self, agent: Agent, text: str, key: str | None, metadata: dict[str, Any] | None = None,
+        origin: object | None = None,
+    ) -> Turn | None:
         """Log a message for a queued conversation; its turn runs once it has a slot.
 
         A queued conversation has no actor yet: until it is let in, this queue writes
@@ -173,7 +175,8 @@ class Admission:
                     raise AgentParked(agent.id, agent.parked_cause)
                 number = agent.last_turn() + 1
                 events = await store.append_events(
-                    agent.id, [UserMessage(text)], turn=number, expect_head=agent.head, key=key
+                    agent.id, [UserMessage(text, metadata)], turn=number,
+                    expect_head=agent.head, key=key,
                 )
                 event = events[0]
                 if event.turn != number:  # an idempotent retry of an earlier send

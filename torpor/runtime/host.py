@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from torpor.errors import (
 from torpor.events import Event
 from torpor.llm.echo import EchoModel
 from torpor.llm.protocol import Model, TextDelta
+from torpor.metadata import check_metadata
 from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
@@ -350,7 +351,14 @@ class Runtime(MemoryAPI):
         OpenTelemetry spans are observers (``torpor.serve.app`` and ``torpor.otel``)."""
         return self._host.observers.add(observer)
 
-    async def send(self, conversation_id: str, text: str, *, key: str | None = None) -> Turn:
+    async def send(
+        self,
+        conversation_id: str,
+        text: str,
+        *,
+        key: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Turn:
         """Log a user message and start its turn, or postpone it behind the open one.
 
         Returns once the message is durably in the log, whatever the agent is
@@ -361,12 +369,21 @@ class Runtime(MemoryAPI):
         ``StoreUnavailable`` when the store cannot write (nothing was written). On a
         cluster node: ``NotOwner`` (``.owner``: the address of the node that serves the
         conversation) here and in resolve, cancel and subscribe.
+
+        ``metadata``: a small JSON object about the sender (who they are, their tenant),
+        logged with the message; the turn's tools read it in their ``ToolContext``, also
+        when the turn runs postponed, after a restart or after an approval. At most
+        ``MAX_METADATA_BYTES`` (4096) as JSON and ``MAX_METADATA_DEPTH`` (8) levels deep,
+        str keys: else ``InvalidInput``, before anything is written. A retry with the same
+        ``key`` must repeat the message, metadata included: the same text with other
+        metadata raises ``IdempotencyConflict``, as other text does.
         """
         self._check_open()
         check_id(conversation_id)
         check_text(text, "text")
         if key is not None:
             check_id(key, "key")
+        logged_metadata = check_metadata(metadata) if metadata is not None else None
         self._check_owner(conversation_id)
         origin = self._host.observers.origin()  # the caller's trace, for the turn's span
         agent = self._registry.get(conversation_id)
@@ -374,7 +391,7 @@ class Runtime(MemoryAPI):
             # Over the live-agent cap: durable now, run when a slot frees (fair order).
             agent = self._admission.waiting(conversation_id)
             self._check_bound(agent)
-            queued = await self._admission.send(agent, text, key, origin)
+            queued = await self._admission.send(agent, text, key, logged_metadata, origin)
             if queued is not None:
                 return queued
             agent = self._registry.get(conversation_id)  # let in meanwhile: ask its actor
@@ -384,7 +401,8 @@ class Runtime(MemoryAPI):
             raise AgentParked(conversation_id, agent.parked_cause or "parked")
         self._check_bound(agent)
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
-        return await self._ask(agent, SendRequest(text, key, accepted, origin), accepted)  # type: ignore[no-any-return]
+        request = SendRequest(text, key, accepted, logged_metadata, origin)
+        return await self._ask(agent, request, accepted)  # type: ignore[no-any-return]
 
     async def _ask(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> Any:
         """Post ``request`` to the agent's actor and await its reply (the actor's alone to

@@ -7,6 +7,14 @@ runtime is consulted, so a refusal says nothing about whether the
 conversation exists. The hook returns a bool (or an awaitable of one), or
 raises :class:`~torpor.serve.Unauthorized` / :class:`~torpor.serve.Forbidden`.
 
+It may also return a mapping instead of ``True``: allowed, and for a message
+sent through this request (``POST …/messages``) the mapping is the message's
+metadata (``Runtime.send(metadata=...)``), which the turn's tools read in their
+:class:`~torpor.ToolContext`: who is asking, as the server established it.
+:func:`bearer_tokens` returns ``{"user": <the token's user>}``. Clients cannot
+set metadata themselves (a body with ``"metadata"`` is refused): what a tool
+reads there is the server's word, never the client's.
+
 The admin and ``/metrics`` are not the chat API's business: they need the
 admin token, and by default a client on a loopback address.
 """
@@ -16,7 +24,7 @@ from __future__ import annotations
 import hmac
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from starlette.requests import HTTPConnection
 
@@ -25,6 +33,7 @@ from torpor.serve.problems import Forbidden, Unauthorized
 __all__ = [
     "Action",
     "Authorize",
+    "Verdict",
     "allow_all",
     "bearer_of",
     "bearer_token",
@@ -35,7 +44,10 @@ __all__ = [
 ]
 
 Action: TypeAlias = Literal["read", "write"]
-Authorize: TypeAlias = Callable[[HTTPConnection, str, Action], "bool | Awaitable[bool]"]
+Verdict: TypeAlias = "bool | Mapping[str, Any]"
+"""What ``authorize`` answers: allowed (True, or a mapping: the metadata of the messages
+the request sends), or not (False)."""
+Authorize: TypeAlias = Callable[[HTTPConnection, str, Action], "Verdict | Awaitable[Verdict]"]
 
 
 def bearer_of(request: HTTPConnection) -> str | None:
@@ -81,6 +93,8 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
     User ``alice`` may read and write conversation ``alice`` and every
     conversation whose id starts with ``alice:`` (``separator``), and nothing
     else: not through history, recall, streams, messages, answers or cancels.
+    The messages she sends carry ``{"user": "alice"}`` as their metadata (a tool
+    reads it in ``ToolContext.metadata["user"]``).
 
     A table where one user name is another followed by the separator (``alice`` and
     ``alice:team``) is refused with ValueError: ``alice`` would own every conversation of
@@ -93,7 +107,9 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
         raise ValueError("the separator must not be empty")
     _check_names(set(table.values()), separator)
 
-    def authorize(request: HTTPConnection, conversation_id: str, action: Action) -> bool:
+    def authorize(
+        request: HTTPConnection, conversation_id: str, action: Action
+    ) -> bool | Mapping[str, Any]:
         given = bearer_of(request)
         if given is None:
             raise Unauthorized()
@@ -103,7 +119,9 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
                 user = name
         if user is None:
             raise Unauthorized("unknown bearer token")
-        return conversation_id == user or conversation_id.startswith(user + separator)
+        if conversation_id == user or conversation_id.startswith(user + separator):
+            return {"user": user}
+        return False
 
     return authorize
 
@@ -122,13 +140,19 @@ def _check_names(names: set[str], separator: str) -> None:
 
 async def permit(
     authorize: Authorize, request: HTTPConnection, conversation_id: str, action: Action
-) -> None:
-    """Ask the hook; a refusal raises Forbidden (a 403 that reveals nothing about the id)."""
+) -> Mapping[str, Any] | None:
+    """Ask the hook; a refusal raises Forbidden (a 403 that reveals nothing about the id).
+
+    Returns the metadata the hook granted (a mapping it returned), None for ``True``.
+    """
     verdict = authorize(request, conversation_id, action)
     if inspect.isawaitable(verdict):
         verdict = await verdict
-    if verdict is not True:
-        raise Forbidden(f"may not {action} this conversation")
+    if verdict is True:
+        return None
+    if isinstance(verdict, Mapping):
+        return verdict
+    raise Forbidden(f"may not {action} this conversation")
 
 
 def is_loopback(request: HTTPConnection) -> bool:

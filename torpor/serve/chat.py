@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -119,10 +120,17 @@ class ChatAPI:
         self.authorize = authorize
 
     async def _conversation(self, request: Request, action: Action) -> str:
+        return (await self._granted(request, action))[0]
+
+    async def _granted(
+        self, request: Request, action: Action
+    ) -> tuple[str, Mapping[str, Any] | None]:
+        """The conversation, once ``authorize`` allowed ``action``, and the metadata it
+        granted (see :func:`torpor.serve.access.permit`)."""
         conversation_id = path_id(request, "conversation_id", "conversation_id")
         conversation_id_var.set(conversation_id)
-        await permit(self.authorize, request, conversation_id, action)
-        return conversation_id
+        grant = await permit(self.authorize, request, conversation_id, action)
+        return conversation_id, grant
 
     async def _known(self, conversation_id: str) -> int:
         head = await self.rt.store.head(conversation_id)
@@ -131,15 +139,18 @@ class ChatAPI:
         return head
 
     async def send(self, request: Request) -> Response:
-        conversation_id = await self._conversation(request, "write")
+        conversation_id, metadata = await self._granted(request, "write")
         self.service.admit()
         body = await json_body(request)
         text = body.get("text")
         if not isinstance(text, str):
             raise InvalidInput("text", "the body must be {\"text\": \"…\"}")
+        if "metadata" in body:  # the server's word about the sender (authorize), never theirs
+            raise InvalidInput("metadata", "is set by the server (its authorize hook), not "
+                               "by the client")
         key = request.headers.get("idempotency-key")
         try:
-            turn = await self.rt.send(conversation_id, text, key=key)
+            turn = await self.rt.send(conversation_id, text, key=key, metadata=metadata)
         except Busy:
             self.service.metrics.mailbox_refusals.inc()
             raise

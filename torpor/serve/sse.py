@@ -72,10 +72,16 @@ def format_cursor(position: int, offset: int) -> str:
 
 
 def event_data(event: Event) -> dict[str, Any]:
-    """An event as JSON: where it is, and its body's fields (bytes as base64)."""
+    """An event as JSON: where it is, and its body's fields (bytes as base64).
+
+    Not a user message's ``metadata``: it is what the server established about the
+    sender (ids, roles) for the tools, not for everyone who may read the conversation;
+    the log, ``torpor inspect`` and ``torpor history`` show it.
+    """
     body = msgspec.to_builtins(event.body)
     if isinstance(body, dict):
         body.pop("type", None)
+        body.pop("metadata", None)
         if isinstance(event.body, Aborted):
             # Every field a UI decides on, present even where the row omits it (a default,
             # or a row older than the fields): it need not know which it got.

@@ -57,7 +57,7 @@ def check_body(body: Body, where: str) -> None:
     """Raise InvalidInput (``what`` names the field) unless every backend can store ``body``."""
     # The commonest bodies first, by type, their field names built only on error: a str
     # that is ASCII without NUL is what check_text passes without a scan.
-    if type(body) is UserMessage or (
+    if (type(body) is UserMessage and body.metadata is None) or (
         type(body) is AssistantMessage
         and type(body.tool_calls) is tuple
         and not body.tool_calls
@@ -75,6 +75,8 @@ def _check_any(body: Body, where: str) -> None:
     """:func:`check_body` for any body (its general path)."""
     if isinstance(body, UserMessage):
         check_text(body.text, f"{where}.text")
+        if body.metadata is not None:  # bounded by Runtime.send; here: storable JSON
+            check_arguments(body.metadata, f"{where}.metadata")
     elif isinstance(body, AssistantMessage):
         _assistant(body, where)
     elif isinstance(body, ToolResult):
