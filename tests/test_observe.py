@@ -228,3 +228,40 @@ def test_an_observer_must_subclass_observer() -> None:
     rt = Runtime("sqlite://", model=ScriptedModel.replies("x"))
     with pytest.raises(TypeError):
         rt.observe(object())  # type: ignore[arg-type]
+
+
+class AbortCounter(Observer):
+    def __init__(self) -> None:
+        self.aborts: list[tuple[int, str, str | None, bool]] = []
+
+    def aborted(self, info: AbortInfo) -> None:
+        self.aborts.append((info.turn, info.reason, info.error_type, info.retryable))
+
+
+async def test_a_drain_reports_the_running_turn_and_each_postponed_one_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not only a turn's own end: the postponed turns a stopping runtime ends in the log
+    reach the observers and the log too, once each."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="torpor")
+    reached = anyio.Event()
+    model = ScriptedModel([[Text("half"), Signal(reached), Wait(anyio.Event())]])
+    counter = AbortCounter()
+    async with Runtime("sqlite://", model=model) as rt:
+        rt.observe(counter)
+        first = await rt.send("c", "1")
+        await reached.wait()
+        second = await rt.send("c", "2")
+        third = await rt.send("c", "3")
+        assert second.postponed and third.postponed
+    for turn in (first, second, third):
+        with pytest.raises(TurnAborted) as info:
+            await turn.result()
+        assert info.value.reason == "shutdown" and info.value.retryable
+    assert sorted(counter.aborts) == [(1, "shutdown", None, True), (2, "shutdown", None, True),
+                                      (3, "shutdown", None, True)]
+    records = [r for r in caplog.records if r.getMessage().startswith("turn_aborted")]
+    assert sorted(r.turn for r in records) == [1, 2, 3]  # type: ignore[attr-defined]
+    assert {r.levelno for r in records} == {logging.WARNING}

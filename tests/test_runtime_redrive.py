@@ -30,7 +30,7 @@ from torpor import (
     ToolCall,
     UserMessage,
 )
-from torpor.events import Body
+from torpor.events import Body, aborted_body
 from torpor.store import SQLiteStore
 
 CHILD = textwrap.dedent(
@@ -149,6 +149,6 @@ async def test_the_live_agent_cap_holds_while_many_conversations_are_re_driven(
                 await anext(changes)
         for name in names:
             bodies = [e.body for e in await rt.store.read_since(name, 0)]
-            assert bodies[2:] == [Aborted("interrupted", detail="found unfinished on revival"),
+            assert bodies[2:] == [aborted_body("interrupted", detail="found unfinished on revival"),
                                   AssistantMessage("echo: y")]
     assert 0 < peak <= 3

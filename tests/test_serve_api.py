@@ -404,7 +404,9 @@ def test_the_admin_answers_loopback_clients_only_unless_told() -> None:
         check_admin(request("127.0.0.1", "t"), None, remote=False)
 
 
-async def test_model_metrics_come_from_the_instrumented_model() -> None:
+async def test_a_model_still_wrapped_in_instrument_is_counted_once() -> None:
+    """The deprecated wrapper keeps working, and measures nothing while the app's observer
+    does: each call is counted once."""
     from torpor.serve import Metrics
 
     metrics = Metrics(process=False)
@@ -418,25 +420,31 @@ async def test_model_metrics_come_from_the_instrumented_model() -> None:
             await conn.close()
         _, scrape = await client.open("GET", "/metrics", token=ADMIN)
         text = (await scrape.read()).decode()
-        assert "torpor_time_to_first_token_seconds_count 3.0" in text
-        assert 'torpor_tokens_total{direction="out"}' in text
+        assert 'torpor_time_to_first_token_seconds_count{model="scripted"} 3.0' in text
+        assert 'torpor_model_call_seconds_count{model="scripted"} 3.0' in text
+        assert 'torpor_tokens_total{direction="out",model="scripted"}' in text
 
 
 async def test_tokens_in_are_what_the_runtime_counted_for_each_context() -> None:
     """A model that reports no prompt tokens: the metric takes the count the runtime made
     when it assembled the context (the audit's estimate), without walking the context."""
     from torpor.serve import Metrics
+    from torpor.serve.observer import observe_runtime
 
-    metrics = Metrics(process=False)
-    model = metrics.instrument(EchoModel())
-    async with Runtime("sqlite://", model=model,
-                       agent=AgentConfig(system_prompt="Be brief. " * 20)) as rt:
-        for text in ("one", "two", "three"):
-            await (await rt.send("m", text)).result()
-        calls = await rt.store.model_calls("m")
-    counted = metrics.registry.get_sample_value("torpor_tokens_total", {"direction": "in"})
-    assert len(calls) == 3 and all(c.reported_prompt_tokens is None for c in calls)
-    assert counted == sum(c.estimated_prompt_tokens for c in calls) > 0
+    for wrapped in (False, True):  # the app's observer, the deprecated wrapper
+        metrics = Metrics(process=False)
+        model = metrics.instrument(EchoModel()) if wrapped else EchoModel()
+        async with Runtime("sqlite://", model=model,
+                           agent=AgentConfig(system_prompt="Be brief. " * 20)) as rt:
+            if not wrapped:
+                observe_runtime(rt, metrics)
+            for text in ("one", "two", "three"):
+                await (await rt.send("m", text)).result()
+            calls = await rt.store.model_calls("m")
+        counted = metrics.registry.get_sample_value(
+            "torpor_tokens_total", {"model": "echo", "direction": "in"})
+        assert len(calls) == 3 and all(c.reported_prompt_tokens is None for c in calls)
+        assert counted == sum(c.estimated_prompt_tokens for c in calls) > 0
 
 
 async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> None:
@@ -469,7 +477,9 @@ async def test_graceful_shutdown_ends_open_streams_with_the_logged_abort() -> No
             await draining
         assert kinds(events) == ["user", "delta", "aborted"]
         assert events[-1].json()["body"] == {
-            "reason": "shutdown", "partial_text": "half", "detail": "runtime stopped"
+            "reason": "shutdown", "partial_text": "half", "detail": "runtime stopped",
+            "error": None, "retryable": True, "retry_after": None, "status": None,
+            "message": "The service stopped before the answer was complete; try again shortly.",
         }
         async with open_store(url_db) as store:
             logged = await store.read_since("g", 0)

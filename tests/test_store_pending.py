@@ -155,3 +155,22 @@ async def _downgrade_to_version_1(backend: Backend) -> None:
         await backend.sql("PRAGMA user_version = 1")
     else:
         await backend.sql("DELETE FROM schema_version WHERE version > 1")
+
+
+async def test_pending_summary_counts_the_index_and_names_its_oldest_call(
+    backend: Backend,
+) -> None:
+    from torpor.store import PendingSummary
+
+    async with backend.open() as store:
+        assert await store.pending_summary() == PendingSummary(0, 0, None)
+        for name in ("a", "b"):
+            await store.append(name, [UserMessage("pay")])
+            await store.append(name, [asks(("c1", "approve"), ("c2", "approve"))])
+        (first,) = await store.append_events(
+            "a", [Suspended(("c1", "c2"), "", ("approve", "approve"))])
+        await store.append_events("b", [Suspended(("c1",), "", ("approve",))])
+        assert await store.pending_summary() == PendingSummary(2, 3, first.created_at)
+        await store.append("a", [Aborted("cancelled")])
+        summary = await store.pending_summary()
+        assert (summary.conversations, summary.calls) == (1, 1)

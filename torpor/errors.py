@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 __all__ = [
+    "ABORT_MESSAGES",
+    "MODEL_ERROR_MESSAGES",
+    "AbortFields",
     "AgentParked",
     "Busy",
     "ConfigError",
@@ -36,6 +41,7 @@ __all__ = [
     "UnknownCall",
     "UnknownConversation",
     "UnsupportedStoreURL",
+    "abort_fields",
 ]
 
 
@@ -331,12 +337,100 @@ class InvalidTransition(TorporError, RuntimeError):
     """An undeclared state change: a bug in the actor, so it crashes (and is restarted)."""
 
 
+class AbortFields(NamedTuple):
+    """What a caller (a UI) is told of an aborted turn, besides its reason.
+
+    ``error``: the torpor error name behind it (``"ModelRateLimited"``,
+    ``"StepLimit"``…; None for a cancel, a crash, a shutdown or an interruption:
+    the reason says it all). ``retryable``: whether sending the message again may
+    succeed (after ``retry_after`` seconds when known). ``status``: the model
+    provider's HTTP status, when there was one. ``message``: a fixed English
+    sentence a UI may show an end user; never the provider's text (that stays in
+    the abort's ``detail``, for operators).
+    """
+
+    error: str | None
+    retryable: bool
+    retry_after: float | None
+    status: int | None
+    message: str
+
+
+# One fixed sentence per model error type: never the provider's own words, which may name
+# internals (a proxy's model group, an upstream URL) that an end user must not see.
+MODEL_ERROR_MESSAGES: dict[str, str] = {
+    "ModelTimeout": "The model took too long to respond; try again.",
+    "ModelRateLimited": "The model provider is rate limiting requests; try again in a moment.",
+    "ModelOverloaded": "The model provider is overloaded or unavailable; try again later.",
+    "ModelConnectionError": "The connection to the model provider failed; try again.",
+    "ModelContextTooLong": "The conversation is too long for the model to process.",
+    "ModelAuthError": "The service could not authenticate with the model provider.",
+    "ModelBadRequest": "The model provider refused the request.",
+    "ModelResponseError": "The model's answer could not be used; try again.",
+    "ModelError": "The model failed to answer.",
+}
+_QUOTA_SPENT = "The model provider's usage quota is exhausted."
+ABORT_MESSAGES: dict[str, str] = {
+    "cancelled": "The turn was cancelled.",
+    "crashed": "Something went wrong while answering; the error was logged.",
+    "model_error": MODEL_ERROR_MESSAGES["ModelError"],
+    "interrupted": "The answer was interrupted; try again.",
+    "shutdown": "The service stopped before the answer was complete; try again shortly.",
+    "step_limit": "The assistant took too many steps without finishing its answer.",
+}
+# Sending again may succeed after these (the service comes back, the process restarted);
+# not after a cancel (the caller's choice), a crash (the same input may crash again) or the
+# step limit (the same conversation calls the same tools again).
+_RETRYABLE_REASONS = frozenset({"interrupted", "shutdown"})
+
+
+def abort_fields(reason: str, error: BaseException | None = None) -> AbortFields:
+    """The fields of an abort for ``reason`` and the exception behind it (the model's typed
+    error for ``model_error``)."""
+    if reason == "model_error":
+        if isinstance(error, ModelError):
+            # a subclass of one of ours is named as ours: the names are a fixed vocabulary
+            # (what a UI and an alert match on)
+            name = next((c.__name__ for c in type(error).__mro__
+                         if c.__module__ == __name__ and c.__name__ in MODEL_ERROR_MESSAGES),
+                        "ModelError")
+            message = MODEL_ERROR_MESSAGES[name]
+            if isinstance(error, ModelRateLimited) and not error.retryable:
+                message = _QUOTA_SPENT
+            return AbortFields(name, bool(error.retryable), _seconds(error.retry_after),
+                               _status(error.status), message)
+        return AbortFields("ModelError", False, None, None, MODEL_ERROR_MESSAGES["ModelError"])
+    return AbortFields(
+        "StepLimit" if reason == "step_limit" else None,
+        reason in _RETRYABLE_REASONS,
+        None,
+        None,
+        ABORT_MESSAGES.get(reason, "The turn ended without an answer."),
+    )
+
+
+def _seconds(value: object) -> float | None:
+    """A retry delay as the log holds it (a model of one's own may set anything)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) \
+            and 0 <= value < 1e9:  # NaN fails both comparisons
+        return float(value)
+    return None
+
+
+def _status(value: object) -> int | None:
+    return value if type(value) is int and 100 <= value <= 599 else None
+
+
 class TurnAborted(TorporError):
     """A turn ended without a final answer; ``reason`` is the logged abort reason.
 
     ``error``: for ``model_error``, the typed :class:`ModelError` the model raised
-    (also the exception's ``__cause__``), so a caller can tell whether to retry
-    (:attr:`retryable`, ``error.retry_after``) without parsing ``detail``.
+    (also the exception's ``__cause__``), None when the turn is replayed from the
+    log. What a caller decides on is the logged abort's fields (see
+    :class:`AbortFields`): ``error_type`` (the torpor error name, ``"ModelRateLimited"``;
+    the ``error`` field of the ``aborted`` event over HTTP), :attr:`retryable`,
+    ``retry_after``, ``status`` and ``message`` (a fixed sentence safe to show an end
+    user); ``detail`` has the provider's own text, for operators.
     """
 
     def __init__(
@@ -345,6 +439,8 @@ class TurnAborted(TorporError):
         partial_text: str = "",
         detail: str = "",
         error: BaseException | None = None,
+        *,
+        fields: AbortFields | None = None,
     ) -> None:
         super().__init__(f"turn aborted ({reason}){': ' + detail if detail else ''}")
         self.reason = reason
@@ -352,9 +448,18 @@ class TurnAborted(TorporError):
         self.detail = detail
         self.error = error
         self.__cause__ = error
+        if fields is None:
+            fields = abort_fields(reason, error)
+        self.error_type = fields.error
+        self.retryable = fields.retryable
+        """Whether sending again may succeed: the model's error says so (a timeout, a rate
+        limit, an overload, a dropped connection), or the turn was cut by a shutdown or
+        the process's end; False for a cancel, a crash, the step limit."""
+        self.retry_after = fields.retry_after
+        self.status = fields.status
+        self.message = fields.message
 
     @property
-    def retryable(self) -> bool:
-        """Whether sending again may succeed: the model's error says so (a timeout, a
-        rate limit, an overload, a dropped connection); False for every other abort."""
-        return isinstance(self.error, ModelError) and self.error.retryable
+    def fields(self) -> AbortFields:
+        return AbortFields(self.error_type, self.retryable, self.retry_after, self.status,
+                           self.message)

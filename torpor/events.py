@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from torpor.errors import CorruptEvent
+from torpor.errors import AbortFields, CorruptEvent, abort_fields
 
 __all__ = [
     "AbortReason",
@@ -28,6 +28,8 @@ __all__ = [
     "ToolResult",
     "Unparked",
     "UserMessage",
+    "abort_fields_of",
+    "aborted_body",
     "decode_body",
     "encode_body",
     "searchable_text",
@@ -122,6 +124,14 @@ class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False, omit_default
 
     A ``partial_text`` too large for one row is clipped on entry like an
     assistant message's text: a preview here, the full text in ``artifact``.
+
+    What a caller decides on (:class:`torpor.errors.AbortFields`): ``error``, the
+    torpor error name behind the abort (``"ModelRateLimited"``), ``retryable``,
+    ``retry_after`` (seconds), ``status`` (the provider's HTTP status) and
+    ``message``, a fixed sentence safe to show an end user. ``detail`` keeps the
+    provider's own text, for operators. Rows written before these fields existed
+    decode with ``message == ""`` (:func:`abort_fields_of` derives them from the
+    reason then); ``omit_defaults`` keeps them out of rows where they are empty.
     """
 
     reason: AbortReason
@@ -129,6 +139,11 @@ class Aborted(msgspec.Struct, tag="aborted", frozen=True, gc=False, omit_default
     detail: str = ""
     artifact: str | None = None
     full_size: int | None = None
+    error: str | None = None
+    retryable: bool = False
+    retry_after: float | None = None
+    status: int | None = None
+    message: str = ""
 
 
 class Parked(msgspec.Struct, tag="parked", frozen=True, gc=False):
@@ -220,6 +235,27 @@ _KINDS: dict[type, str] = {
     )
 }
 KINDS: frozenset[str] = frozenset(_KINDS.values())
+
+
+def aborted_body(
+    reason: AbortReason,
+    partial_text: str = "",
+    detail: str = "",
+    error: BaseException | None = None,
+) -> Aborted:
+    """The ``Aborted`` body for ``reason``, with the fields a caller decides on (derived
+    from ``error``, the exception behind it: the model's typed error for ``model_error``)."""
+    fields = abort_fields(reason, error)
+    return Aborted(reason, partial_text, detail, error=fields.error, retryable=fields.retryable,
+                   retry_after=fields.retry_after, status=fields.status, message=fields.message)
+
+
+def abort_fields_of(body: Aborted) -> AbortFields:
+    """The caller-facing fields of a logged abort; for a row written before they existed
+    (no ``message``), what its reason implies."""
+    if not body.message:
+        return abort_fields(body.reason)
+    return AbortFields(body.error, body.retryable, body.retry_after, body.status, body.message)
 
 
 def kind_of(body: Body) -> str:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from torpor.actors.aborts import report_abort, turn_aborted
 from torpor.actors.agent import Waiting
 from torpor.actors.branch import handle_spawn
 from torpor.actors.mailbox import (
@@ -42,7 +43,7 @@ from torpor.actors.mailbox import (
     StopRequest,
     UnparkRequest,
 )
-from torpor.actors.observe import AbortInfo, TurnInfo
+from torpor.actors.observe import TurnInfo
 from torpor.actors.resolution import replayed_resolution
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
@@ -73,6 +74,7 @@ from torpor.events import (
     ToolResult,
     Unparked,
     UserMessage,
+    aborted_body,
 )
 
 if TYPE_CHECKING:
@@ -498,10 +500,10 @@ async def _stop(agent: Agent, host: Host) -> None:
         # half-done for the next run to report as interrupted. Turns end in the log in turn
         # order (the open-work index counts on it: store.open_work), so an open turn whose
         # own end could not be logged is ended first.
-        ends = [(agent.turn, Aborted("shutdown", _partial_of(hub), "runtime stopped"))
+        ends = [(agent.turn, aborted_body("shutdown", _partial_of(hub), "runtime stopped"))
                 ] if unended else []
-        ends += [(waiting.event.turn, Aborted("shutdown", detail="runtime stopped before "
-                                              "this postponed turn ran"))
+        ends += [(waiting.event.turn, aborted_body("shutdown", detail="runtime stopped "
+                                                   "before this postponed turn ran"))
                  for waiting in postponed]
         for number, aborted in ends:
             try:
@@ -509,6 +511,7 @@ async def _stop(agent: Agent, host: Host) -> None:
                     await logged(agent, host, [aborted], turn=number)
             except Exception:
                 break  # the store refuses: the next run reports it as interrupted
+            report_abort(host.log, host.observers, agent.id, number, aborted)
     for waiting in postponed or ():
         waiting.turn._fail(TurnAborted("shutdown", "", str(error)))
         waiting.hub.close()
@@ -545,8 +548,9 @@ async def revive(agent: Agent, host: Host) -> None:
     if restored.unfinished and restored.state is not AgentState.PARKED:
         # The turn died mid-way (the process, or the store): the log must say so before
         # anything else happens, with the text its stream had delivered.
-        await append(agent, host, [Aborted("interrupted", partial_text=agent.unlogged,
-                                           detail="found unfinished on revival")])
+        cut = aborted_body("interrupted", agent.unlogged, "found unfinished on revival")
+        await append(agent, host, [cut])
+        report_abort(host.log, host.observers, agent.id, agent.turn, cut)
     agent.unlogged = ""
     agent.store_failures = 0
     for waiting in agent.postponed or ():
@@ -682,8 +686,7 @@ async def replayed_turn(agent: Agent, host: Host, position: int, number: int) ->
     if outcome is not None:
         turn._finish(outcome)
     else:
-        reason = aborted.reason if aborted is not None else "interrupted"
-        turn._fail(TurnAborted(reason, aborted.partial_text if aborted else ""))
+        turn._fail(turn_aborted(aborted) if aborted is not None else TurnAborted("interrupted"))
     return turn
 
 
@@ -839,16 +842,16 @@ async def abort_turn(
     failed by the returned function instead (a crashed turn: its actor settles
     them as it reports the crash, so a caller learns of it after the runtime).
     """
+    body = aborted_body(reason, partial, detail, error)
     if agent.ws is not None:
-        await append(agent, host, [Aborted(reason, partial_text=partial, detail=detail)])
-    if host.observers:
-        host.observers.aborted(AbortInfo(agent.id, agent.turn, reason, detail, error))
+        await append(agent, host, [body])
+    report_abort(host.log, host.observers, agent.id, agent.turn, body, error)
     turn = agent.current
     hub = agent.hub
     agent.current = None
     agent.hub = None
     agent.pending = ()
-    aborted = TurnAborted(reason, partial, detail, error)
+    aborted = turn_aborted(body, error)
 
     def fail_waiters() -> None:
         if turn is not None:

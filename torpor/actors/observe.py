@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
-    from torpor.events import AssistantMessage
+    from torpor.events import AssistantMessage, ToolResult
     from torpor.llm.protocol import Usage
 
 __all__ = [
@@ -89,13 +89,24 @@ class FoldInfo(msgspec.Struct, frozen=True, gc=False):
 
 class AbortInfo(msgspec.Struct, frozen=True, gc=False):
     """A turn that ended without an answer, as logged (``error``: the exception behind it,
-    the model's typed error for ``model_error``)."""
+    the model's typed error for ``model_error``, None where the abort has none or it
+    was not raised here).
+
+    The logged abort's caller-facing fields (:class:`torpor.errors.AbortFields`):
+    ``error_type`` (the torpor error name, ``"ModelRateLimited"``), ``retryable``,
+    ``retry_after``, ``status`` (the provider's HTTP status) and ``message``.
+    """
 
     conversation_id: str
     turn: int
     reason: str
     detail: str = ""
     error: BaseException | None = None
+    error_type: str | None = None
+    retryable: bool = False
+    retry_after: float | None = None
+    status: int | None = None
+    message: str = ""
 
 
 class ModelCallWatch:
@@ -139,8 +150,14 @@ class Observer:
     def fold(self, info: FoldInfo) -> AbstractContextManager[None]:
         return UNOBSERVED
 
+    def tool_result(self, info: ToolCallInfo, result: ToolResult) -> None:
+        """A local tool call's result (``result.is_error``: it failed, timed out or its
+        arguments did not fit), told inside its :meth:`tool_call` context."""
+
     def aborted(self, info: AbortInfo) -> None:
-        """A turn was aborted (called inside its :meth:`turn` context when it ran)."""
+        """A turn was aborted: once for each ``Aborted`` this runtime logs, inside the
+        turn's :meth:`turn` context when it was running (a postponed turn a drain ended,
+        or a turn revival found cut off, has none)."""
 
 
 class _Nothing:
@@ -255,6 +272,10 @@ class Observers(Observer):
         if len(observers) == 1:
             return observers[0].fold(info)
         return _all_of([o.fold(info) for o in observers])
+
+    def tool_result(self, info: ToolCallInfo, result: ToolResult) -> None:
+        for observer in self._all:
+            observer.tool_result(info, result)
 
     def aborted(self, info: AbortInfo) -> None:
         for observer in self._all:

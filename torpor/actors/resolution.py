@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torpor.actors.aborts import turn_aborted
 from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
 from torpor.errors import IdempotencyConflict, TurnAborted
@@ -66,7 +67,7 @@ async def replayed_resolution(
     turn = Turn(agent.id, number, turn_start(number), StreamHub().join(), replayed=True,
                 continuation=True)
     if isinstance(outcome, Aborted):
-        turn._fail(TurnAborted(outcome.reason, outcome.partial_text, outcome.detail))
+        turn._fail(turn_aborted(outcome))
     elif outcome is None:  # cut off, and not running here: what revival logs for it
         turn._fail(TurnAborted("interrupted", "", "continuation not found"))
     else:

@@ -525,8 +525,10 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
 
     async def one(call: ToolCall) -> None:
         if observers:  # a tool's own spans nest under its call's
-            with observers.tool_call(ToolCallInfo(agent.id, agent.turn, call.id, call.name)):
+            info = ToolCallInfo(agent.id, agent.turn, call.id, call.name)
+            with observers.tool_call(info):
                 await run_one(call)
+                observers.tool_result(info, results[call.id])
         else:
             await run_one(call)
 

@@ -56,7 +56,8 @@ def body_text(body: Body) -> str:
         return f"answer to {body.call_id}"
     if isinstance(body, Aborted):
         partial = f" after {body.partial_text!r}" if body.partial_text else ""
-        return f"{body.reason}{partial}" + (f" ({body.detail})" if body.detail else "")
+        error = f" [{body.error}{f' {body.status}' if body.status else ''}]" if body.error else ""
+        return f"{body.reason}{error}{partial}" + (f" ({body.detail})" if body.detail else "")
     if isinstance(body, Parked):
         return f"parked after {body.restarts} restarts: {body.cause}"
     if isinstance(body, Unparked):

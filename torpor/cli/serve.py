@@ -123,12 +123,11 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def configure_logging(level: str, fmt: str, tap: Any) -> None:
+def configure_logging(level: str, fmt: str) -> None:
     """``torpor serve`` is an application: its records (torpor's, uvicorn's, the app's) go to
     stderr as JSON lines or console lines at ``level``, each with its request and
-    conversation ids; the metrics tap gets the loggers of the fold and commit records."""
+    conversation ids (the app taps the store's loggers for its metrics itself)."""
     from torpor.serve.logs import ConsoleFormatter, ContextFilter, JsonFormatter
-    from torpor.serve.metrics import LogTap
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else ConsoleFormatter())
@@ -155,7 +154,6 @@ def configure_logging(level: str, fmt: str, tap: Any) -> None:
     logging.logMultiprocessing = False
     if sys.version_info >= (3, 12):
         logging.logAsyncioTasks = False
-    tap.install([logging.getLogger(name) for name in LogTap.LOGGERS])
 
 
 def _check_extra() -> None:
@@ -179,7 +177,7 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     from torpor.serve.runner import http_protocol
 
     metrics = Metrics()
-    configure_logging(args.log_level, args.log_format, metrics.tap)
+    configure_logging(args.log_level, args.log_format)
     if args.model == "demo":
         delay = 0.02 if args.model_delay is None else args.model_delay
         model: Any = DemoModel(delay=delay)
@@ -212,8 +210,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     url = f"http://{shown}:{port}"
     node = _node(args, f"{shown}:{port}")
     try:
-        rt = Runtime(args.db, model=metrics.instrument(model), config=config, agent=agent,
-                     node=node)
+        # not wrapped for metrics: the app measures every model call of the runtime itself
+        rt = Runtime(args.db, model=model, config=config, agent=agent, node=node)
     except ConfigError as exc:
         sock.close()
         raise CliError(f"--node-id: {str(exc).removeprefix(exc.field + ': ')}") from None

@@ -3,8 +3,9 @@
 Redrawn whenever the admin's watch stream reports lifecycle transitions (at
 most four times a second) and at least every ``--interval`` seconds: agents
 per state, revivals/s and turns/s, turn latency p50/p99, time to first token,
-the server's RSS, the busiest agents (most transitions in the last ten
-seconds) and the parked ones. Reads ``/admin/stats``, ``/admin/agents`` and
+the server's RSS, model errors by type, aborted turns by reason, pending
+approvals (how many, the oldest's age), the busiest agents (most transitions in
+the last ten seconds) and the parked ones. Reads ``/admin/stats``, ``/admin/agents`` and
 ``/admin/watch`` with the admin token. Piped, it prints one frame per redraw.
 """
 
@@ -125,10 +126,12 @@ class Top:
     def render(self) -> Group:
         stats = self.stats
         server = stats.get("server", {})
-        title = Text(f"torpor top  {self.url}  {time.strftime('%H:%M:%S')}", style="bold")
+        # One line at any width: cut short (an ellipsis), never wrapped onto a second.
+        title = Text(f"torpor top  {self.url}  {time.strftime('%H:%M:%S')}", style="bold",
+                     no_wrap=True, overflow="ellipsis")
         if not self.connected:
             title.append("  (disconnected: retrying)", style="red")
-        states = Table(title="agents per state", show_header=True, expand=False)
+        states = _table("agents per state", show_header=True)
         states.add_column("state")
         states.add_column("agents", justify="right")
         for name, count in sorted(stats.get("states", {}).items()):
@@ -136,7 +139,7 @@ class Top:
         for name in ("live", "hibernated", "queued"):
             if name in stats:
                 states.add_row(f"({name})", f"{stats[name]:,}")
-        figures = Table(title="runtime", show_header=False, expand=False)
+        figures = _table("runtime", show_header=False)
         figures.add_column("figure")
         figures.add_column("value", justify="right")
         rss = server.get("rss_bytes")
@@ -156,19 +159,55 @@ class Top:
             ("crashes / parks", f"{stats.get('crashes', 0):,} / {stats.get('parks', 0):,}"),
         ):
             figures.add_row(name, value)
-        busy = Table(title=f"busiest (transitions, last {BUSY_WINDOW:g} s)", expand=False)
+        failures = _table("failures", show_header=False)
+        failures.add_column("figure")
+        failures.add_column("value", no_wrap=True, overflow="ellipsis")
+        pending = stats.get("pending", {})
+        for name, value in (
+            ("model errors", _by_kind(server.get("model_errors", {}))),
+            ("aborted turns", _by_kind(server.get("aborted", {}))),
+            ("pending approvals", f"{pending.get('conversations', 0):,} "
+                                  f"(oldest {_age(pending.get('oldest_seconds'))})"),
+        ):
+            failures.add_row(name, value)
+        busy = _table(f"busiest (last {BUSY_WINDOW:g} s)")
         busy.add_column("conversation")
         busy.add_column("transitions", justify="right")
         for cid, count in self.busiest():
             busy.add_row(cid, str(count))
-        parked = Table(title="parked", expand=False)
+        parked = _table("parked")
         parked.add_column("conversation")
         parked.add_column("cause")
         for info in self.parked[:10]:
             parked.add_row(info.get("conversation_id", "?"), str(info.get("parked_cause") or ""))
         if not self.parked:
             parked.add_row("(none)", "")
-        return Group(title, states, figures, busy, parked)
+        return Group(title, states, figures, failures, busy, parked)
+
+
+def _table(title: str, **options: Any) -> Table:
+    """A table at least as wide as its title, which then never wraps."""
+    return Table(title=title, expand=False, min_width=len(title) + 4, **options)
+
+
+def _by_kind(counts: dict[str, int]) -> str:
+    """``7 (ModelRateLimited 4, ModelTimeout 3)``: the total, then the commonest kinds."""
+    total = sum(counts.values())
+    if not total:
+        return "0"
+    top = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
+    more = ", …" if len(counts) > 3 else ""
+    return f"{total:,} (" + ", ".join(f"{k} {n:,}" for k, n in top) + more + ")"
+
+
+def _age(seconds: Any) -> str:
+    if not isinstance(seconds, int | float) or seconds <= 0:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:,.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.0f} min"
+    return f"{seconds / 3600:,.1f} h"
 
 
 async def _check(top: Top) -> None:

@@ -11,13 +11,13 @@ itself; the head of the queue then revives and runs its turns.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from torpor.actors.aborts import report_abort
 from torpor.actors.actor import replayed_turn
 from torpor.actors.agent import Agent, Waiting
 from torpor.actors.state import AgentState
@@ -25,7 +25,7 @@ from torpor.actors.stream import StreamHub
 from torpor.actors.turn import Turn
 from torpor.actors.write_lock import WriteLock
 from torpor.errors import AgentParked, TurnAborted
-from torpor.events import Aborted, Event, Parked, Unparked, UserMessage
+from torpor.events import Event, Parked, Unparked, UserMessage, aborted_body
 from torpor.runtime.stats import Samples, percentile
 
 if TYPE_CHECKING:
@@ -205,12 +205,16 @@ class Admission:
             "interrupted", "", "the conversation left this runtime before its turn ran"
         )
         if self._closed is not None:  # the runtime stops: the log says so, as the caller
-            with contextlib.suppress(Exception):
+            body = aborted_body("shutdown", detail="runtime stopped before this postponed "
+                                "turn ran")
+            try:
                 await self._host.store.append_events(
-                    agent.id, [Aborted("shutdown", detail="runtime stopped before this "
-                                       "postponed turn ran")],
-                    turn=number, expect_head=agent.head,
+                    agent.id, [body], turn=number, expect_head=agent.head,
                 )
+            except Exception:  # not logged: the next run reports it interrupted
+                pass
+            else:
+                report_abort(self._host.log, self._host.observers, agent.id, number, body)
         turn._fail(error)
         hub.close(error)
 

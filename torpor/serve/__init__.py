@@ -15,7 +15,9 @@ from torpor.serve.access import (
     bearer_tokens,
 )
 from torpor.serve.app import app, service_of
+from torpor.serve.logs import ContextFilter
 from torpor.serve.metrics import InstrumentedModel, Metrics
+from torpor.serve.observer import MetricsObserver
 from torpor.serve.problems import Draining, Forbidden, HTTPProblem, OwnerUnreachable, Unauthorized
 from torpor.serve.runner import Server, bind, serve
 from torpor.serve.service import Service
@@ -24,12 +26,14 @@ from torpor.serve.sse import Cursor, format_cursor, parse_cursor
 __all__ = [
     "Action",
     "Authorize",
+    "ContextFilter",
     "Cursor",
     "Draining",
     "Forbidden",
     "HTTPProblem",
     "InstrumentedModel",
     "Metrics",
+    "MetricsObserver",
     "OwnerUnreachable",
     "Server",
     "Service",

@@ -3,7 +3,8 @@
 ``GET  /admin/agents?state=``                 agents in memory (optionally one state)
 ``GET  /admin/agents/{id}``                   inspect one (never revives it)
 ``POST /admin/agents/{id}/hibernate|evict|unpark``
-``GET  /admin/stats``                         runtime stats plus this server's figures
+``GET  /admin/stats``                         runtime stats plus this server's figures (model
+                                              errors, aborted turns) and pending approvals
 ``GET  /admin/watch``                         lifecycle transitions as Server-Sent Events
 ``GET  /admin/pending?limit=&after=``         conversations waiting on an outside answer
 ``GET  /admin/calls/{id}/{n}``                the exact rebuilt context of model call ``n``
@@ -27,6 +28,7 @@ from torpor.serve.access import check_admin
 from torpor.serve.chat import int_param, json_response
 from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
+from torpor.serve.metrics import pending_figures
 from torpor.serve.problems import HTTPProblem
 from torpor.serve.service import Service
 from torpor.serve.sse_response import EventStream, encode_event
@@ -78,7 +80,8 @@ class AdminAPI:
 
     async def stats(self, request: Request) -> Response:
         stats = msgspec.to_builtins(await self.rt.admin.stats())
-        stats["server"] = self.service.server_stats()
+        stats["server"] = {**self.service.server_stats(), **self.service.metrics.failures()}
+        stats["pending"] = pending_figures(await self.rt.store.pending_summary())
         return json_response(stats)
 
     async def cluster(self, request: Request) -> Response:
@@ -110,7 +113,7 @@ class AdminAPI:
         return EventStream(_Transitions(self.rt.admin.watch()), self.service.streams)
 
     async def metrics(self, request: Request) -> Response:
-        body = self.service.metrics.render(await self.rt.admin.stats())
+        body = await self.service.metrics.scrape(self.rt)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

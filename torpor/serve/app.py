@@ -28,6 +28,7 @@ from torpor.serve.chat import chat_routes
 from torpor.serve.deferred import DEFER, Deferred, deferred
 from torpor.serve.logs import conversation_id_var, request_id_var
 from torpor.serve.metrics import Metrics
+from torpor.serve.observer import observe_runtime
 from torpor.serve.page import page_routes
 from torpor.serve.problems import HTTPProblem, problem, problem_for
 from torpor.serve.proxy import Proxy, Routing
@@ -198,6 +199,9 @@ def app(
     if cluster_routing not in ("proxy", "redirect"):
         raise ValueError(f'cluster_routing must be "proxy" or "redirect", got {cluster_routing!r}')
     metrics = metrics if metrics is not None else Metrics()
+    # Every model, tool call, fold and abort of the runtime is measured from here on,
+    # whoever enters it (this app's lifespan or the host's own `async with rt:`).
+    observe_runtime(runtime, metrics)
     service = Service(runtime, metrics, shutdown_grace=shutdown_grace,
                       ping_interval=ping_interval)
     proxy = Proxy(runtime, cluster_routing)

@@ -5,16 +5,21 @@ Where each figure comes from:
 * agents per state and the lifecycle counters (activations, revivals,
   hibernations, evictions, crashes, parks, …): ``rt.admin.stats()``, read at
   scrape time;
+* pending approvals (conversations and calls waiting for an outside answer,
+  evicted ones included, and the oldest one's age): the store's index, one
+  aggregate read at scrape time (``store.pending_summary()``);
 * revival and turn latencies (histograms) and turn counts: the admin's watch
   stream of lifecycle transitions (a turn runs from leaving ``awaiting_input``
   or ``suspended`` for ``streaming`` until it is back in one of them);
-* time to first token, model-call latency, model errors by type, tokens in and
-  out: :meth:`Metrics.instrument` wraps the model the runtime is built with
-  (``torpor serve`` does; an embedder passes ``metrics.instrument(model)``);
-* fold count and latency, group-commit batch size and commit latency: the
-  ``folded`` and ``group_commit`` debug records torpor logs, tapped on their
-  loggers once the host hands them over (:class:`LogTap`; ``torpor serve``
-  does; the host's handlers then see exactly what they saw before);
+* model calls (latency, time to first token, errors by type, tokens in and out,
+  labelled by ``model``: a conversation's own ``AgentConfig.model`` too), tool
+  calls (count, latency, errors, by ``tool``), aborted turns (by ``reason`` and
+  ``error``) and folds (count, latency): an observer the app registers on the
+  runtime (:mod:`torpor.serve.observer`), whoever enters the runtime;
+* group-commit batch size and commit latency: the ``group_commit`` debug
+  records of the store's writers, tapped on their loggers while the app's
+  service runs (:class:`LogTap`; the host's handlers see exactly what they saw
+  before);
 * mailbox refusals (``Busy``), HTTP requests and open streams: the HTTP layer.
 
 One :class:`Metrics` per app, with its own registry: no global state.
@@ -25,8 +30,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -40,7 +45,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from torpor._logging import event_of
-from torpor.events import AssistantMessage, ToolResult
+from torpor.errors import ModelError
+from torpor.events import AbortReason, AssistantMessage, ToolResult
 from torpor.llm.protocol import (
     CONTEXT_TOKENS,
     ContextMessage,
@@ -53,9 +59,12 @@ from torpor.runtime.stats import Transition, percentile
 
 if TYPE_CHECKING:
     from torpor.llm.protocol import Model
+    from torpor.runtime import Runtime
     from torpor.runtime.admin import RuntimeStats
+    from torpor.store.protocol import PendingSummary
 
-__all__ = ["InstrumentedModel", "LogTap", "Metrics", "TurnClock"]
+__all__ = ["ABORT_REASONS", "MODEL_ERROR_TYPES", "InstrumentedModel", "LogTap", "Metrics",
+           "ModelSeries", "TurnClock", "pending_figures"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)
@@ -179,7 +188,13 @@ def _context_chars(context: Sequence[ContextMessage]) -> int:
 
 
 class InstrumentedModel:
-    """A model that reports time to first token, latency, errors and tokens to ``metrics``."""
+    """A model that reports time to first token, latency, errors and tokens to ``metrics``.
+
+    Deprecated: an app made by :func:`torpor.serve.app` measures every model call of
+    its runtime itself (an observer, which also sees each conversation's own
+    ``AgentConfig.model``). Kept working: while that observer is registered on
+    ``metrics`` this wrapper measures nothing, so no call is counted twice.
+    """
 
     __slots__ = ("_metrics", "_model", "name")
 
@@ -196,18 +211,28 @@ class InstrumentedModel:
         self, context: Sequence[ContextMessage], tools: Sequence[ToolSpec]
     ) -> AsyncIterator[StreamEvent]:
         metrics = self._metrics
+        inner = self._model.stream(context, tools)
+        if metrics.observing:  # the app's observer measures this call: pass it through
+            try:
+                async for item in inner:
+                    yield item
+            finally:
+                aclose = getattr(inner, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            return
+        series = metrics.model(self.name)
         started = time.perf_counter()
         first: float | None = None
         chars = 0
         usage: Usage | None = None
-        inner = self._model.stream(context, tools)
         failed = True
         try:
             async for item in inner:
                 if isinstance(item, TextDelta):
                     if first is None:
                         first = time.perf_counter()
-                        metrics.observe_ttft(first - started)
+                        metrics.observe_ttft(series, first - started)
                     chars += len(item.text)
                 elif isinstance(item, Usage):
                     usage = item
@@ -218,7 +243,7 @@ class InstrumentedModel:
             raise
         except BaseException as exc:
             if isinstance(exc, Exception):
-                metrics.model_errors.labels(type(exc).__name__).inc()
+                series.error(type(exc).__name__).inc()
             else:
                 failed = False
             raise
@@ -226,33 +251,35 @@ class InstrumentedModel:
             aclose = getattr(inner, "aclose", None)
             if aclose is not None:
                 await aclose()
-            metrics.model_call_seconds.observe(time.perf_counter() - started)
+            series.seconds.observe(time.perf_counter() - started)
             if not failed:
                 prompt = usage.prompt_tokens if usage is not None else None
                 completion = usage.completion_tokens if usage is not None else None
-                metrics.tokens_in.inc(prompt if prompt is not None else _context_tokens(context))
-                metrics.tokens_out.inc(completion if completion is not None else (chars + 3) // 4)
+                series.tokens_in.inc(prompt if prompt is not None else _context_tokens(context))
+                series.tokens_out.inc(completion if completion is not None else (chars + 3) // 4)
 
 
 class LogTap(logging.Filter):
-    """Reads torpor's ``folded`` and ``group_commit`` debug records into metrics.
+    """Reads the store writers' ``group_commit`` debug records into metrics.
 
-    Logging is the host's to configure, so the host opts in: it passes the
-    loggers named in :attr:`LOGGERS` to :meth:`install` (``torpor serve``
-    does). The tap is a filter on each; the logger is lowered to DEBUG so the
-    records exist, and the filter lets through only what passed the logger's
-    previous level, so the host's handlers see no difference.
+    Installed on the loggers named in :attr:`LOGGERS` while an app's service
+    runs (it does this itself: the host does nothing). The tap is a filter on
+    each; the logger is lowered to DEBUG so the records exist, and the filter lets
+    through only what passed the logger's previous level, so the host's handlers
+    see no difference. Folds are measured by the app's observer instead.
     """
 
-    LOGGERS = ("torpor.runtime", "torpor.store.sqlite.writer", "torpor.store.postgres.writer")
+    LOGGERS = ("torpor.store.sqlite.writer", "torpor.store.postgres.writer")
 
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
         self._metrics = metrics
         self._installed: dict[str, tuple[logging.Logger, int, int]] = {}
 
-    def install(self, loggers: Iterable[logging.Logger]) -> None:
-        """Tap these loggers: the stdlib loggers named in :attr:`LOGGERS`."""
+    def install(self, loggers: Iterable[logging.Logger] | None = None) -> None:
+        """Tap these loggers (default: those named in :attr:`LOGGERS`)."""
+        if loggers is None:
+            loggers = [logging.getLogger(name) for name in self.LOGGERS]
         for logger in loggers:
             if logger.name in self._installed:
                 continue
@@ -268,18 +295,56 @@ class LogTap(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.DEBUG:
-            event = event_of(record)
             seconds = getattr(record, "seconds", None)
-            if event == "group_commit" and isinstance(seconds, float):
+            if isinstance(seconds, float) and event_of(record) == "group_commit":
                 ops = getattr(record, "ops", None)
                 if isinstance(ops, int):
                     self._metrics.commit_batch_size.observe(ops)
                 self._metrics.commit_seconds.observe(seconds)
-            elif event == "folded" and isinstance(seconds, float):
-                self._metrics.folds.inc()
-                self._metrics.fold_seconds.observe(seconds)
         installed = self._installed.get(record.name)
         return installed is None or record.levelno >= installed[2]
+
+
+class ModelSeries:
+    """One model's labelled series, looked up once (a ``labels()`` call per model call
+    would cost more than the rest of the measuring). Its error series exist, at zero,
+    for every :class:`~torpor.errors.ModelError` type from the start."""
+
+    __slots__ = ("_errors", "_metrics", "name", "seconds", "tokens_in", "tokens_out", "ttft")
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self._metrics = metrics
+        self.name = name
+        self.seconds = metrics.model_call_seconds.labels(name)
+        self.ttft = metrics.ttft_seconds.labels(name)
+        self.tokens_in = metrics.tokens.labels(name, "in")
+        self.tokens_out = metrics.tokens.labels(name, "out")
+        self._errors: dict[str, Any] = {
+            kind: metrics.model_errors.labels(name, kind) for kind in MODEL_ERROR_TYPES
+        }
+
+    def error(self, kind: str) -> Any:
+        """The error counter of type ``kind`` (any exception's class name)."""
+        counter = self._errors.get(kind)
+        if counter is None:
+            counter = self._errors[kind] = self._metrics.model_errors.labels(self.name, kind)
+        return counter
+
+
+def _model_error_types() -> tuple[str, ...]:
+    found: list[str] = []
+    todo: list[type] = [ModelError]
+    while todo:
+        cls = todo.pop(0)
+        if cls.__module__ == ModelError.__module__ and cls.__name__ not in found:
+            found.append(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return tuple(found)
+
+
+MODEL_ERROR_TYPES = _model_error_types()
+"""Every model error type torpor defines (``ModelError`` and its subclasses)."""
+ABORT_REASONS: tuple[str, ...] = get_args(AbortReason)
 
 
 class Metrics:
@@ -302,17 +367,26 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram(
             "torpor_time_to_first_token_seconds", "From a model call to its first text",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.model_call_seconds = Histogram(
-            "torpor_model_call_seconds", "Duration of model calls", buckets=_LATENCY_BUCKETS,
-            registry=r)
+            "torpor_model_call_seconds", "Duration of model calls", ["model"],
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.model_errors = Counter("torpor_model_errors", "Model calls that failed, by type",
-                                    ["type"], registry=r)
+                                    ["model", "type"], registry=r)
         self.tokens = Counter("torpor_tokens", "Tokens sent to and received from the model "
-                              "(provider counts, else torpor's estimate)", ["direction"],
-                              registry=r)
-        self.tokens_in = self.tokens.labels("in")  # looked up once, not per call
-        self.tokens_out = self.tokens.labels("out")
+                              "(provider counts, else torpor's estimate)",
+                              ["model", "direction"], registry=r)
+        self.tool_calls = Counter("torpor_tool_calls", "Local tool calls, by tool", ["tool"],
+                                  registry=r)
+        self.tool_call_seconds = Histogram(
+            "torpor_tool_call_seconds", "Duration of local tool calls", ["tool"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.tool_errors = Counter(
+            "torpor_tool_errors", "Local tool calls whose result is an error (raised, timed "
+            "out, arguments refused)", ["tool"], registry=r)
+        self.turns_aborted = Counter(
+            "torpor_turns_aborted", "Turns aborted, by reason and error type (none: no error "
+            "type, as for a cancel or a shutdown)", ["reason", "error"], registry=r)
         self.folds = Counter("torpor_folds", "Compaction folds (checkpoints written)",
                              registry=r)
         self.fold_seconds = Histogram("torpor_fold_seconds", "Duration of a fold",
@@ -326,25 +400,103 @@ class Metrics:
         self.mailbox_refusals = Counter(
             "torpor_mailbox_refusals", "Messages refused with Busy (mailbox_bound reached)",
             registry=r)
+        self.pending_conversations = Gauge(
+            "torpor_pending_approvals", "Conversations waiting for an outside answer (evicted "
+            "ones included; the whole store's)", registry=r)
+        self.pending_calls = Gauge(
+            "torpor_pending_calls", "Tool calls waiting for an outside answer", registry=r)
+        self.pending_oldest = Gauge(
+            "torpor_pending_approval_oldest_seconds", "Age of the oldest call waiting for an "
+            "outside answer (0: none waits)", registry=r)
         self.requests = Counter("torpor_http_requests", "HTTP requests by route and status",
                                 ["method", "route", "status"], registry=r)
         self.open_streams = Gauge("torpor_sse_streams", "Open Server-Sent Events streams",
                                   registry=r)
+        # aborted-turn series exist at zero from the start: alerts can be written before
+        # the first one (model errors: per model, see ModelSeries)
+        for reason in ABORT_REASONS:
+            if reason == "model_error":
+                for kind in MODEL_ERROR_TYPES:
+                    self.turns_aborted.labels(reason, kind)
+            else:
+                self.turns_aborted.labels(reason, "StepLimit" if reason == "step_limit"
+                                          else "none")
         self.recent_ttft: deque[float] = deque(maxlen=4096)
+        self.observing = 0  # runtimes whose observer reports to these metrics
+        self._detach: list[Callable[[], None]] = []
+        self._models: dict[str, ModelSeries] = {}
         self.clock = TurnClock(self)
         self.tap = LogTap(self)
 
+    def on_detach(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` when the app stops (:meth:`detach`): an observer's removal, say."""
+        self._detach.append(undo)
+
+    def detach(self) -> None:
+        """The app stopped: untap the loggers and remove the observers it registered (a
+        runtime that outlives its app no longer reports to it)."""
+        self.tap.uninstall()
+        undo, self._detach = self._detach, []
+        for step in undo:
+            step()
+
+    def model(self, name: str) -> ModelSeries:
+        """The series of the model called ``name`` (created, at zero, on first use)."""
+        series = self._models.get(name)
+        if series is None:
+            series = self._models[name] = ModelSeries(self, name)
+        return series
+
     def instrument(self, model: Model) -> InstrumentedModel:
-        """Wrap the runtime's model so its calls are measured (time to first token, …)."""
+        """Wrap a model so its calls are measured (time to first token, …).
+
+        Deprecated: an app made by :func:`torpor.serve.app` measures every model of
+        its runtime without it (see :class:`InstrumentedModel`)."""
         if isinstance(model, InstrumentedModel):
             return model
         return InstrumentedModel(model, self)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft_seconds.observe(seconds)
+    def observe_ttft(self, series: ModelSeries, seconds: float) -> None:
+        series.ttft.observe(seconds)
         self.recent_ttft.append(seconds)
 
-    def render(self, stats: RuntimeStats) -> bytes:
-        """The exposition text, with agents and counters as of ``stats``."""
+    def render(self, stats: RuntimeStats, pending: PendingSummary | None = None) -> bytes:
+        """The exposition text, with agents and counters as of ``stats`` (and pending
+        approvals as of ``pending``)."""
         self._stats.stats = stats
+        if pending is not None:
+            figures = pending_figures(pending)
+            self.pending_conversations.set(figures["conversations"])
+            self.pending_calls.set(figures["calls"])
+            self.pending_oldest.set(figures["oldest_seconds"])
         return generate_latest(self.registry)
+
+    def failures(self) -> dict[str, dict[str, int]]:
+        """Model errors by type (every model's) and aborted turns by reason, those not zero
+        (``/admin/stats`` shows them; ``torpor top`` reads them there)."""
+        return {
+            "model_errors": _totals(self.model_errors, "type"),
+            "aborted": _totals(self.turns_aborted, "reason"),
+        }
+
+    async def scrape(self, runtime: Runtime) -> bytes:
+        """What ``/metrics`` answers: the figures read at scrape time, then every series."""
+        return self.render(await runtime.admin.stats(), await runtime.store.pending_summary())
+
+
+def pending_figures(pending: PendingSummary) -> dict[str, Any]:
+    """Pending approvals as shown: counts, and the oldest call's age in seconds (0: none)."""
+    oldest = pending.oldest
+    age = 0.0 if oldest is None else max(0.0, round(time.time() - oldest / 1000.0, 3))
+    return {"conversations": pending.conversations, "calls": pending.calls,
+            "oldest_seconds": age}
+
+
+def _totals(counter: Counter, label: str) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.value:
+                key = sample.labels[label]
+                totals[key] = totals.get(key, 0) + int(sample.value)
+    return totals

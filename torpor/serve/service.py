@@ -93,6 +93,7 @@ class Service:
             self._watch = asyncio.get_running_loop().create_task(
                 self._follow_lifecycle(), name="torpor-serve-watch"
             )
+            self.metrics.tap.install()  # group-commit metrics, until the service stops
 
     async def _follow_lifecycle(self) -> None:
         clock = self.metrics.clock
@@ -139,7 +140,7 @@ class Service:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-        self.metrics.tap.uninstall()
+        self.metrics.detach()  # the loggers untapped, the runtime's metrics observer removed
         log.info("stopped")
 
     # -- admission -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import msgspec
 
 from torpor.actors.stream import StreamItem
 from torpor.errors import InvalidInput
-from torpor.events import Aborted, AssistantMessage, Event, Suspended, kind_of
+from torpor.events import Aborted, AssistantMessage, Event, Suspended, abort_fields_of, kind_of
 from torpor.llm.protocol import TextDelta
 from torpor.store.arguments import POSITION_LIMIT
 
@@ -82,6 +82,10 @@ def event_data(event: Event) -> dict[str, Any]:
     if isinstance(body, dict):
         body.pop("type", None)
         body.pop("metadata", None)
+        if isinstance(event.body, Aborted):
+            # Every field a UI decides on, present even where the row omits it (a default,
+            # or a row older than the fields): it need not know which it got.
+            body.update(abort_fields_of(event.body)._asdict())
     return {
         "position": event.position,
         "turn": event.turn,

@@ -173,6 +173,19 @@ def _aborted(body: Aborted, where: str) -> None:
     check_text(body.partial_text, f"{where}.partial_text")
     check_text(body.detail, f"{where}.detail")
     _artifact(body.artifact, body.full_size, where)
+    error = body.error
+    if error is not None and (type(error) is not str or not error.isidentifier()
+                              or not error.isascii() or len(error) > 64):
+        raise InvalidInput(f"{where}.error", f"must be an error's name, got {error!r:.80}")
+    if type(body.retryable) is not bool:
+        raise InvalidInput(f"{where}.retryable", "must be true or false")
+    after = body.retry_after
+    if after is not None and (type(after) not in (int, float) or not 0 <= after < 1e9):
+        raise InvalidInput(f"{where}.retry_after", f"must be seconds from 0 to 1e9, got {after!r}")
+    if body.status is not None and (type(body.status) is not int
+                                    or not 100 <= body.status <= 599):
+        raise InvalidInput(f"{where}.status", f"must be an HTTP status, got {body.status!r}")
+    check_text(body.message, f"{where}.message")
 
 
 def _artifact(artifact: object, full_size: object, where: str) -> None:

@@ -70,6 +70,7 @@ from torpor.store.protocol import (
     HintExtractor,
     ModelCall,
     PendingApproval,
+    PendingSummary,
     Resume,
     SearchHit,
     TokenCounter,
@@ -511,6 +512,11 @@ class StoreCore:
         check_after(after)
         check_limit(limit)
         return cast("list[PendingApproval]", await self._reading(self.reads.pending, after, limit))
+
+    async def pending_summary(self) -> PendingSummary:
+        """How many calls wait for an outside answer, in how many conversations, the oldest."""
+        found = await self._reading(self.reads.pending_summary)
+        return cast("PendingSummary", found)
 
     async def open_work(
         self,

@@ -176,6 +176,15 @@ class PendingApproval(msgspec.Struct, frozen=True, gc=False):
     since: int  # epoch ms: the oldest call's
 
 
+class PendingSummary(msgspec.Struct, frozen=True, gc=False):
+    """How many tool calls wait for an outside answer, in how many conversations, since
+    when (``oldest``: epoch ms of the oldest waiting call; None when none waits)."""
+
+    conversations: int
+    calls: int
+    oldest: int | None
+
+
 @runtime_checkable
 class EventStore(Protocol):
     """The append-only log. All methods are awaitable; every one is one trip to the backend."""
@@ -292,6 +301,11 @@ class EventStore(Protocol):
     ) -> list[PendingApproval]:
         """Conversations with tool calls waiting for an outside answer, ordered by id,
         those after ``after`` (keyset pagination), from an index: never a log scan."""
+        ...
+
+    async def pending_summary(self) -> PendingSummary:
+        """Counts of the pending-approvals index and its oldest call (for metrics): one
+        aggregate over the index, whose size is the calls waiting, never the log's."""
         ...
 
     async def open_work(

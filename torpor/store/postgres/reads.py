@@ -31,6 +31,7 @@ from torpor.store.protocol import (
     ConversationInfo,
     ModelCall,
     PendingApproval,
+    PendingSummary,
     Resume,
     SearchHit,
 )
@@ -314,6 +315,15 @@ async def pending(db: Reader, after: str | None, limit: int) -> list[PendingAppr
     """The next ``limit`` waiting conversations after ``after``, from the index's primary key."""
     rows = await db.fetch(_PENDING, "" if after is None else after, limit)
     return to_pending_approvals(tuple(row) for row in rows)
+
+
+async def pending_summary(db: Reader) -> PendingSummary:
+    """One pass over the index (the rows of the calls waiting, no more)."""
+    row = await db.fetchrow(
+        "SELECT count(DISTINCT conversation), count(*), min(since) FROM pending_calls"
+    )
+    assert row is not None
+    return PendingSummary(row[0], row[1], row[2])
 
 
 # The partial indexes over open rows (schema version 7, store.open_work): by id, or by

@@ -33,6 +33,7 @@ from torpor.store.protocol import (
     ConversationInfo,
     ModelCall,
     PendingApproval,
+    PendingSummary,
     Resume,
     SearchHit,
 )
@@ -367,6 +368,14 @@ def pending(conn: sqlite3.Connection, after: str | None, limit: int) -> list[Pen
 
     return _snapshot(conn, read)
 
+
+
+def pending_summary(conn: sqlite3.Connection) -> PendingSummary:
+    """One pass over the index's primary key (the rows of the calls waiting, no more)."""
+    row = conn.execute(
+        "SELECT count(DISTINCT conversation), count(*), min(since) FROM pending_calls"
+    ).fetchone()
+    return PendingSummary(row[0], row[1], row[2])
 
 
 _OPEN = (
