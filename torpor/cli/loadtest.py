@@ -3,7 +3,9 @@
 The defaults (10,000 agents) finish in well under a minute on two cores with
 no configuration: history goes straight into a temporary SQLite file through
 the store, then the runtime activates, drives and retires the agents on a
-lifecycle schedule compressed to the run's duration.
+lifecycle schedule compressed to the run's duration. ``--duration`` is the run
+phase's length; the other phases come on top, and ``--timeout`` bounds them
+all (see :mod:`torpor.cli.loadtest_phases`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ from torpor.cli.common import (
     write_json,
 )
 from torpor.cli.history import build_history
-from torpor.cli.loadtest_report import check_plot_available, plot_timeline, print_summary
-from torpor.cli.loadtest_run import RunPlan, run_phases
+from torpor.cli.loadtest_phases import Phases, default_timeout
+from torpor.cli.loadtest_report import (
+    check_plot_available,
+    plot_timeline,
+    print_summary,
+    timed_out_line,
+)
+from torpor.cli.loadtest_run import RunPlan, RunResult, run_phases
 from torpor.cli.progress import Bar
 from torpor.errors import ConfigError
 from torpor.runtime import RuntimeConfig
@@ -61,6 +69,10 @@ def add_parser(subparsers: Any) -> None:
                    help="fraction of agents driven with turns (default 0.1)")
     p.add_argument("--duration", "-d", type=positive_float, default=20.0, metavar="S",
                    help="seconds of mixed load after activation (default 20)")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="S",
+                   help="wall-clock bound on the whole command: past it the phase under way "
+                        "is cancelled, the report (marked timed_out) shows the phases that "
+                        "ran, and the exit status is 1 (default: 120 + 2 x --duration)")
     p.add_argument("--db", type=store_url, default=None, metavar="URL",
                    help="store URL (default: a temporary SQLite file, deleted afterwards)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON ('-' for stdout)")
@@ -123,19 +135,25 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
 
 async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,
                 bar: Bar) -> dict[str, Any]:
+    phases = Phases(args.timeout or default_timeout(args.duration))
     run_id = secrets.token_hex(3)
     ids = tuple(f"lt-{run_id}-{i:06d}" for i in range(args.agents))
     started = time.perf_counter()
-    bar.phase("history", args.agents)
-    build = await build_history(url, ids, args.history, on_conversation=bar.advance,
-                                seed=args.seed)
-    bar.done()
-    plan = RunPlan(
-        url=url, conversation_ids=ids, active_ratio=args.active_ratio, duration=args.duration,
-        config=config, wake_rate=args.wake_rate, think_time=args.think_time,
-        probe_agents=args.probe_agents, seed=args.seed,
-    )
-    result = await run_phases(plan, bar)
+    build = None
+    async with phases.bound():
+        with phases.timed("history"):
+            bar.phase("history", args.agents)
+            build = await build_history(url, ids, args.history, on_conversation=bar.advance,
+                                        seed=args.seed)
+            bar.done()
+    result = None
+    if not phases.timed_out:
+        plan = RunPlan(
+            url=url, conversation_ids=ids, active_ratio=args.active_ratio,
+            duration=args.duration, config=config, wake_rate=args.wake_rate,
+            think_time=args.think_time, probe_agents=args.probe_agents, seed=args.seed,
+        )
+        result = await run_phases(plan, bar, phases)
     return {
         "command": "loadtest",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -145,6 +163,7 @@ async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,
             "history": args.history,
             "active_ratio": args.active_ratio,
             "duration": args.duration,
+            "timeout": phases.timeout,
             "db": display_url(url) if args.db else "temporary SQLite file",
             "hibernate_after": config.hibernate_after,
             "evict_after": config.evict_after,
@@ -155,8 +174,9 @@ async def _load(args: argparse.Namespace, url: str, config: RuntimeConfig,
             "think_time": args.think_time,
             "seed": args.seed,
         },
+        **phases.report(),
         "build": to_jsonable(build),
-        **to_jsonable(result),
+        **to_jsonable(result if result is not None else RunResult()),
         "total_seconds": round(time.perf_counter() - started, 3),
     }
 
@@ -186,9 +206,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
     print_summary(out, report)
-    if args.plot:
+    if args.plot and report["timeline"]:
         plot_timeline(args.plot, report["timeline"],
                       f"{args.agents:,} agents, {args.active_ratio:.0%} driven")
     if args.json:
         write_json(args.json, report)
+    if report["timed_out"]:
+        err.print(timed_out_line(report), markup=False)
+        return 1
     return 0

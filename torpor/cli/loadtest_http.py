@@ -15,7 +15,9 @@ missing, and the text deltas received for a message (across the drop) add up
 to exactly its logged text. A reconnect that lost or duplicated text is
 counted and makes the command exit 1: there must be none. Server-side figures
 (agents per state over time, lifecycle counters, revival latency, RSS) come
-from ``/admin/stats`` when the admin token is given.
+from ``/admin/stats`` when the admin token is given. ``--timeout`` bounds both
+phases (see :mod:`torpor.cli.loadtest_phases`): past it every client is
+cancelled and closes its connection, and the report is marked ``timed_out``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.cli.common import CliError, consoles, machine, write_json
+from torpor.cli.loadtest_phases import Phases, default_timeout
+from torpor.cli.loadtest_report import print_phases, timed_out_line
 from torpor.cli.progress import Bar, Progress
 from torpor.runtime.stats import percentile
 
@@ -245,103 +249,116 @@ async def run_http_phases(args: argparse.Namespace, bar: Progress) -> dict[str, 
     driven = rng.sample(ids, round(len(ids) * args.active_ratio))
     chosen = set(driven)
     idle = [c for c in ids if c not in chosen]
+    phases = Phases(args.timeout or default_timeout(args.duration))
+    activation_seconds: float | None = None
+    activation_errors = 0
+    run_started: float | None = None
+    last: dict[str, Any] | None = None
     sampling = asyncio.create_task(sampler())
     try:
-        # -- activate -----------------------------------------------------------------
-        bar.phase("activate", len(ids))
-        queue = list(reversed(ids))
-        started = time.perf_counter()
+        async with phases.bound():
+            # -- activate -----------------------------------------------------------------
+            bar.phase("activate", len(ids))
+            queue = list(reversed(ids))
+            started = time.perf_counter()
 
-        async def activator() -> None:
-            conn = chat.connection()
-            try:
-                while queue:
-                    cid = queue.pop()
-                    try:
-                        await _one_turn(chat, conn, cid, "Hello, I am new here.", False, tally)
-                    except (OSError, RuntimeError, ValueError) as exc:
-                        tally.errors[type(exc).__name__] += 1
-                        await conn.close()
-                    bar.advance()
-            finally:
-                await conn.close()
+            async def activator() -> None:
+                conn = chat.connection()
+                try:
+                    while queue:
+                        cid = queue.pop()
+                        try:
+                            await _one_turn(chat, conn, cid, "Hello, I am new here.", False, tally)
+                        except (OSError, RuntimeError, ValueError) as exc:
+                            tally.errors[type(exc).__name__] += 1
+                            await conn.close()
+                        bar.advance()
+                finally:
+                    await conn.close()
 
-        await asyncio.gather(*(activator() for _ in range(min(args.concurrency, len(ids)))))
-        activation_seconds = time.perf_counter() - started
-        activation_errors = sum(tally.errors.values())
-        bar.done()
-        # -- run ----------------------------------------------------------------------
-        phase = "run"
-        tally.ttfb.clear()
-        tally.ttft.clear()
-        bar.phase("run", args.duration)
-        run_started = time.monotonic()
-        deadline = run_started + args.duration
-        drop_rng = random.Random(args.seed + 2)
+            with phases.timed("activate"):
+                # A task group, not gather: cut by --timeout, it waits for every cancelled
+                # client to close its connection before the phase ends.
+                async with asyncio.TaskGroup() as clients:
+                    for _ in range(min(args.concurrency, len(ids))):
+                        clients.create_task(activator())
+            activation_seconds = time.perf_counter() - started
+            activation_errors = sum(tally.errors.values())
+            bar.done()
+            # -- run ----------------------------------------------------------------------
+            phase = "run"
+            tally.ttfb.clear()
+            tally.ttft.clear()
+            bar.phase("run", args.duration)
+            run_started = time.monotonic()
+            deadline = run_started + args.duration
+            drop_rng = random.Random(args.seed + 2)
 
-        async def driver(cid: str) -> None:
-            conn = chat.connection()
-            n = 0
-            try:
-                while time.monotonic() < deadline:
-                    drop = drop_rng.random() < args.reconnect_ratio
-                    try:
-                        _, timing = await _one_turn(chat, conn, cid, f"Turn {n}: anything new?",
-                                                    drop, tally)
-                    except (OSError, RuntimeError, ValueError) as exc:
-                        tally.errors[type(exc).__name__] += 1
-                        await conn.close()
-                    else:
-                        tally.turns += 1
-                        if "turn" in timing:
-                            tally.turn_seconds.append(timing["turn"])
-                    n += 1
-                    if args.think_time > 0:
-                        await asyncio.sleep(args.think_time)
-            finally:
-                await conn.close()
+            async def driver(cid: str) -> None:
+                conn = chat.connection()
+                n = 0
+                try:
+                    while time.monotonic() < deadline:
+                        drop = drop_rng.random() < args.reconnect_ratio
+                        try:
+                            _, timing = await _one_turn(chat, conn, cid, f"Turn {n}: anything new?",
+                                                        drop, tally)
+                        except (OSError, RuntimeError, ValueError) as exc:
+                            tally.errors[type(exc).__name__] += 1
+                            await conn.close()
+                        else:
+                            tally.turns += 1
+                            if "turn" in timing:
+                                tally.turn_seconds.append(timing["turn"])
+                        n += 1
+                        if args.think_time > 0:
+                            await asyncio.sleep(args.think_time)
+                finally:
+                    await conn.close()
 
-        async def wake(cid: str) -> None:
-            conn = chat.connection()
-            try:
-                _, timing = await _one_turn(chat, conn, cid, "Me again, after a while.",
-                                            drop_rng.random() < args.reconnect_ratio, tally)
-                tally.wakes += 1
-                if "turn" in timing:
-                    tally.wake_seconds.append(timing["turn"])
-            except (OSError, RuntimeError, ValueError) as exc:
-                tally.errors[type(exc).__name__] += 1
-            finally:
-                await conn.close()
+            async def wake(cid: str) -> None:
+                conn = chat.connection()
+                try:
+                    _, timing = await _one_turn(chat, conn, cid, "Me again, after a while.",
+                                                drop_rng.random() < args.reconnect_ratio, tally)
+                    tally.wakes += 1
+                    if "turn" in timing:
+                        tally.wake_seconds.append(timing["turn"])
+                except (OSError, RuntimeError, ValueError) as exc:
+                    tally.errors[type(exc).__name__] += 1
+                finally:
+                    await conn.close()
 
-        async def returning_users() -> None:
-            if args.wake_rate <= 0 or not idle:
-                return
-            sent = 0
-            wake_rng = random.Random(args.seed + 1)
-            async with asyncio.TaskGroup() as group:
+            async def returning_users() -> None:
+                if args.wake_rate <= 0 or not idle:
+                    return
+                sent = 0
+                wake_rng = random.Random(args.seed + 1)
+                async with asyncio.TaskGroup() as group:
+                    while (now := time.monotonic()) < deadline:
+                        due = int((now - run_started) * args.wake_rate) - sent
+                        for _ in range(max(0, due)):
+                            group.create_task(wake(wake_rng.choice(idle)))
+                        sent += max(0, due)
+                        await asyncio.sleep(min(0.05, 1 / args.wake_rate))
+
+            async def ticker() -> None:
                 while (now := time.monotonic()) < deadline:
-                    due = int((now - run_started) * args.wake_rate) - sent
-                    for _ in range(max(0, due)):
-                        group.create_task(wake(wake_rng.choice(idle)))
-                    sent += max(0, due)
-                    await asyncio.sleep(min(0.05, 1 / args.wake_rate))
+                    bar.update(now - run_started)
+                    await asyncio.sleep(0.2)
 
-        async def ticker() -> None:
-            while (now := time.monotonic()) < deadline:
-                bar.update(now - run_started)
-                await asyncio.sleep(0.2)
-
-        async with asyncio.TaskGroup() as group:
-            group.create_task(ticker())
-            group.create_task(returning_users())
-            for cid in driven:
-                group.create_task(driver(cid))
-        seconds = time.monotonic() - run_started
-        bar.done()
-        last = await stats()
+            with phases.timed("run"):
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(ticker())
+                    group.create_task(returning_users())
+                    for cid in driven:
+                        group.create_task(driver(cid))
+            bar.done()
+            last = await stats()
     finally:
+        seconds = None if run_started is None else time.monotonic() - run_started
         sampling.cancel()
+        await asyncio.wait([sampling])  # ended here, not left to run past the report
     server = (last or {}).get("server", {})
     rss = [s["rss_bytes"] for s in samples if s.get("rss_bytes")]
     run_errors = sum(tally.errors.values()) - activation_errors
@@ -351,17 +368,19 @@ async def run_http_phases(args: argparse.Namespace, bar: Progress) -> dict[str, 
         "machine": machine(),
         "config": {
             "url": args.url, "agents": args.agents, "active_ratio": args.active_ratio,
-            "duration": args.duration, "concurrency": args.concurrency,
+            "duration": args.duration, "timeout": phases.timeout,
+            "concurrency": args.concurrency,
             "reconnect_ratio": args.reconnect_ratio, "wake_rate": args.wake_rate,
             "think_time": args.think_time, "seed": args.seed,
         },
-        "activation": {
+        **phases.report(),
+        "activation": None if activation_seconds is None else {
             "agents": len(ids), "seconds": round(activation_seconds, 3),
             "agents_per_second": round(len(ids) / activation_seconds, 1)
             if activation_seconds > 0 else None,
             "errors": activation_errors,
         },
-        "run": {
+        "run": None if seconds is None else {
             "seconds": round(seconds, 3), "driven_agents": len(driven), "turns": tally.turns,
             "turns_per_second": round(tally.turns / seconds, 1) if seconds > 0 else None,
             "turn_p50_ms": _ms(percentile(tally.turn_seconds, 50)),
@@ -404,25 +423,32 @@ def print_http_summary(console: Console, report: Mapping[str, Any]) -> None:
     run, act, rec = report["run"], report["activation"], report["reconnects"]
     life, mem = report["lifecycle"], report["memory"]
     table = Table(title=f"torpor loadtest --url {report['config']['url']}: "
-                        f"{act['agents']:,} agents")
+                        f"{report['config']['agents']:,} agents")
     table.add_column("figure")
     table.add_column("value", justify="right")
 
     def mb(value: Any) -> str:
         return "-" if value is None else f"{value / 1e6:,.1f} MB"
 
-    rows = [
-        ("activation", f"{_n(act['agents'])} agents in {act['seconds']:.1f} s "
-                       f"({_n(act['agents_per_second'])}/s)"),
-        ("driven agents (SSE clients)", _n(run["driven_agents"])),
-        ("turns/s", _n(run["turns_per_second"])),
-        ("turn p50 / p99", f"{_n(run['turn_p50_ms'], ' ms')} / {_n(run['turn_p99_ms'], ' ms')}"),
-        ("first byte p50 / p99", f"{_n(run['ttfb_p50_ms'], ' ms')} / "
-                                 f"{_n(run['ttfb_p99_ms'], ' ms')}"),
-        ("first text p50 / p99", f"{_n(run['first_delta_p50_ms'], ' ms')} / "
-                                 f"{_n(run['first_delta_p99_ms'], ' ms')}"),
-        ("returning users (wakes)", f"{_n(run['wakes'])}, p50 {_n(run['wake_p50_ms'], ' ms')}, "
-                                    f"p99 {_n(run['wake_p99_ms'], ' ms')}"),
+    rows: list[tuple[str, str]] = []
+    if act is not None:
+        rows.append(("activation", f"{_n(act['agents'])} agents in {act['seconds']:.1f} s "
+                                   f"({_n(act['agents_per_second'])}/s)"))
+    if run is not None:
+        rows += [
+            ("driven agents (SSE clients)", _n(run["driven_agents"])),
+            ("turns/s", _n(run["turns_per_second"])),
+            ("turn p50 / p99",
+             f"{_n(run['turn_p50_ms'], ' ms')} / {_n(run['turn_p99_ms'], ' ms')}"),
+            ("first byte p50 / p99", f"{_n(run['ttfb_p50_ms'], ' ms')} / "
+                                     f"{_n(run['ttfb_p99_ms'], ' ms')}"),
+            ("first text p50 / p99", f"{_n(run['first_delta_p50_ms'], ' ms')} / "
+                                     f"{_n(run['first_delta_p99_ms'], ' ms')}"),
+            ("returning users (wakes)", f"{_n(run['wakes'])}, "
+                                        f"p50 {_n(run['wake_p50_ms'], ' ms')}, "
+                                        f"p99 {_n(run['wake_p99_ms'], ' ms')}"),
+        ]
+    rows += [
         ("reconnects mid-stream", _n(rec["reconnects"])),
         ("reconnects that lost or duplicated text",
          _n(rec["reconnects_that_lost_or_duplicated_text"])),
@@ -434,7 +460,8 @@ def print_http_summary(console: Console, report: Mapping[str, Any]) -> None:
         ("hibernations / evictions", f"{_n(life['hibernations'])} / {_n(life['evictions'])}"),
         ("crashes / restarts / parks", f"{_n(life['crashes'])} / {_n(life['restarts'])} / "
                                        f"{_n(life['parks'])}"),
-        ("errors", str(sum(run["errors"].values()))),
+        ("errors", str(sum((run or {"errors": {}})["errors"].values())
+                       + (act["errors"] if act is not None and run is None else 0))),
         ("server RSS start / end / peak", f"{mb(mem['server_rss_start_bytes'])} / "
                                           f"{mb(mem['server_rss_end_bytes'])} / "
                                           f"{mb(mem['server_rss_peak_bytes'])}"),
@@ -457,7 +484,7 @@ def print_http_summary(console: Console, report: Mapping[str, Any]) -> None:
                              _n(s.get("open_streams")), f"{s['turns']:,}",
                              mb(s.get("rss_bytes")).removesuffix(" MB"))
         console.print(timeline)
-    console.print(f"total {report['total_seconds']:.1f} s")
+    print_phases(console, report)
 
 
 def run_http(args: argparse.Namespace) -> int:
@@ -489,5 +516,8 @@ def run_http(args: argparse.Namespace) -> int:
     rec = report["reconnects"]
     if bad or rec["lost"] or rec["duplicated"] or rec["position_gaps"] or rec["repeated_events"]:
         err.print("[red]text was lost or duplicated: see the reconnects figures[/]")
+        return 1
+    if report["timed_out"]:
+        err.print(timed_out_line(report), markup=False)
         return 1
     return 0

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from torpor.cli.common import CliError
 
-__all__ = ["check_plot_available", "plot_timeline", "print_summary"]
+__all__ = ["check_plot_available", "plot_timeline", "print_phases", "print_summary",
+           "timed_out_line"]
 
 
 def _mb(value: Any) -> str:
@@ -32,6 +33,7 @@ def _num(value: Any, unit: str = "") -> str:
 
 
 def print_summary(console: Console, report: Mapping[str, Any]) -> None:
+    """The figures table; a section a timed-out run did not reach is left out."""
     config, build = report["config"], report["build"]
     activation, run = report["activation"], report["run"]
     lifecycle, memory = report["lifecycle"], report["memory"]
@@ -39,33 +41,50 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
                         f"{config['history']:,} events each", show_lines=False)
     table.add_column("figure")
     table.add_column("value", justify="right")
-    rows: list[tuple[str, str]] = [
-        ("history built", f"{_num(build['events'])} events in {build['seconds']:.1f} s "
-                          f"({build['events_per_second']:,.0f}/s)"),
-        ("activation", f"{_num(activation['agents'])} agents in {activation['seconds']:.1f} s "
-                       f"({_num(activation['agents_per_second'])}/s)"),
-        ("revival p50/p99 (activation burst)*",
-         f"{_num(activation['revival_p50_ms'], ' ms')} / "
-         f"{_num(activation['revival_p99_ms'], ' ms')}"),
-        ("driven agents", _num(run["driven_agents"])),
-        ("turns/s", _num(run["turns_per_second"])),
-        ("turn p50 / p99",
-         f"{_num(run['turn_p50_ms'], ' ms')} / {_num(run['turn_p99_ms'], ' ms')}"),
-        ("returning users (wakes)", f"{_num(run['wakes'])}, p50 {_num(run['wake_p50_ms'], ' ms')},"
-                                    f" p99 {_num(run['wake_p99_ms'], ' ms')}"),
-        *_end_of_run_revivals(activation, lifecycle),
-        ("hibernations / evictions", f"{_num(lifecycle['hibernations'])} / "
-                                     f"{_num(lifecycle['evictions'])}"),
-        ("crashes / restarts / parks", f"{lifecycle['crashes']} / {lifecycle['restarts']} / "
-                                       f"{lifecycle['parks']}"),
-        ("errors", str(sum(run["errors"].values()) + activation["errors"])),
-        ("RSS before activation", _mb(memory["rss_before_activation_bytes"])),
-        ("RSS all active", _mb(memory["rss_after_activation_bytes"])),
-        ("RSS end of run / peak", f"{_mb(memory['rss_end_of_run_bytes'])} / "
-                                  f"{_mb(memory['peak_rss_bytes'])}"),
-        ("active agent (RSS delta / N)", _bytes(memory["active_rss_bytes_per_agent"])),
-    ]
-    if "probe_agents" in memory:
+    rows: list[tuple[str, str]] = []
+    if build is not None:
+        rows.append(("history built", f"{_num(build['events'])} events in "
+                                      f"{build['seconds']:.1f} s "
+                                      f"({build['events_per_second']:,.0f}/s)"))
+    if activation is not None:
+        rows += [
+            ("activation", f"{_num(activation['agents'])} agents in "
+                           f"{activation['seconds']:.1f} s "
+                           f"({_num(activation['agents_per_second'])}/s)"),
+            ("revival p50/p99 (activation burst)*",
+             f"{_num(activation['revival_p50_ms'], ' ms')} / "
+             f"{_num(activation['revival_p99_ms'], ' ms')}"),
+        ]
+    if run is not None:
+        rows += [
+            ("driven agents", _num(run["driven_agents"])),
+            ("turns/s", _num(run["turns_per_second"])),
+            ("turn p50 / p99",
+             f"{_num(run['turn_p50_ms'], ' ms')} / {_num(run['turn_p99_ms'], ' ms')}"),
+            ("returning users (wakes)", f"{_num(run['wakes'])}, "
+                                        f"p50 {_num(run['wake_p50_ms'], ' ms')}, "
+                                        f"p99 {_num(run['wake_p99_ms'], ' ms')}"),
+        ]
+    if lifecycle is not None and activation is not None:
+        rows += [
+            *_end_of_run_revivals(activation, lifecycle),
+            ("hibernations / evictions", f"{_num(lifecycle['hibernations'])} / "
+                                         f"{_num(lifecycle['evictions'])}"),
+            ("crashes / restarts / parks", f"{lifecycle['crashes']} / "
+                                           f"{lifecycle['restarts']} / {lifecycle['parks']}"),
+        ]
+    if activation is not None:
+        errors = activation["errors"] + (sum(run["errors"].values()) if run else 0)
+        rows.append(("errors", str(errors)))
+    if memory is not None:
+        rows += [
+            ("RSS before activation", _mb(memory["rss_before_activation_bytes"])),
+            ("RSS all active", _mb(memory["rss_after_activation_bytes"])),
+            ("RSS end of run / peak", f"{_mb(memory.get('rss_end_of_run_bytes'))} / "
+                                      f"{_mb(memory.get('peak_rss_bytes'))}"),
+            ("active agent (RSS delta / N)", _bytes(memory["active_rss_bytes_per_agent"])),
+        ]
+    if memory is not None and "probe_agents" in memory:
         k = memory["probe_agents"]
         rows += [
             (f"active agent (tracemalloc, {k:,})",
@@ -78,13 +97,35 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
-    console.print(f"* revival: from asking for an evicted conversation to its working set "
-                  f"being ready, the wait for one of {_num(config['max_concurrent_revivals'])} "
-                  f"revival slots included ({_num(activation['agents'])} agents activated at "
-                  f"once: mostly queueing); each row covers the latest 4,096 revivals then",
-                  markup=False)
+    if activation is not None:
+        console.print(f"* revival: from asking for an evicted conversation to its working set "
+                      f"being ready, the wait for one of "
+                      f"{_num(config['max_concurrent_revivals'])} revival slots included "
+                      f"({_num(activation['agents'])} agents activated at once: mostly "
+                      f"queueing); each row covers the latest 4,096 revivals then",
+                      markup=False)
     _print_timeline(console, report["timeline"])
-    console.print(f"total {report['total_seconds']:.1f} s")
+    print_phases(console, report)
+
+
+def print_phases(console: Console, report: Mapping[str, Any]) -> None:
+    """How long each phase took: ``--duration`` is only the run's, the rest comes on top."""
+    table = Table(title="phases (wall clock)")
+    for name in ("phase", "seconds", "ended"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for phase in report["phases"]:
+        table.add_row(phase["name"], f"{phase['seconds']:,.1f}",
+                      "yes" if phase["completed"] else "cut by --timeout")
+    console.print(table)
+    console.print(f"total {report['total_seconds']:.1f} s (--timeout {report['timeout']:g} s)"
+                  + (": TIMED OUT" if report["timed_out"] else ""))
+
+
+def timed_out_line(report: Mapping[str, Any]) -> str:
+    cut = next((p["name"] for p in report["phases"] if not p["completed"]), None)
+    where = f" during the {cut} phase" if cut else ""
+    return (f"torpor loadtest: timed out after {report['timeout']:g} s (--timeout){where}; "
+            f"the figures above cover the phases that ran")
 
 
 def _end_of_run_revivals(

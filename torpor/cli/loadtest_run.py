@@ -13,6 +13,11 @@ Phases, all inside one :class:`~torpor.Runtime`:
 3. **probe**: K evicted agents are walked through active -> hibernated ->
    evicted under tracemalloc, which (unlike RSS, which freed memory rarely
    lowers) measures each state exactly.
+
+Every phase runs under the command's wall-clock bound (see
+:mod:`torpor.cli.loadtest_phases`); the sections of the result a cut run did
+not reach stay ``None``, and an interrupted run phase still reports its figures
+so far. The runtime closes after the bound, timed as the ``close`` phase.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
 
 import msgspec
 
+from torpor.cli.loadtest_phases import Phases
 from torpor.cli.memory import peak_rss_bytes, rss_bytes, settle
 from torpor.cli.progress import Progress
 from torpor.errors import TorporError
@@ -63,11 +71,13 @@ class Sample(msgspec.Struct, frozen=True):
 
 
 class RunResult(msgspec.Struct, kw_only=True):
-    activation: dict[str, float | int | None]
-    run: dict[str, float | int | dict[str, int] | None]
-    lifecycle: dict[str, float | int | None]
-    memory: dict[str, float | int | None]
-    timeline: list[Sample]
+    """The figures per section; a section whose phase a timed-out run never reached is None."""
+
+    activation: dict[str, float | int | None] | None = None
+    run: dict[str, float | int | dict[str, int] | None] | None = None
+    lifecycle: dict[str, float | int | None] | None = None
+    memory: dict[str, float | int | None] | None = None
+    timeline: list[Sample] = []
 
 
 class _Tally:
@@ -193,8 +203,10 @@ def _split(plan: RunPlan) -> tuple[list[str], list[str]]:
 
 
 async def _run_load(rt: Runtime, plan: RunPlan, driven: Sequence[str], idle: Sequence[str],
-                    progress: Progress, tally: _Tally
-                    ) -> dict[str, float | int | dict[str, int] | None]:
+                    progress: Progress, tally: _Tally,
+                    figures: dict[str, float | int | dict[str, int] | None]) -> None:
+    """Drive the load for ``plan.duration``; ``figures`` is filled in even if the bound cuts
+    the phase short, with what it did until then."""
     rng = random.Random(plan.seed + 1)
     progress.phase("run", plan.duration)
     started = time.monotonic()
@@ -206,26 +218,28 @@ async def _run_load(rt: Runtime, plan: RunPlan, driven: Sequence[str], idle: Seq
             await asyncio.sleep(0.2)
 
     turns_before = tally.turns
-    async with asyncio.TaskGroup() as group:
-        group.create_task(ticker())
-        group.create_task(_returning_users(rt, idle, plan.wake_rate, deadline, rng, tally))
-        for conversation_id in driven:
-            group.create_task(_drive(rt, conversation_id, deadline, plan.think_time, tally))
-    seconds = time.monotonic() - started
-    progress.done()
-    turns = tally.turns - turns_before
-    return {
-        "seconds": round(seconds, 3),
-        "driven_agents": len(driven),
-        "turns": turns,
-        "turns_per_second": round(turns / seconds, 1) if seconds > 0 else None,
-        "turn_p50_ms": _ms(percentile(tally.turn_seconds, 50)),
-        "turn_p99_ms": _ms(percentile(tally.turn_seconds, 99)),
-        "wakes": tally.wakes,
-        "wake_p50_ms": _ms(percentile(tally.wake_seconds, 50)),
-        "wake_p99_ms": _ms(percentile(tally.wake_seconds, 99)),
-        "errors": dict(tally.errors),
-    }
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(ticker())
+            group.create_task(_returning_users(rt, idle, plan.wake_rate, deadline, rng, tally))
+            for conversation_id in driven:
+                group.create_task(_drive(rt, conversation_id, deadline, plan.think_time, tally))
+    finally:
+        seconds = time.monotonic() - started
+        progress.done()
+        turns = tally.turns - turns_before
+        figures.update({
+            "seconds": round(seconds, 3),
+            "driven_agents": len(driven),
+            "turns": turns,
+            "turns_per_second": round(turns / seconds, 1) if seconds > 0 else None,
+            "turn_p50_ms": _ms(percentile(tally.turn_seconds, 50)),
+            "turn_p99_ms": _ms(percentile(tally.turn_seconds, 99)),
+            "wakes": tally.wakes,
+            "wake_p50_ms": _ms(percentile(tally.wake_seconds, 50)),
+            "wake_p99_ms": _ms(percentile(tally.wake_seconds, 99)),
+            "errors": dict(tally.errors),
+        })
 
 
 async def _until(predicate: Callable[[], Awaitable[bool]], limit: float = 30.0) -> None:
@@ -308,58 +322,81 @@ def _lifecycle(stats: RuntimeStats) -> dict[str, float | int | None]:
     }
 
 
-async def run_phases(plan: RunPlan, progress: Progress) -> RunResult:
+async def _stop(task: asyncio.Task[Any]) -> None:
+    """Cancel a helper task and wait until it has ended. ``asyncio.wait`` rather than awaiting
+    the task: the task's CancelledError must not be confused with (and swallow) our own."""
+    task.cancel()
+    await asyncio.wait([task])
+
+
+async def _measure(rt: Runtime, plan: RunPlan, progress: Progress, phases: Phases,
+                   tally: _Tally, result: RunResult) -> None:
+    """The three phases, each section of ``result`` set as soon as its phase has ended."""
     ids = plan.conversation_ids
     n = len(ids)
     driven, idle = _split(plan)
-    tally = _Tally()
-    async with Runtime(plan.url, model=EchoModel(), config=plan.config) as rt:
-        settle()
-        rss_before = rss_bytes()
-        sampler = _Sampler(rt, n, tally, every=max(0.1, plan.duration / 60))
-        sampling = asyncio.create_task(sampler.run())
-        try:
+    settle()
+    rss_before = rss_bytes()
+    memory: dict[str, float | int | None] = {"rss_before_activation_bytes": rss_before}
+    sampler = _Sampler(rt, n, tally, every=max(0.1, plan.duration / 60))
+    result.timeline = sampler.samples  # filled as it samples: a cut run keeps its samples
+    sampling = asyncio.create_task(sampler.run())
+    try:
+        with phases.timed("activate"):
             started = time.perf_counter()
             await _activate(rt, ids, progress, tally)
             activation_seconds = time.perf_counter() - started
-            activated = await rt.admin.stats()
-            settle()
-            rss_active = rss_bytes()
-            await sampler.take()
-            sampler.phase = "run"
-            run = await _run_load(rt, plan, driven, idle, progress, tally)
-            await sampler.take()
-            end_of_run = await rt.admin.stats()
-        finally:
-            sampling.cancel()
-        rss_end = rss_bytes()
-        probe_ids = idle[: plan.probe_agents]  # never driven: a typical working set
-        probe = await _probe(rt, probe_ids, progress) if probe_ids else {}
-    activation = {
-        "agents": n,
-        "seconds": round(activation_seconds, 3),
-        "agents_per_second": round(n / activation_seconds, 1) if activation_seconds > 0 else None,
-        "revival_p50_ms": activated.revival_p50_ms,
-        "revival_p99_ms": activated.revival_p99_ms,
-        "revivals": activated.revivals,  # so far: the window above covers the last 4,096
-        "errors": sum(tally.errors.values()),
-    }
-    memory: dict[str, float | int | None] = {
-        "rss_before_activation_bytes": rss_before,
-        "rss_after_activation_bytes": rss_active,
-        "rss_end_of_run_bytes": rss_end,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "active_rss_bytes_per_agent": round((rss_active - rss_before) / n) if n else None,
-        "working_set_bytes_estimated_per_agent": (
+        activated = await rt.admin.stats()
+        settle()
+        rss_active = rss_bytes()
+        memory["rss_after_activation_bytes"] = rss_active
+        memory["active_rss_bytes_per_agent"] = round((rss_active - rss_before) / n) if n else None
+        memory["working_set_bytes_estimated_per_agent"] = (
             round(activated.working_set_bytes / activated.with_working_set)
             if activated.with_working_set else None
-        ),
-        **probe,
-    }
-    return RunResult(
-        activation=activation,
-        run=run,
-        lifecycle=_lifecycle(end_of_run),
-        memory=memory,
-        timeline=sampler.samples,
-    )
+        )
+        result.memory = memory
+        result.activation = {
+            "agents": n,
+            "seconds": round(activation_seconds, 3),
+            "agents_per_second": (round(n / activation_seconds, 1)
+                                  if activation_seconds > 0 else None),
+            "revival_p50_ms": activated.revival_p50_ms,
+            "revival_p99_ms": activated.revival_p99_ms,
+            "revivals": activated.revivals,  # so far: the window covers the last 4,096
+            "errors": sum(tally.errors.values()),
+        }
+        await sampler.take()
+        sampler.phase = "run"
+        result.run = {}
+        with phases.timed("run"):
+            await _run_load(rt, plan, driven, idle, progress, tally, result.run)
+        await sampler.take()
+        result.lifecycle = _lifecycle(await rt.admin.stats())
+    finally:
+        await _stop(sampling)
+        memory["rss_end_of_run_bytes"] = rss_bytes()
+        memory["peak_rss_bytes"] = peak_rss_bytes()
+    probe_ids = idle[: plan.probe_agents]  # never driven: a typical working set
+    if probe_ids:
+        with phases.timed("probe"):
+            memory.update(await _probe(rt, probe_ids, progress))
+        memory["peak_rss_bytes"] = peak_rss_bytes()
+
+
+async def run_phases(plan: RunPlan, progress: Progress, phases: Phases) -> RunResult:
+    """Activate, run and probe inside one runtime, within the bound of ``phases``; the
+    runtime then closes (ending any turn the bound cut), timed as the ``close`` phase."""
+    tally = _Tally()
+    result = RunResult()
+    async with AsyncExitStack() as stack:  # closes the runtime on an unexpected error too
+        rt: Runtime | None = None
+        async with phases.bound():
+            rt = await stack.enter_async_context(
+                Runtime(plan.url, model=EchoModel(), config=plan.config)
+            )
+            await _measure(rt, plan, progress, phases, tally, result)
+        if rt is not None:
+            with phases.timed("close"):
+                await stack.aclose()
+    return result
