@@ -934,7 +934,9 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
         agent.id, agent.turn, _turn_start(ws, agent.turn), hub.join(), continuation=True
     )
     agent.current.origin = request.origin
-    agent.calls = 0
+    # The same turn goes on: its model calls (the audit's call_index, the max_steps limit)
+    # keep counting, read from the log so that a revival in between changes nothing.
+    agent.calls = _calls_in_turn(ws, agent.turn)
     if not request.done.done():
         request.done.set_result(agent.current)
     _start_turn(agent, host)
@@ -948,6 +950,19 @@ def _tool_name(ws: WorkingSet, call_id: str) -> str:
                 if call.id == call_id:
                     return call.name
     return "external"
+
+
+def _calls_in_turn(ws: WorkingSet, turn: int) -> int:
+    """The model calls turn ``turn`` has made so far: each that did not end the turn logged
+    one assistant message. A fold never cuts into the current turn (it keeps at least that
+    one verbatim), so all of them are in the tail, after a revival as well."""
+    calls = 0
+    for event in reversed(ws.tail):  # turn order: the turn's events are the last ones
+        if event.turn < turn:
+            break
+        if event.turn == turn and isinstance(event.body, AssistantMessage):
+            calls += 1
+    return calls
 
 
 def _turn_start(ws: WorkingSet, turn: int) -> int:

@@ -91,7 +91,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: Any = None
     tools: Sequence[Any] = ()  # LocalTool (from torpor.tool), ExternalTool or an async function
     tool_timeout: float = 30.0  # seconds per local tool call (a tool's own timeout wins)
-    max_steps: int = 8  # model calls per turn before the turn is cut off
+    max_steps: int = 8  # model calls per turn (across its suspensions) before it is cut off
     recall_tools: bool = True  # offer the built-in recall/expand tools to the model
     context_window: int = 128_000
     max_output_tokens: int = 4_096
