@@ -48,6 +48,12 @@ def test_loadtest_small_run_writes_every_figure_as_json(tmp_path: Path) -> None:
     assert report["run"]["errors"] == {}
     assert report["lifecycle"]["activations"] >= 60
     assert report["memory"]["probe_agents"] == 10
+    # How long each phase took: --duration is the run's alone, the rest comes on top.
+    assert report["timed_out"] is False and report["timeout"] == 120 + 2 * 0.6
+    phases = report["phases"]
+    assert [p["name"] for p in phases] == ["history", "activate", "run", "probe", "close"]
+    assert all(p["completed"] and p["seconds"] >= 0 and p["cpu_seconds"] >= 0 for p in phases)
+    assert "phases (wall clock)" in result.stderr
     assert report["memory"]["probe_hibernated_traced_bytes_per_agent"] < (
         report["memory"]["probe_active_traced_bytes_per_agent"]
     )
@@ -64,6 +70,30 @@ def test_loadtest_small_run_writes_every_figure_as_json(tmp_path: Path) -> None:
     assert "last 4,096" not in result.stderr
     if plot.exists():
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loadtest_timeout_cuts_the_phase_under_way_and_says_which() -> None:
+    """A two-minute run under a 2 s bound: the phase under way is cut, the runtime still
+    closes, and the report (written, exit 1) lists the phases that ran. Without the bound
+    the run outlasts the helper's 60 s and the test fails."""
+    result = torpor("loadtest", "-n", "20", "-m", "4", "-d", "120", "--timeout", "2",
+                    "--probe-agents", "5", "--json", "-")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["timed_out"] is True and report["timeout"] == 2
+    phases = report["phases"]
+    names = [p["name"] for p in phases]
+    cut = [p["name"] for p in phases if not p["completed"]]
+    assert len(cut) == 1 and cut[0] in ("history", "activate", "run")  # whichever 2 s reached
+    assert "probe" not in names  # never started
+    assert all(p["completed"] for p in phases[:names.index(cut[0])])
+    if cut[0] != "history":  # a runtime ran: it closed after the cut, ending what was cut
+        assert names[-1] == "close" and phases[-1]["completed"]
+    if cut[0] == "run":  # a cut run still reports what it did so far
+        assert report["run"]["driven_agents"] == 2 and report["lifecycle"] is None
+    assert all(isinstance(p["seconds"], float) for p in phases)
+    assert f"during the {cut[0]} phase" in " ".join(result.stderr.split())
+    assert "TIMED OUT" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_loadtest_on_a_given_db_keeps_it_and_prints_a_table(tmp_path: Path) -> None:
@@ -125,6 +155,7 @@ def test_chat_streams_tools_and_suspension_then_inspect_reads_the_log(tmp_path: 
         ["loadtest", "--agents", "0"],
         ["loadtest", "--active-ratio", "1.5"],
         ["loadtest", "--duration", "soon"],
+        ["loadtest", "--timeout", "0"],
         ["loadtest", "--db", "sqlite:////no/such/dir/x.db"],
         ["loadtest", "--hibernate-after", "5", "--evict-after", "1"],
         ["inspect", "--db", "sqlite:////no/such/file.db"],

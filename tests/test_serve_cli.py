@@ -194,3 +194,22 @@ def test_loadtest_over_http_loses_and_duplicates_nothing(tmp_path: Path) -> None
     assert reconnects["lost"] == reconnects["duplicated"] == reconnects["position_gaps"] == 0
     assert report["run"]["turns"] > 0 and report["activation"]["errors"] == 0
     assert report["timeline"] and report["lifecycle"]["activations"] >= 40
+    assert [p["name"] for p in report["phases"]] == ["activate", "run"]
+    assert report["timed_out"] is False and all(p["completed"] for p in report["phases"])
+
+
+def test_loadtest_over_http_within_its_timeout(server: Served) -> None:
+    """Cut by --timeout, the HTTP clients are cancelled and close: the command ends, exit 1,
+    its report marked timed out with the phases it ran (a 2-minute run, a 2 s bound)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torpor", "loadtest", "--url", server.url, "--token", TOKEN,
+         "--agents", "20", "--active-ratio", "0.5", "--duration", "120", "--timeout", "2",
+         "--json", "-"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["timed_out"] is True and report["config"]["timeout"] == 2
+    phases = report["phases"]
+    assert [p["name"] for p in phases][-1] in ("activate", "run") and not phases[-1]["completed"]
+    assert all(p["completed"] for p in phases[:-1])
+    assert "timed out after 2 s" in " ".join(result.stderr.split())

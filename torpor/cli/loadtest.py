@@ -36,7 +36,7 @@ from torpor.cli.common import (
     write_json,
 )
 from torpor.cli.history import build_history
-from torpor.cli.loadtest_phases import Phases, default_timeout
+from torpor.cli.loadtest_phases import Phases, default_timeout, plan_line
 from torpor.cli.loadtest_report import (
     check_plot_available,
     plot_timeline,
@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_available()
     out, err = consoles(args.json)
+    err.print(plan_line(args, f"history ({args.agents:,} x {args.history:,} events), "
+                              f"activate ({args.agents:,} agents, one turn each), "), markup=False)
     workdir: Path | None = None
     if args.db:
         url = args.db

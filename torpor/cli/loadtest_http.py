@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torpor.cli.common import CliError, consoles, machine, write_json
-from torpor.cli.loadtest_phases import Phases, default_timeout
+from torpor.cli.loadtest_phases import Phases, default_timeout, plan_line
 from torpor.cli.loadtest_report import print_phases, timed_out_line
 from torpor.cli.progress import Bar, Progress
 from torpor.runtime.stats import percentile
@@ -507,6 +507,9 @@ def run_http(args: argparse.Namespace) -> int:
             raise CliError(f"cannot reach {args.url}: {exc.strerror or exc}", code=1) from None
 
     asyncio.run(probe())
+    err.print(plan_line(args, f"activate ({args.agents:,} agents, one model turn each, "
+                              f"{args.concurrency} at a time: agents x turn latency / "
+                              f"{args.concurrency}), "), markup=False)
     with Bar(err) as bar:
         report = asyncio.run(run_http_phases(args, bar))
     print_http_summary(out, report)

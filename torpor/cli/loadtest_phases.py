@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-__all__ = ["Phases", "default_timeout"]
+__all__ = ["Phases", "default_timeout", "plan_line"]
 
 
 def default_timeout(duration: float) -> float:
@@ -29,6 +29,14 @@ def default_timeout(duration: float) -> float:
     the report's ``phases``); twice the run leaves room for its last turns.
     """
     return 120.0 + 2.0 * duration
+
+
+def plan_line(args: Any, before_run: str) -> str:
+    """What will run, said before it runs: ``--duration`` is only the run phase's length."""
+    after = ", probe" if getattr(args, "probe_agents", 0) and not getattr(args, "url", None) else ""
+    timeout = args.timeout or default_timeout(args.duration)
+    return (f"torpor loadtest: {before_run}run ({args.duration:g} s){after}; "
+            f"all within --timeout {timeout:g} s")
 
 
 class Phases:
@@ -43,13 +51,17 @@ class Phases:
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
         """Record how long the block took and whether it ended (not cut by the bound)."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         completed = False
         try:
             yield
             completed = True
         finally:
-            self.records.append({"name": name, "seconds": round(time.perf_counter() - started, 3),
+            # CPU seconds (this process, every thread) beside wall seconds: a phase whose
+            # wall time far exceeds its CPU time waited (on a busy machine, a server, a lock).
+            self.records.append({"name": name,
+                                 "seconds": round(time.perf_counter() - started, 3),
+                                 "cpu_seconds": round(time.process_time() - cpu, 3),
                                  "completed": completed})
 
     @asynccontextmanager

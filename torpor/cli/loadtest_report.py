@@ -111,10 +111,10 @@ def print_summary(console: Console, report: Mapping[str, Any]) -> None:
 def print_phases(console: Console, report: Mapping[str, Any]) -> None:
     """How long each phase took: ``--duration`` is only the run's, the rest comes on top."""
     table = Table(title="phases (wall clock)")
-    for name in ("phase", "seconds", "ended"):
+    for name in ("phase", "seconds", "CPU s", "ended"):
         table.add_column(name, justify="right", no_wrap=True)
     for phase in report["phases"]:
-        table.add_row(phase["name"], f"{phase['seconds']:,.1f}",
+        table.add_row(phase["name"], f"{phase['seconds']:,.1f}", f"{phase['cpu_seconds']:,.1f}",
                       "yes" if phase["completed"] else "cut by --timeout")
     console.print(table)
     console.print(f"total {report['total_seconds']:.1f} s (--timeout {report['timeout']:g} s)"
