@@ -265,3 +265,35 @@ async def test_a_drain_reports_the_running_turn_and_each_postponed_one_once(
     records = [r for r in caplog.records if r.getMessage().startswith("turn_aborted")]
     assert sorted(r.turn for r in records) == [1, 2, 3]  # type: ignore[attr-defined]
     assert {r.levelno for r in records} == {logging.WARNING}
+
+
+class _Tagged(Recorder):
+    """A recorder whose origin is its own tag plus the request (two observers, two origins)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def origin(self) -> object | None:
+        return f"{self.tag}:{REQUEST.get()}"
+
+
+async def test_with_two_observers_each_gets_back_its_own_origin() -> None:
+    reached, go = anyio.Event(), anyio.Event()
+    model = ScriptedModel([[Signal(reached), Wait(go), Text("one")], "two"])
+    first, second = _Tagged("a"), _Tagged("b")
+    async with Runtime("sqlite://", model=model) as rt:
+        rt.observe(first)
+        rt.observe(second)
+        REQUEST.set("r1")
+        turn = await rt.send("c", "1")
+        await reached.wait()
+        REQUEST.set("r2")
+        later = await rt.send("c", "2")
+        go.set()
+        await turn.result()
+        await later.result()
+    assert [n for n in first.notes if n.startswith("enter turn")] == [
+        "enter turn c#1 origin=a:r1", "enter turn c#2 origin=a:r2 postponed"]
+    assert [n for n in second.notes if n.startswith("enter turn")] == [
+        "enter turn c#1 origin=b:r1", "enter turn c#2 origin=b:r2 postponed"]
