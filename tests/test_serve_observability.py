@@ -267,3 +267,37 @@ async def test_a_stopped_app_no_longer_measures_the_runtime_it_served() -> None:
         assert metrics.observing == 0
         await (await rt.send("s", "two")).result()
         assert metrics.registry.get_sample_value("torpor_model_call_seconds_count", count) == 1
+
+
+def test_the_log_tap_follows_the_hosts_levels_set_after_it_was_installed() -> None:
+    """The tap lowers the writers' loggers to DEBUG to read group commits; what reaches the
+    host's handlers must still follow the host's levels, also ones set after the tap."""
+    from prometheus_client import generate_latest
+
+    from torpor._logging import event_of, get_logger
+    from torpor.serve.metrics import LogTap
+
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root = logging.getLogger("torpor")
+    handler, before = Keep(), root.level
+    root.addHandler(handler)
+    metrics = torpor.serve.Metrics()
+    tap = LogTap(metrics)
+    try:
+        root.setLevel(logging.DEBUG)
+        tap.install()
+        root.setLevel(logging.WARNING)  # the host quietens torpor after the app started
+        writer = get_logger("torpor.store.sqlite.writer")
+        writer.debug("group_commit", ops=3, failed=0, seconds=0.001)
+        writer.warning("slow_disk")
+    finally:
+        tap.uninstall()
+        root.removeHandler(handler)
+        root.setLevel(before)
+    assert [event_of(r) for r in seen] == ["slow_disk"]
+    assert "torpor_group_commit_batch_size_count 1.0" in generate_latest(metrics.registry).decode()

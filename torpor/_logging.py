@@ -164,6 +164,12 @@ def _fallback(
         return
 
 
+def stdlib_logger(name: str) -> logging.Logger:
+    """The stdlib logger behind torpor's logger ``name``, for a filter a served app attaches
+    to read torpor's own records into metrics (torpor.serve.metrics.LogTap)."""
+    return get_logger(name)._logger
+
+
 def foreign_logger(name: str) -> logging.Logger:
     """Another library's own stdlib logger (``asyncio``, ``uvicorn.error``), for a filter
     the server attaches while it runs (torpor.serve.loglimit). torpor's own records go

@@ -44,7 +44,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from torpor._logging import event_of
+from torpor._logging import event_of, stdlib_logger
 from torpor.errors import ModelError
 from torpor.events import AbortReason, AssistantMessage, ToolResult
 from torpor.llm.protocol import (
@@ -279,7 +279,7 @@ class LogTap(logging.Filter):
     def install(self, loggers: Iterable[logging.Logger] | None = None) -> None:
         """Tap these loggers (default: those named in :attr:`LOGGERS`)."""
         if loggers is None:
-            loggers = [logging.getLogger(name) for name in self.LOGGERS]
+            loggers = [stdlib_logger(name) for name in self.LOGGERS]
         for logger in loggers:
             if logger.name in self._installed:
                 continue
@@ -302,7 +302,14 @@ class LogTap(logging.Filter):
                     self._metrics.commit_batch_size.observe(ops)
                 self._metrics.commit_seconds.observe(seconds)
         installed = self._installed.get(record.name)
-        return installed is None or record.levelno >= installed[2]
+        if installed is None:
+            return True
+        # The level the host's configuration gives the logger now (it may change while
+        # tapped): the logger's own level from before, else what its parents say.
+        logger, level, _ = installed
+        if level == logging.NOTSET and logger.parent is not None:
+            level = logger.parent.getEffectiveLevel()
+        return record.levelno >= level
 
 
 class ModelSeries:
