@@ -98,7 +98,8 @@ def decode_cursor(after: object) -> Cursor | None:
     if after is None:
         return None
     if not isinstance(after, str):
-        raise InvalidInput("after", f"must be a cursor from a page (str), got {type(after).__name__}")
+        kind = type(after).__name__
+        raise InvalidInput("after", f"must be a cursor from a page (str), got {kind}")
     when, dot, key = after.partition(".")
     if not (dot and when.isdigit() and key.isdigit() and len(when) < 19 and len(key) < 19):
         raise InvalidInput("after", f"{after!r} is not a cursor a page returned")

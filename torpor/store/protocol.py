@@ -2,8 +2,8 @@
 
 The log is append-only: rows are written once and never updated or deleted by
 anything the runtime does. The one exception is :meth:`EventStore.delete`, asked
-for by the data's owner and recorded in the ``deletions`` audit. Every backend implements this protocol; the runtime, the actors and compaction
-only ever see it.
+for by the data's owner and recorded in the ``deletions`` audit. Every backend
+implements this protocol; the runtime, the actors and compaction only ever see it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from torpor.store.hits import (
     scored,
     search_hit,
 )
-from torpor.store.listing import ConversationPage, Cursor
+from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -48,7 +48,7 @@ from torpor.store.rows import (
     to_events,
     to_pending_approvals,
 )
-from torpor.store.sqlite.delete import read_deletions as deletions
+from torpor.store.sqlite.delete import read_deletions
 from torpor.store.sqlite.schema import OPEN_WHERE
 
 __all__ = [
@@ -421,3 +421,8 @@ def open_work(
     to apply, each row's shard None."""
     rows = conn.execute(_OPEN, ("" if after is None else after, limit))
     return [(name, None) for (name,) in rows]
+
+
+def deletions(conn: sqlite3.Connection, after: int, limit: int) -> list[Deletion]:
+    """The deletions audit after ``after`` (see :mod:`.delete`)."""
+    return read_deletions(conn, after, limit)

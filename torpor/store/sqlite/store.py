@@ -53,11 +53,11 @@ from torpor.store.protocol import (
 from torpor.store.sqlite import reads
 from torpor.store.sqlite.batch import FlushSearchIndex
 from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
+from torpor.store.sqlite.delete import backlog_size, delete_tree, truncate_wal
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.memory_ops import MemoryOp, read_memory
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
-from torpor.store.sqlite.delete import backlog_size, delete_tree, truncate_wal
 from torpor.store.sqlite.write_ops import (
     AppendOp,
     ArtifactOp,
