@@ -50,7 +50,8 @@ async def test_pages_newest_activity_first_by_cursor(backend: Backend) -> None:
             after = page.next
         assert seen == ["c2", "c0", "c5", "c3", "c6", "c4", "c1"]
         first = (await store.list_conversations(limit=1)).items[0]
-        assert (first.id, first.events, first.title, first.last_activity) == ("c2", 2, "hello 2", 90)
+        shown = (first.id, first.events, first.title, first.last_activity)
+        assert shown == ("c2", 2, "hello 2", 90)
 
 
 async def test_prefix_lists_only_that_prefix(store: AnyStore) -> None:
