@@ -29,6 +29,7 @@ from torpor.errors import (
     Busy,
     ConfigError,
     ConflictError,
+    ConversationDeleted,
     CorruptEvent,
     CorruptStore,
     EventTooLarge,
@@ -92,7 +93,15 @@ from torpor.metadata import MAX_METADATA_BYTES, MAX_METADATA_DEPTH
 from torpor.runtime import AgentInfo, Runtime, RuntimeConfig, RuntimeStats, TaskHandle, Transition
 from torpor.runtime.memory_api import MemoryView
 from torpor.store import open_store
-from torpor.store.protocol import Checkpoint, EventStore, Marker, ModelCall, SearchHit
+from torpor.store.listing import ConversationPage
+from torpor.store.protocol import (
+    Checkpoint,
+    ConversationInfo,
+    EventStore,
+    Marker,
+    ModelCall,
+    SearchHit,
+)
 
 __version__ = "0.1.0"
 
@@ -122,6 +131,9 @@ __all__ = [
     "ClusterView",
     "ConfigError",
     "ConflictError",
+    "ConversationDeleted",
+    "ConversationInfo",
+    "ConversationPage",
     "CorruptEvent",
     "CorruptStore",
     "EchoModel",

@@ -185,6 +185,15 @@ class UnknownConversation(TorporError, LookupError):
     """The conversation has no events."""
 
 
+class ConversationDeleted(UnknownConversation):
+    """The conversation was deleted (``Runtime.delete``): what waited on it, what was
+    sent while the delete ran, and every follower's stream end with this."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id!r} was deleted")
+        self.conversation_id = conversation_id
+
+
 class UnknownCall(TorporError, LookupError):
     """``resolve`` named a tool call the agent is not waiting for."""
 

@@ -44,6 +44,7 @@ from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
 from torpor.runtime.embedding import EmbeddingWorker, start_embedding
+from torpor.runtime.erase import Erasure
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.memory_api import MemoryAPI
@@ -54,6 +55,7 @@ from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
 from torpor.runtime.task import TaskCards, TaskHandle
 from torpor.store import open_store
+from torpor.store.listing import ConversationPage
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.url import parse_store_url
 from torpor.text import check_id, check_text
@@ -168,6 +170,11 @@ class Runtime(MemoryAPI):
             registry=self._registry, counters=self._counters, watchers=self._watchers,
             host=self._host, admission=self._admission, supervisor=self._supervisor,
             lifecycle=self._lifecycle, runtime=inside,
+        )
+        self._erasure = Erasure(
+            config=self.config, registry=self._registry, counters=self._counters,
+            host=self._host, supervisor=self._supervisor, admission=self._admission,
+            store=lambda: self.store,
         )
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
@@ -290,9 +297,11 @@ class Runtime(MemoryAPI):
             raise RuntimeClosed("the runtime is not running; use 'async with Runtime(...)'")
 
     def _check_owner(self, conversation_id: str) -> None:
-        """On a cluster node: NotOwner unless this node serves the conversation's shard."""
+        """On a cluster node: NotOwner unless this node serves the conversation's shard;
+        ConversationDeleted while a delete of it runs (nothing may start it again)."""
         if self._cluster is not None:
             self._cluster.check(conversation_id)
+        self._erasure.refuse(conversation_id)
 
     # -- agents -----------------------------------------------------------------
     def _profile_for(self, conversation_id: str) -> Profile:
@@ -602,6 +611,52 @@ class Runtime(MemoryAPI):
             follower.push(TextDelta(agent.unlogged))
         followers.append(follower)
         return follower
+
+    async def conversations(
+        self, prefix: str | None = None, after: str | None = None, limit: int = 50
+    ) -> ConversationPage:
+        """The conversations the store knows, newest activity first: a page of
+        ``ConversationInfo`` (``id``, ``created_at``, ``last_activity``, ``events``,
+        ``title``, ``metadata``) and ``next``, the ``after`` of the following page (None:
+        the last). ``prefix``: only ids starting with it. From the store's index: never
+        reads a log, never wakes an agent."""
+        self._check_open()
+        _count(limit, "limit", 1_000)
+        return await self.store.list_conversations(prefix=prefix, after=after, limit=limit)
+
+    async def set_title(self, conversation_id: str, title: str) -> bool:
+        """Set the conversation's title (by default its first user message, clipped);
+        False for an unknown conversation (nothing is created)."""
+        self._check_open()
+        check_id(conversation_id)
+        self._check_owner(conversation_id)
+        return await self.store.describe(conversation_id, title=title)
+
+    async def set_metadata(self, conversation_id: str, metadata: dict[str, Any]) -> bool:
+        """Replace the host's metadata of the conversation (JSON values); False for an
+        unknown conversation."""
+        self._check_open()
+        check_id(conversation_id)
+        self._check_owner(conversation_id)
+        return await self.store.describe(conversation_id, metadata=metadata)
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Delete the conversation and its sub-agent conversations: every row the store
+        keeps about them, in one transaction, recorded (ids and counts) in the store's
+        ``deletions`` audit. True when something was deleted, False for an unknown one.
+
+        A live agent is stopped first (what waits on it fails with
+        ``ConversationDeleted``); followers' streams end with ``ConversationDeleted``;
+        sends racing the delete either landed before it (and are deleted) or fail with
+        ``ConversationDeleted`` (an ``UnknownConversation``). Once it returns, the id is
+        free again: a later send starts a new conversation. On SQLite the deleted text is
+        in no file of the store afterwards (see README). On a cluster node: only the
+        owner deletes (``NotOwner`` otherwise), fenced like any write."""
+        self._check_open()
+        check_id(conversation_id)
+        if self._cluster is not None:
+            self._cluster.check(conversation_id)
+        return await self._erasure.delete(conversation_id)
 
     async def history(
         self, conversation_id: str, *, before: int | None = None, limit: int = 50

@@ -24,7 +24,7 @@ queued at once as usual.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn, Self, cast
 
@@ -43,6 +43,15 @@ from torpor.store.arguments import (
     check_turn,
     search_query,
     tool_names,
+)
+from torpor.store.listing import (
+    ConversationPage,
+    Deletion,
+    check_cause,
+    check_metadata,
+    check_title,
+    decode_cursor,
+    prefix_range,
 )
 from torpor.store.memory import (
     EpisodicItem,
@@ -166,6 +175,12 @@ class StoreCore:
         raise NotImplementedError
 
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
+        raise NotImplementedError
+
+    async def _describe(self, name: str, title: str | None, metadata: str | None) -> bool:
+        raise NotImplementedError
+
+    async def _delete(self, name: str, by: str) -> Deletion | None:
         raise NotImplementedError
 
     # lifecycle -------------------------------------------------------------------------
@@ -504,6 +519,45 @@ class StoreCore:
         check_conversation_id(conversation_id)
         found = await self._reading(self.reads.conversation, conversation_id)
         return cast("ConversationInfo | None", found)
+
+    async def list_conversations(
+        self, *, prefix: str | None = None, after: str | None = None, limit: int = 50
+    ) -> ConversationPage:
+        """The conversations index newest activity first, those whose id starts with
+        ``prefix``; ``after``: a page's ``next`` (store.listing). Never a log scan."""
+        span = prefix_range(prefix)
+        cursor = decode_cursor(after)
+        check_limit(limit)
+        page = await self._reading(self.reads.list_conversations, span, cursor, limit)
+        return cast(ConversationPage, page)
+
+    async def describe(
+        self,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Set the title and/or replace the metadata; False for an unknown conversation."""
+        check_conversation_id(conversation_id)
+        text = None if title is None else check_title(title)
+        meta = None if metadata is None else check_metadata(metadata)
+        if text is None and meta is None:
+            return await self.conversation(conversation_id) is not None
+        return await self._describe(conversation_id, text, meta)
+
+    async def delete(self, conversation_id: str, *, by: str = "delete") -> Deletion | None:
+        """Remove the conversation and its sub-agent conversations from every table, in
+        one transaction, recorded in ``deletions``; None for an unknown conversation."""
+        check_conversation_id(conversation_id)
+        return await self._delete(conversation_id, check_cause(by))
+
+    async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:
+        """The deletions audit, oldest first, ids above ``after``."""
+        start = -1 if after is None else check_int(after, "after", 0, 1 << 62)
+        check_limit(limit)
+        found = await self._reading(self.reads.deletions, start, limit)
+        return cast("list[Deletion]", found)
 
     async def pending(
         self, *, after: str | None = None, limit: int = 100

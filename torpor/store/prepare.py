@@ -57,6 +57,7 @@ from torpor.store.arguments import (
     check_turn,
 )
 from torpor.store.clip import PREVIEW_BYTES, clip_aborted, clip_assistant, clip_tool_result
+from torpor.store.listing import first_title
 from torpor.store.open_work import WorkChange, work_change
 from torpor.store.protocol import HintExtractor, TokenCounter
 
@@ -139,6 +140,7 @@ class PreparedAppend(msgspec.Struct, frozen=True, gc=False):
     key: str | None
     fingerprint: bytes | None = None  # of the first body, when keyed
     work: WorkChange | None = None  # what it changes in the open-work index (store.open_work)
+    title: str | None = None  # the default title it brings (store.listing.first_title)
 
     def repeats(self, stored: bytes | None, first_body: bytes | None) -> bool:
         """Whether this keyed append repeats the one stored under its key.
@@ -251,9 +253,10 @@ class AppendPolicy:
         if key is not None:
             first = prepared[0]
             mark = fingerprint(first.body if first.artifact_id is None else encode_body(events[0]))
-        return PreparedAppend(
-            conversation_id, prepared, expect_head, key, mark, work_change(prepared)
-        )
+        work = work_change(prepared)
+        # Only an append that moves the open-work index can hold a user message.
+        title = None if work is None or work[0] < 0 else first_title(events)
+        return PreparedAppend(conversation_id, prepared, expect_head, key, mark, work, title)
 
     def _prepare_one(
         self, body: Body, where: str, turn: int, created: int, limit: int

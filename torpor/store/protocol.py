@@ -1,23 +1,27 @@
 """The EventStore protocol and the records it returns.
 
-The log is append-only: rows are written once and never updated or deleted.
-Every backend implements this protocol; the runtime, the actors and compaction
-only ever see it.
+The log is append-only: rows are written once and never updated or deleted by
+anything the runtime does. The one exception is :meth:`EventStore.delete`, asked
+for by the data's owner and recorded in the ``deletions`` audit. Every backend
+implements this protocol; the runtime, the actors and compaction only ever see it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
 from torpor.events import Body, Event
+from torpor.store.listing import ConversationPage, Deletion
 from torpor.store.memory import EpisodicItem, LedgerEntry, MemoryRecord, SemanticItem
 
 __all__ = [
     "Checkpoint",
     "ConversationInfo",
+    "ConversationPage",
+    "Deletion",
     "EventStore",
     "HintExtractor",
     "Marker",
@@ -105,6 +109,14 @@ class SearchHit(msgspec.Struct, frozen=True, gc=False):
 
 
 class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
+    """One row of the conversations index (never a read of the log).
+
+    ``updated_at`` is the last activity (an append or a fold; also ``last_activity``);
+    ``title`` defaults to the first user message, clipped, unless the host set one;
+    ``metadata`` is the host's (JSON values). ``id`` and ``events`` are the names the
+    runtime's listing uses for ``conversation_id`` and ``event_count``.
+    """
+
     conversation_id: str
     head: int | None
     event_count: int
@@ -112,6 +124,20 @@ class ConversationInfo(msgspec.Struct, frozen=True, gc=False):
     bytes: int  # stored body bytes
     created_at: int
     updated_at: int
+    title: str = ""
+    metadata: dict[str, Any] = {}
+
+    @property
+    def id(self) -> str:
+        return self.conversation_id
+
+    @property
+    def last_activity(self) -> int:
+        return self.updated_at
+
+    @property
+    def events(self) -> int:
+        return self.event_count
 
 
 class ModelCall(msgspec.Struct, frozen=True, gc=False):
@@ -295,6 +321,38 @@ class EventStore(Protocol):
     ) -> list[ConversationInfo]: ...
 
     async def conversation(self, conversation_id: str) -> ConversationInfo | None: ...
+
+    async def list_conversations(
+        self, *, prefix: str | None = None, after: str | None = None, limit: int = 50
+    ) -> ConversationPage:
+        """The conversations index, newest activity first (ties: newest created first),
+        those whose id starts with ``prefix``; ``after``: the ``next`` cursor of the page
+        before. From an index on (last activity, key), never a log scan."""
+        ...
+
+    async def describe(
+        self,
+        conversation_id: str,
+        *,
+        title: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Set the title and/or replace the metadata (None: leave it); False when the
+        conversation does not exist (nothing is created)."""
+        ...
+
+    async def delete(self, conversation_id: str, *, by: str = "delete") -> Deletion | None:
+        """Remove everything the store keeps about the conversation and its sub-agent
+        conversations (recursively) in one transaction, and record the removal in
+        ``deletions`` (ids and counts, never content); None when there is no such
+        conversation. The one exception to "rows are never deleted": asked for by its
+        owner (``by``: "delete", "redact" or "retention"), never by the runtime itself.
+        On a clustered node the delete is fenced like any write."""
+        ...
+
+    async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:
+        """The deletions audit, oldest first, those with an id above ``after``."""
+        ...
 
     async def pending(
         self, *, after: str | None = None, limit: int = 100

@@ -10,13 +10,15 @@ at the end against the conversation's head.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 
 from torpor._rows import ArrayRows
 from torpor.errors import CorruptEvent
 from torpor.events import Event, decode_body
+from torpor.store.listing import ConversationPage, decode_metadata, encode_cursor
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -115,11 +117,13 @@ def decode_model_call(conversation_id: str, turn: int, data: bytes) -> ModelCall
         ) from exc
 
 
-ConversationRow = tuple[str, int, int, int | None, int, int]
+ConversationRow = tuple[str, int, int, int | None, int, int, str | None, str | None]
 
 
-def to_conversation_info(row: ConversationRow) -> ConversationInfo:
-    external_id, head, size, checkpoint_position, created_at, updated_at = row
+def to_conversation_info(row: Sequence[Any]) -> ConversationInfo:
+    """A row of ``conversations``: id, head, bytes, checkpoint position, created_at,
+    updated_at, title, metadata (both backends select them in this order)."""
+    external_id, head, size, checkpoint_position, created_at, updated_at, title, meta = row[:8]
     return ConversationInfo(
         conversation_id=external_id,
         head=None if head < 0 else head,
@@ -128,7 +132,20 @@ def to_conversation_info(row: ConversationRow) -> ConversationInfo:
         bytes=size,
         created_at=created_at,
         updated_at=updated_at,
+        title=title or "",
+        metadata=decode_metadata(meta),
     )
+
+
+def page_of(rows: Sequence[Sequence[Any]], limit: int) -> ConversationPage:
+    """A page of conversations from index rows (the info columns, then the key), and the
+    cursor after its last one when the page is full (there may be more)."""
+    items = tuple(to_conversation_info(row) for row in rows)
+    after = None
+    if len(rows) >= limit and rows:
+        last = rows[-1]
+        after = encode_cursor(int(last[5]), int(last[8]))
+    return ConversationPage(items, after)
 
 
 def compress_artifact(data: bytes) -> bytes:

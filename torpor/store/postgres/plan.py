@@ -67,6 +67,7 @@ class HeadUpdate:
     added_bytes: int = 0
     checkpoint: int | None = None
     work: WorkChange | None = None  # the open-work index's change (store.open_work)
+    title: str | None = None  # the default title (kept where the row has one)
 
 
 @dataclass(slots=True)
@@ -171,7 +172,7 @@ class View:
             merged = self.heads.get(plan.name)
             if merged is None:
                 self.heads[plan.name] = HeadUpdate(
-                    update.head, update.added_bytes, update.checkpoint, update.work
+                    update.head, update.added_bytes, update.checkpoint, update.work, update.title
                 )
             else:
                 merged.head = update.head
@@ -179,6 +180,8 @@ class View:
                 if update.checkpoint is not None:
                     merged.checkpoint = update.checkpoint
                 merged.work = compose(merged.work, update.work)
+                if merged.title is None:
+                    merged.title = update.title
         self.planned[plan.name] = state
 
     def needed(self) -> list[str]:
@@ -314,7 +317,7 @@ class AppendOp:
         return Plan(
             self._result(first, events),
             name,
-            HeadUpdate(first + len(events) - 1, size, None, append.work),
+            HeadUpdate(first + len(events) - 1, size, None, append.work, append.title),
             writes,
             idempotency,
             indexed,

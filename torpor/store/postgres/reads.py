@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import msgspec
+
 from torpor.events import Event, decode_body, searchable_text
 from torpor.store.hits import (
     artifact_bytes,
@@ -24,6 +26,7 @@ from torpor.store.hits import (
     scored,
     search_hit,
 )
+from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.postgres.schema import OPEN_WHERE
 from torpor.store.protocol import (
@@ -40,6 +43,7 @@ from torpor.store.rows import (
     check_reaches,
     decode_checkpoint,
     decode_model_call,
+    page_of,
     to_conversation_info,
     to_events,
     to_pending_approvals,
@@ -154,7 +158,45 @@ JOIN events AS e ON e.conversation_id = (SELECT key FROM conv) AND e.position = 
 ORDER BY b.score DESC, b.position DESC
 """
 
-_INFO = "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at"
+_INFO = (
+    "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at, title, "
+    "metadata"
+)
+# Newest activity first from conversations_by_activity; a prefix is a range of the unique
+# index of ids ("C" collation: byte order), that range's rows then sorted.
+_PAGE = (
+    f"{_INFO}, key FROM conversations WHERE (updated_at, key) < ($1, $2) "
+    "ORDER BY updated_at DESC, key DESC LIMIT $3"
+)
+_PAGE_PREFIX = (
+    f"{_INFO}, key FROM conversations WHERE external_id >= $4 "
+    "AND ($5::text IS NULL OR external_id < $5) AND (updated_at, key) < ($1, $2) "
+    "ORDER BY updated_at DESC, key DESC LIMIT $3"
+)
+_TOP = (1 << 62, 1 << 62)
+
+
+async def list_conversations(
+    db: Reader, span: tuple[str, str | None] | None, cursor: Cursor | None, limit: int
+) -> ConversationPage:
+    when, key = cursor or _TOP
+    if span is None:
+        rows = await db.fetch(_PAGE, when, key, limit)
+    else:
+        rows = await db.fetch(_PAGE_PREFIX, when, key, limit, span[0], span[1])
+    return page_of(rows, limit)
+
+
+async def deletions(db: Reader, after: int, limit: int) -> list[Deletion]:
+    rows = await db.fetch(
+        "SELECT id, conversations, rows, at, by FROM deletions WHERE id > $1 ORDER BY id "
+        "LIMIT $2", after, limit,
+    )
+    return [
+        Deletion(int(r[0]), tuple(msgspec.json.decode(r[1])), msgspec.json.decode(r[2]),
+                 int(r[3]), str(r[4]))
+        for r in rows
+    ]
 
 
 async def head(db: Reader, name: str) -> int | None:

@@ -62,6 +62,13 @@ and by (shard, id). Updates that leave those four columns as they were stay HOT.
 hands its shards off; the others stop counting it as a desired owner at once,
 while its row (and so every lease it still holds) stays live until it is done.
 
+``conversations.title`` and ``metadata`` (version 9, titles backfilled from each
+conversation's first user message) and ``conversations_by_activity`` on
+``(updated_at, key)`` make the row the conversations index
+(:mod:`torpor.store.listing`); the head update sets the default title in the same
+statement. That index changes with every append, so those updates are no longer HOT.
+``deletions`` (version 9) is the audit of removals (:mod:`.delete`).
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -76,6 +83,7 @@ import asyncpg
 
 from torpor.errors import StoreError
 from torpor.events import decode_body
+from torpor.store.listing import first_title
 from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import PendingChanges, call_names, named, unnamed
 
@@ -361,8 +369,47 @@ _DEPARTING: Sequence[Step] = (
     "ALTER TABLE nodes ADD COLUMN IF NOT EXISTS departing boolean NOT NULL DEFAULT false",
 )
 
+async def _backfill_titles(conn: asyncpg.Connection) -> None:
+    """Each conversation's first user message as its default title (one probe of its own
+    events by primary key, not a scan of the log by kind)."""
+    rows = []
+    async for key, body in conn.cursor(
+        "SELECT c.key, (SELECT e.body FROM events AS e WHERE e.conversation_id = c.key "
+        "AND e.kind = 'user' ORDER BY e.position LIMIT 1) FROM conversations AS c "
+        "WHERE c.title IS NULL",
+        prefetch=1000,
+    ):
+        if body is not None:
+            title = first_title([decode_body(body, conversation_id=str(key), position=0)])
+            rows.append((key, title))
+    if rows:
+        await conn.execute(
+            "UPDATE conversations AS c SET title = u.t FROM unnest($1::bigint[], $2::text[]) "
+            "AS u(k, t) WHERE c.key = u.k",
+            [k for k, _ in rows], [t for _, t in rows],
+        )
+
+
+# The conversations index (store.listing): title and metadata on the conversation's row,
+# an index by last activity, and the audit of deletions (ids and counts, never content).
+_LISTING: Sequence[Step] = (
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS title text",
+    "ALTER TABLE conversations ADD COLUMN IF NOT EXISTS metadata text",
+    _backfill_titles,
+    "CREATE INDEX IF NOT EXISTS conversations_by_activity ON conversations (updated_at, key)",
+    """
+    CREATE TABLE IF NOT EXISTS deletions (
+        id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        at bigint NOT NULL,
+        by text NOT NULL,
+        conversations text NOT NULL,
+        rows text NOT NULL
+    )
+    """,
+)
+
 MIGRATIONS: tuple[Sequence[Step], ...] = (
-    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING
+    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING, _LISTING
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -126,10 +126,11 @@ h AS (
         checkpoint_position = coalesce(u.cp, c.checkpoint_position), updated_at = $43,
         user_turn = greatest(c.user_turn, u.ut), settled_turn = greatest(c.settled_turn, u.st),
         suspended = coalesce(nullif(u.su, -1) = 1, c.suspended),
-        parked = coalesce(nullif(u.pa, -1) = 1, c.parked)
+        parked = coalesce(nullif(u.pa, -1) = 1, c.parked),
+        title = coalesce(c.title, u.ti)
     FROM unnest($35::bigint[], $36::bigint[], $37::bigint[], $38::bigint[], $39::int[],
-                $40::int[], $41::int[], $42::int[])
-        AS u(key, head, added, cp, ut, st, su, pa)
+                $40::int[], $41::int[], $42::int[], $44::text[])
+        AS u(key, head, added, cp, ut, st, su, pa, ti)
     WHERE c.key = u.key
 )
 SELECT 1
@@ -173,9 +174,10 @@ async def write(
 ) -> None:
     """One statement: every row of ``writes`` and the conversations' new heads."""
     head_rows = [
-        (key_of(name), u.head, u.added_bytes, u.checkpoint, *(u.work or NO_CHANGE))
+        (key_of(name), u.head, u.added_bytes, u.checkpoint, *(u.work or NO_CHANGE), u.title)
         for name, u in heads.items()
     ]
+    head_columns = _columns(head_rows, 9)
     args: list[Any] = [
         *_keyed(writes.events, 0, key_of, 9),
         *_keyed(writes.fts, 0, key_of, 5),
@@ -183,8 +185,9 @@ async def write(
         *_keyed(writes.keys, 0, key_of, 6),
         *_keyed(writes.checkpoints, 0, key_of, 4),
         *_keyed(writes.model_calls, 0, key_of, 5),
-        *_columns(head_rows, 8),
+        *head_columns[:8],
         now,
+        head_columns[8],  # $44: the default titles (store.listing)
     ]
     await conn.execute(WRITE, *args)
 

@@ -38,15 +38,17 @@ from torpor._logging import get_logger
 from torpor.errors import ConfigError, FencedError, StoreError
 from torpor.store.core import StoreCore
 from torpor.store.fence import Fence, shard_of
+from torpor.store.listing import Deletion
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite
 from torpor.store.postgres import reads
+from torpor.store.postgres.delete import delete_tree, describe
 from torpor.store.postgres.errors import DRIVER_ERRORS, is_unavailable, store_error
 from torpor.store.postgres.memory_ops import read_memory, write_memory
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
-from torpor.store.prepare import PreparedAppend
+from torpor.store.prepare import PreparedAppend, now_ms
 from torpor.store.protocol import (
     Checkpoint,
     HintExtractor,
@@ -293,6 +295,41 @@ class PostgresStore(StoreCore):
 
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
         return await self._read(read_memory, conversation_id)
+
+    def _pool_now(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise StoreError("the store is not open")
+        return self._pool
+
+    async def _describe(self, name: str, title: str | None, metadata: str | None) -> bool:
+        pool = self._pool_now()
+        try:
+            return await describe(pool, name, title, metadata, self._held(name))
+        except FencedError as exc:
+            self._refused(exc)
+            raise
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, f"describe of {name!r} failed") from exc
+
+    async def _delete(self, name: str, by: str) -> Deletion | None:
+        """One transaction beside the group commit (see :mod:`.delete`), fenced on a node."""
+        await self._settle()  # appends still being prepared off the loop land first
+        pool = self._pool_now()
+        self._held(name)  # a node that does not hold the shard (or no node) writes nothing
+        try:
+            deletion = await delete_tree(pool, name, by, now_ms(), self._held)
+        except FencedError as exc:
+            self._refused(exc)
+            raise
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, f"delete of {name!r} failed") from exc
+        if deletion is not None:
+            self._log.info(
+                "conversation_deleted", conversation_id=name, by=by,
+                conversations=len(deletion.conversations),
+                events=deletion.rows.get("events", 0),
+            )
+        return deletion
 
     async def _search(
         self, conversation_id: str, query: str, k: int, exclude: frozenset[str]

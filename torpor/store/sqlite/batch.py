@@ -129,6 +129,7 @@ class Plan(msgspec.Struct, gc=False):
     idempotency: tuple[tuple[int, str], tuple[int, int, object, bytes | None]] | None = None
     indexed: list[tuple[int, int, Body]] | None = None  # (position, created_at, body) to index
     work: WorkChange | None = None  # its change to the open-work index (store.open_work)
+    title: str | None = None  # the default title it brings (kept if the row has one)
 
 
 class WriteOp(Protocol):
@@ -148,6 +149,13 @@ _READ_STATE = (
     " FROM conversations WHERE external_id = ?"
 )
 _UPDATE_HEAD = "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ? WHERE key = ?"
+# An append with a user message also gives a conversation without a title its default one.
+_UPDATE_HEAD_TITLE = (
+    "UPDATE conversations SET head = ?, bytes = bytes + ?, updated_at = ?, "
+    "user_turn = max(user_turn, ?), settled_turn = max(settled_turn, ?), "
+    "suspended = coalesce(nullif(?, -1), suspended), parked = coalesce(nullif(?, -1), parked), "
+    "title = coalesce(title, ?) WHERE key = ?"
+)
 # With the open-work index's columns (store.open_work; -1 keeps each), for the conversations
 # whose appends move them: the others (tool results, steps with tool calls) do not pay for it.
 _UPDATE_HEAD_WORK = (
@@ -170,7 +178,7 @@ class Batch:
         self.keys: dict[tuple[int, str], tuple[int, int, object, bytes | None]] = {}
         self.pending = PendingChanges()
         self._next_key: int | None = None
-        # key -> [head, added bytes, open-work change]
+        # key -> [head, added bytes, open-work change, default title]
         self._heads: dict[int, list[Any]] = {}
         self.fts: list[tuple[int, str]] = []
         self.flush_search = False  # index the search backlog in this transaction
@@ -210,11 +218,13 @@ class Batch:
         if plan.name is not None and plan.state is not None:
             self.states[plan.name] = plan.state
             if plan.added_bytes:  # an append: the conversation row gets its new head
-                entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0, None])
+                entry = self._heads.setdefault(plan.state.key, [plan.state.head, 0, None, None])
                 entry[0] = plan.state.head
                 entry[1] += plan.added_bytes
                 if plan.work is not None:
                     entry[2] = compose(entry[2], plan.work)
+                    if entry[3] is None:
+                        entry[3] = plan.title
         self.fts.extend(plan.fts)
         if plan.idempotency is not None:
             self.keys[plan.idempotency[0]] = plan.idempotency[1]
@@ -227,17 +237,20 @@ class Batch:
         self.states.pop(name, None)
         self._cache.forget(name)
 
-    def head_updates(self) -> tuple[list[Row], list[Row]]:
-        """Rows of ``_UPDATE_HEAD``, and of ``_UPDATE_HEAD_WORK``."""
+    def head_updates(self) -> tuple[list[Row], list[Row], list[Row]]:
+        """Rows of ``_UPDATE_HEAD``, ``_UPDATE_HEAD_WORK`` and ``_UPDATE_HEAD_TITLE``."""
         plain: list[Row] = []
         moving: list[Row] = []
+        titled: list[Row] = []
         now = self.now
-        for key, (head, size, work) in self._heads.items():
+        for key, (head, size, work, title) in self._heads.items():
             if work is None:
                 plain.append((head, size, now, key))
-            else:
+            elif title is None:
                 moving.append((head, size, now, *work, key))
-        return plain, moving
+            else:
+                titled.append((head, size, now, *work, title, key))
+        return plain, moving, titled
 
     def committed(self) -> dict[str, ConvState]:
         return {name: state for name, state in self.states.items() if state.stored}
@@ -387,11 +400,13 @@ def _attempt(
         results.append(plan.result)
     if bulk is not None:
         bulk(conn, plans)
-    plain, moving = batch.head_updates()
+    plain, moving, titled = batch.head_updates()
     if plain:
         conn.executemany(_UPDATE_HEAD, plain)
     if moving:
         conn.executemany(_UPDATE_HEAD_WORK, moving)
+    if titled:
+        conn.executemany(_UPDATE_HEAD_TITLE, titled)
     batch.backlog = backlog.write(conn, batch.fts, batch.flush_search)
     if batch.pending:
         _write_pending(conn, batch.pending)

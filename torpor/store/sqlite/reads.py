@@ -28,6 +28,7 @@ from torpor.store.hits import (
     scored,
     search_hit,
 )
+from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
@@ -43,10 +44,12 @@ from torpor.store.rows import (
     check_reaches,
     decode_checkpoint,
     decode_model_call,
+    page_of,
     to_conversation_info,
     to_events,
     to_pending_approvals,
 )
+from torpor.store.sqlite.delete import read_deletions
 from torpor.store.sqlite.schema import OPEN_WHERE
 
 __all__ = [
@@ -329,7 +332,42 @@ def model_calls(
     return [decode_model_call(name, turn_, body) for turn_, body in rows]
 
 
-_INFO = "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at"
+_INFO = (
+    "SELECT external_id, head, bytes, checkpoint_position, created_at, updated_at, title, "
+    "metadata"
+)
+# Newest activity first, from conversations_by_activity (a prefix: from the unique index
+# of ids, that range's rows sorted; the planner is told which, as it cannot tell how few
+# rows a prefix keeps).
+_PAGE = (
+    f"{_INFO}, key FROM conversations WHERE (updated_at, key) < (?, ?) "
+    "ORDER BY updated_at DESC, key DESC LIMIT ?"
+)
+_PAGE_PREFIX = (
+    f"{_INFO}, key FROM conversations INDEXED BY sqlite_autoindex_conversations_1 "
+    "WHERE external_id >= ? AND external_id < ? AND (updated_at, key) < (?, ?) "
+    "ORDER BY updated_at DESC, key DESC LIMIT ?"
+)
+_PAGE_OPEN_PREFIX = (
+    f"{_INFO}, key FROM conversations INDEXED BY sqlite_autoindex_conversations_1 "
+    "WHERE external_id >= ? AND (updated_at, key) < (?, ?) "
+    "ORDER BY updated_at DESC, key DESC LIMIT ?"
+)
+_TOP = (1 << 62, 1 << 62)  # above every cursor: the first page
+
+
+def list_conversations(
+    conn: sqlite3.Connection, span: tuple[str, str | None] | None, cursor: Cursor | None,
+    limit: int,
+) -> ConversationPage:
+    when, key = cursor or _TOP
+    if span is None:
+        rows = conn.execute(_PAGE, (when, key, limit)).fetchall()
+    elif span[1] is None:
+        rows = conn.execute(_PAGE_OPEN_PREFIX, (span[0], when, key, limit)).fetchall()
+    else:
+        rows = conn.execute(_PAGE_PREFIX, (span[0], span[1], when, key, limit)).fetchall()
+    return page_of(rows, limit)
 
 
 def conversations(
@@ -392,3 +430,8 @@ def open_work(
     to apply, each row's shard None."""
     rows = conn.execute(_OPEN, ("" if after is None else after, limit))
     return [(name, None) for (name,) in rows]
+
+
+def deletions(conn: sqlite3.Connection, after: int, limit: int) -> list[Deletion]:
+    """The deletions audit after ``after`` (see :mod:`.delete`)."""
+    return read_deletions(conn, after, limit)

@@ -46,6 +46,11 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   (version 7) are the open-work index (:mod:`torpor.store.open_work`), moved by
   the statement that moves the head; ``conversations_open`` is a partial index
   over the open rows. Backfilled from the log when an older database migrates.
+* ``conversations.title``, ``metadata`` (version 8) and the index
+  ``conversations_by_activity`` on ``(updated_at, key)`` make the row the
+  conversations index (:mod:`torpor.store.listing`); titles are backfilled from
+  each conversation's first user message. ``deletions`` (version 8) is the audit of
+  removals (:mod:`torpor.store.sqlite.delete`): ids and counts, never content.
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -65,6 +70,7 @@ from typing import Literal
 from torpor.errors import StoreError
 from torpor.events import Body, decode_body
 from torpor.store.arguments import POSITION_LIMIT
+from torpor.store.listing import first_title
 from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import backfill_rows, call_names, named, unnamed
 
@@ -323,7 +329,45 @@ def _open_work(conn: sqlite3.Connection) -> None:
 
 _V7: Sequence[Step] = (_open_work,)
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
+# The first user message of every conversation, for its default title: one probe of the
+# conversation's own events (its primary key, stopping at the first user row), not a scan
+# of the log by kind.
+TITLE_BACKFILL = (
+    "SELECT c.key, (SELECT e.body FROM events AS e WHERE e.conversation_id = c.key "
+    "AND e.kind = 'user' ORDER BY e.position LIMIT 1) FROM conversations AS c"
+)
+
+
+def _titles(conn: sqlite3.Connection) -> None:
+    have = {row[1] for row in conn.execute("PRAGMA table_info(conversations)")}
+    for column in ("title", "metadata"):
+        if column not in have:
+            conn.execute(f"ALTER TABLE conversations ADD COLUMN {column} TEXT")
+    rows = []
+    for key, body in conn.execute(TITLE_BACKFILL).fetchall():
+        if body is not None:
+            title = first_title([decode_body(body, conversation_id=str(key), position=0)])
+            rows.append((title, key))
+    conn.executemany("UPDATE conversations SET title = ? WHERE key = ?", rows)
+
+
+# The conversations index (store.listing): title and metadata on the conversation's row,
+# an index that pages it by last activity, and the audit of deletions (ids and counts).
+_V8: Sequence[Step] = (
+    _titles,
+    "CREATE INDEX IF NOT EXISTS conversations_by_activity ON conversations (updated_at, key)",
+    """
+    CREATE TABLE IF NOT EXISTS deletions (
+        id INTEGER PRIMARY KEY,
+        at INTEGER NOT NULL,
+        by TEXT NOT NULL,
+        conversations TEXT NOT NULL,
+        rows TEXT NOT NULL
+    )
+    """,
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -358,6 +402,9 @@ def _common(conn: sqlite3.Connection, busy_ms: int) -> None:
     # (then StoreUnavailable): a writer elsewhere holding the file.
     conn.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     conn.execute("PRAGMA temp_store = MEMORY")
+    # Deleted content is overwritten with zeros, so a deleted conversation's text is not
+    # left in freed pages (search-backlog flushes and index merges delete too).
+    conn.execute("PRAGMA secure_delete = ON")
     conn.execute("PRAGMA cache_size = -32768")  # 32 MiB per connection
 
 

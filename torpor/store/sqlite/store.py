@@ -39,9 +39,10 @@ from torpor._logging import get_logger
 from torpor.errors import ConfigError, StoreError, StoreUnavailable
 from torpor.store.core import StoreCore
 from torpor.store.fulltext import match_expression
+from torpor.store.listing import Deletion
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite
-from torpor.store.prepare import PreparedAppend
+from torpor.store.prepare import PreparedAppend, now_ms
 from torpor.store.protocol import (
     Checkpoint,
     HintExtractor,
@@ -52,11 +53,18 @@ from torpor.store.protocol import (
 from torpor.store.sqlite import reads
 from torpor.store.sqlite.batch import FlushSearchIndex
 from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
+from torpor.store.sqlite.delete import backlog_size, delete_tree, truncate_wal
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.memory_ops import MemoryOp, read_memory
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
-from torpor.store.sqlite.write_ops import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
+from torpor.store.sqlite.write_ops import (
+    AppendOp,
+    ArtifactOp,
+    CheckpointOp,
+    DescribeOp,
+    ModelCallOp,
+)
 from torpor.store.sqlite.writer import GroupCommitWriter
 
 __all__ = ["SQLiteStore"]
@@ -340,6 +348,34 @@ class SQLiteStore(StoreCore):
 
     async def _read_memory(self, conversation_id: str) -> MemoryRecord:
         return await self._read().run(read_memory, conversation_id)
+
+    async def _describe(self, name: str, title: str | None, metadata: str | None) -> bool:
+        return bool(await self._write().submit(DescribeOp(name, title, metadata)))
+
+    async def _delete(self, name: str, by: str) -> Deletion | None:
+        """On the writer connection with the writer held (see :mod:`.delete`): the delete's
+        transaction, then the WAL truncated, before any other batch commits."""
+        await self._settle()  # appends still being prepared off the loop land first
+        writer = self._write()
+        async with writer.exclusive() as conn:
+            try:
+                deletion = await hop(conn, delete_tree, name, by, now_ms())
+                if deletion is None:
+                    return None
+                for conversation in deletion.conversations:
+                    writer.forget_head(conversation)
+                writer.search_backlog_size = await hop(conn, backlog_size)
+                if self.path is not None and not await hop(conn, truncate_wal):
+                    # A reader kept an old snapshot past the busy timeout: the deleted
+                    # pages stay in the WAL until the checkpointer's next rewind.
+                    self._log.warning("delete_wal_not_truncated", conversation_id=name)
+            except sqlite3.Error as exc:
+                raise store_error(exc, f"delete of {name!r} failed") from exc
+        self._log.info(
+            "conversation_deleted", conversation_id=name, by=by,
+            conversations=len(deletion.conversations), events=deletion.rows.get("events", 0),
+        )
+        return deletion
 
     async def _search(
         self, conversation_id: str, query: str, k: int, exclude: frozenset[str]

@@ -30,7 +30,7 @@ from torpor.store.rows import (
 from torpor.store.sqlite.batch import Batch, ConvState, Plan
 from torpor.store.sqlite.schema import POSITION_LIMIT
 
-__all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "ModelCallOp"]
+__all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "DescribeOp", "ModelCallOp"]
 
 
 INSERT_EVENT = (
@@ -122,7 +122,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
         result = append.result(first, events, self.with_events)
         return Plan(
             result, name, ConvState(key, last), writes, fts, size, idempotency, indexed,
-            append.work,
+            append.work, append.title,
         )
 
     def _result(self, first: int, events: tuple[PreparedEvent, ...]) -> list[Any]:
@@ -227,3 +227,24 @@ class ModelCallOp(msgspec.Struct, frozen=True, gc=False):
 def _model_call_row(key: int, call: ModelCall) -> tuple[int, int, int, int, bytes]:
     """The ``model_calls`` row of ``call`` in the conversation with surrogate ``key``."""
     return (key, call.turn, call.call_index, call.created_at, encode_model_call(call))
+
+
+_DESCRIBE = (
+    "UPDATE conversations SET title = coalesce(?, title), metadata = coalesce(?, metadata) "
+    "WHERE key = ?"
+)
+
+
+class DescribeOp(msgspec.Struct, frozen=True, gc=False):
+    """Set a conversation's title and/or metadata (JSON text); None leaves each as it is.
+    The result: whether the conversation exists (an unknown one is not created)."""
+
+    conversation_id: str
+    title: str | None
+    metadata: str | None
+
+    def plan(self, batch: Batch) -> Plan:
+        state = batch.conversation(self.conversation_id)
+        if not state.stored:
+            return Plan(False)
+        return Plan(True, writes=[(_DESCRIBE, (self.title, self.metadata, state.key))])

@@ -249,6 +249,16 @@ class GroupCommitWriter:
         """Rows written but not yet full-text indexed, as of the last commit."""
         return self._backlog.size[0]
 
+    @property
+    def search_backlog_size(self) -> tuple[int, int]:
+        """(rows, text characters) of the search backlog as of the last commit."""
+        return self._backlog.size
+
+    @search_backlog_size.setter
+    def search_backlog_size(self, size: tuple[int, int]) -> None:
+        """What a transaction run outside the batches (a delete, writer held) left."""
+        self._backlog.size = size
+
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
         done: asyncio.Future[None] = loop.create_future()
         self._current = done
