@@ -18,7 +18,11 @@ What a pass keeps although it is old:
   new sends are refused: a send in that window is refused with
   ``ConversationDeleted`` and may be retried, the conversation is kept);
 * on a cluster node, the conversations of shards it does not serve: their owner
-  deletes them (fenced like any write).
+  deletes them (fenced like any write: a shard that moves during the pass refuses
+  the delete with ``FencedError``, and the conversation is counted as kept).
+
+A pass that fails (the store unavailable) is logged (``retention_pass_failed``) and
+the sweep goes on at the next interval.
 
 A conversation suspended on an approval is deleted once its last activity is
 older than the retention, like any other: waiting for an answer is not activity.
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from torpor.errors import NotOwner, StoreUnavailable
+from torpor.errors import FencedError, NotOwner
 from torpor.store.prepare import now_ms
 
 if TYPE_CHECKING:
@@ -89,8 +93,8 @@ class Retention:
             try:
                 while await self.expire(retention) == RETENTION_BATCH:
                     pass  # a full batch: a backlog, drained pass by pass
-            except StoreUnavailable as exc:  # the store logs the outage; next interval
-                self._log.warning("retention_pass_failed", error=str(exc))
+            except Exception as exc:  # a store outage above all: the next interval retries
+                self._log.warning("retention_pass_failed", error=repr(exc))
 
     async def expire(self, older_than: float, *, now: int | None = None) -> int:
         """One pass: delete up to :data:`RETENTION_BATCH` conversations with no activity
@@ -112,8 +116,12 @@ class Retention:
             except NotOwner:  # its shard moved meanwhile: its new owner's pass
                 kept += 1
                 continue
-            if await self._erasure.delete(name, by="retention",
-                                          unless=self._active(name, before)):
+            try:
+                gone = await self._erasure.delete(name, by="retention",
+                                                  unless=self._active(name, before))
+            except FencedError:  # the shard moved after the check: the new owner's to delete
+                gone = False
+            if gone:
                 deleted += 1
             else:
                 kept += 1
