@@ -313,7 +313,7 @@ async def test_every_problem_the_http_layer_makes_names_its_error() -> None:
             ("POST", "/v1/conversations/c/messages", TOKEN, b"{not json", 400, "MalformedBody"),
             ("POST", "/v1/conversations/c/messages", TOKEN, b"x" * 5_000_000, 413,
              "BodyTooLarge"),
-            ("DELETE", "/v1/conversations/c/messages", TOKEN, None, 405, "MethodNotAllowed"),
+            ("PUT", "/v1/conversations/c/messages", TOKEN, None, 405, "MethodNotAllowed"),
         ]
         async with httpx.AsyncClient(base_url=url, timeout=20) as client:
             for method, path, token, body, status, error in cases:

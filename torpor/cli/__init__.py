@@ -1,4 +1,5 @@
-"""The ``torpor`` command: ``loadtest``, ``chat``, ``inspect``, ``serve`` and ``top``.
+"""The ``torpor`` command: ``loadtest``, ``chat``, ``inspect``, ``serve``, ``top``,
+``purge`` and ``delete``.
 
 Every failure a user can cause ends as one line on stderr and a non-zero exit
 (2 for bad arguments, a bad store URL or an unknown conversation; 1 for
@@ -13,7 +14,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 
-from torpor.cli import chat, loadtest, serve, top
+from torpor.cli import chat, erase, loadtest, serve, top
 from torpor.cli import inspect as inspect_command
 from torpor.cli.common import CliError, OneLineParser, configure_logging
 from torpor.errors import TorporError, UnknownConversation
@@ -39,6 +40,7 @@ def build_parser() -> OneLineParser:
     inspect_command.add_parser(subparsers)
     serve.add_parser(subparsers)
     top.add_parser(subparsers)
+    erase.add_parsers(subparsers)
     return parser
 
 

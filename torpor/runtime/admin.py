@@ -86,6 +86,7 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
     revival_p50_ms: float | None
     revival_p99_ms: float | None
     consolidation_failures: int = 0  # idle-sweep consolidations that failed or timed out
+    retention_deletions: int = 0  # conversations deleted by the retention sweep
 
 
 class RenderedCall(msgspec.Struct, frozen=True):
@@ -271,6 +272,7 @@ class Admin:
             revival_p50_ms=None if p50 is None else p50 * 1000,
             revival_p99_ms=None if p99 is None else p99 * 1000,
             consolidation_failures=c.consolidation_failures,
+            retention_deletions=c.retention_deletions,
         )
 
     def watch(self, bound: int = 10_000) -> Watcher:

@@ -56,6 +56,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Hybrid recall: ``embedder`` (None: off) and ``embed_interval``, see README
     "Hybrid recall".
+
+    Retention: ``retention`` seconds without activity and a conversation is deleted
+    (None, the default: kept forever); see README "Conversations as owned data".
     """
 
     hibernate_after: float = 30.0
@@ -84,6 +87,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # what is new every embed_interval seconds; turns never wait for it.
     embedder: Any = None
     embed_interval: float = 1.0
+    # Retention (None: keep forever): conversations with no activity for this many seconds
+    # are deleted by a background sweep (torpor.runtime.retention), audited by="retention".
+    retention: float | None = None
 
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
@@ -104,6 +110,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "consolidate_interval": optional(seconds()),
         "embedder": custom("None or an Embedder (name, dimensions, async embed)", _embedder),
         "embed_interval": seconds(),
+        "retention": optional(seconds()),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = (
         Relation(("evict_after", "hibernate_after"), _evict_before_hibernate),

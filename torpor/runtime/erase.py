@@ -22,7 +22,7 @@ conversation under it (the ``deletions`` audit says the earlier one was deleted)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from torpor.errors import ConversationDeleted
@@ -69,8 +69,16 @@ class Erasure:
         if self.deleting and conversation_id in self.deleting:
             raise ConversationDeleted(conversation_id)
 
-    async def delete(self, conversation_id: str) -> bool:
-        """See :meth:`torpor.Runtime.delete`."""
+    async def delete(
+        self,
+        conversation_id: str,
+        *,
+        by: str = "delete",
+        unless: Callable[[], Awaitable[bool]] | None = None,
+    ) -> bool:
+        """See :meth:`torpor.Runtime.delete`. ``by``: the cause the audit records;
+        ``unless``: asked once sends are refused, before anything is stopped; True keeps
+        the conversation (retention: it became active meanwhile) and nothing is deleted."""
         running = self.deleting.get(conversation_id)
         if running is not None:  # deleted by the call already running; this one finds none
             await asyncio.shield(running)
@@ -80,8 +88,10 @@ class Erasure:
         for name in marked:
             self.deleting[name] = done
         try:
+            if unless is not None and await unless():
+                return False
             await self._stop(marked)
-            deletion = await self._store().delete(conversation_id)
+            deletion = await self._store().delete(conversation_id, by=by)
             gone = [conversation_id] if deletion is None else list(deletion.conversations)
             late = [c for c in gone if c not in marked]
             for name in late:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -45,11 +45,13 @@ from torpor.runtime.admission import Admission
 from torpor.runtime.config import RuntimeConfig
 from torpor.runtime.embedding import EmbeddingWorker, start_embedding
 from torpor.runtime.erase import Erasure
+from torpor.runtime.export import export_records
 from torpor.runtime.hosting import AgentHost
 from torpor.runtime.lifecycle import Lifecycle
 from torpor.runtime.memory_api import MemoryAPI
 from torpor.runtime.redrive import Redrive
 from torpor.runtime.registry import Registry
+from torpor.runtime.retention import Retention
 from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
@@ -176,6 +178,11 @@ class Runtime(MemoryAPI):
             host=self._host, supervisor=self._supervisor, admission=self._admission,
             store=lambda: self.store,
         )
+        self._retention = Retention(
+            erasure=self._erasure, registry=self._registry, counters=self._counters,
+            store=lambda: self.store, shards=self._served_shards, check=self._check_served,
+            log=self._log,
+        )
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
@@ -251,6 +258,12 @@ class Runtime(MemoryAPI):
                 self._redrive.run()
             self._branches.start(self._cluster)  # sub-agent links a previous run left open
             stack.push_async_callback(self._branches.stop)
+            retention = self.config.retention
+            if retention is not None and not self.store.read_only:  # stopped first on exit
+                expiring = asyncio.get_running_loop().create_task(
+                    self._retention.run(retention), name="torpor-retention"
+                )
+                stack.push_async_callback(_cancel_and_wait, expiring)
         except BaseException:
             await stack.aclose()
             raise
@@ -302,6 +315,18 @@ class Runtime(MemoryAPI):
         if self._cluster is not None:
             self._cluster.check(conversation_id)
         self._erasure.refuse(conversation_id)
+
+    def _served_shards(self) -> tuple[Sequence[int], int] | None:
+        """On a cluster node: (the shards it serves now, the cluster's shard count)."""
+        gate = self._cluster
+        if gate is None:
+            return None
+        leases = gate.member.leases
+        return [s for s in sorted(leases.held) if leases.serving(s)], leases.shards
+
+    def _check_served(self, conversation_id: str) -> None:
+        if self._cluster is not None:
+            self._cluster.check(conversation_id)
 
     # -- agents -----------------------------------------------------------------
     def _profile_for(self, conversation_id: str) -> Profile:
@@ -657,6 +682,34 @@ class Runtime(MemoryAPI):
         if self._cluster is not None:
             self._cluster.check(conversation_id)
         return await self._erasure.delete(conversation_id)
+
+    async def expire(self, older_than: float | None = None, *, now: int | None = None) -> int:
+        """One retention pass now: delete up to ``RETENTION_BATCH`` conversations with no
+        activity for ``older_than`` seconds (default ``RuntimeConfig.retention``) before
+        ``now`` (epoch ms, default the wall clock), as :meth:`delete` does, audited with
+        ``by="retention"``; returns how many. The background sweep (``retention`` set)
+        runs the same pass; see :mod:`torpor.runtime.retention` for what it keeps."""
+        self._check_open()
+        seconds = self.config.retention if older_than is None else older_than
+        if seconds is None:
+            raise InvalidInput("older_than", "is needed when RuntimeConfig.retention is None")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+                or not 0 <= seconds <= 1e9:
+            raise InvalidInput("older_than", f"must be seconds from 0 to 1e9, got {seconds!r}")
+        if now is not None and (type(now) is not int or now < 0):
+            raise InvalidInput("now", f"must be epoch milliseconds (an int), got {now!r}")
+        return await self._retention.expire(float(seconds), now=now)
+
+    def export(self, conversation_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The conversation as JSON-able records (``async for record in rt.export(c)``):
+        its index row, then every event (position, turn, kind, body) oldest first, each
+        clipped body followed by its artifact's full text; see :mod:`torpor.runtime.export`.
+        A read of the store (never wakes the agent), in bounded pages. UnknownConversation
+        (when iterated) for an unknown conversation."""
+        self._check_open()
+        check_id(conversation_id)
+        self._erasure.refuse(conversation_id)
+        return export_records(self.store, conversation_id)
 
     async def history(
         self, conversation_id: str, *, before: int | None = None, limit: int = 50

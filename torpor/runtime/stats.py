@@ -73,6 +73,7 @@ class Counters:
         "hibernations",
         "parks",
         "restarts",
+        "retention_deletions",
         "revival_seconds",
         "revivals",
         "store_failures",
@@ -89,6 +90,7 @@ class Counters:
         self.store_failures = 0  # turns or revivals stopped by StoreUnavailable (not crashes)
         self.abandoned = 0  # tasks that ignored cancellation past their deadline
         self.consolidation_failures = 0  # idle-sweep consolidations that failed or timed out
+        self.retention_deletions = 0  # conversations deleted by the retention sweep
         self.revival_seconds = Samples(4096)
 
 

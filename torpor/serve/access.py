@@ -1,11 +1,32 @@
 """Who may do what: the ``authorize`` hook, bearer tokens, and the admin token.
 
 The chat API asks ``authorize(request, conversation_id, action)`` before it
-touches a conversation (``action`` is ``"read"`` for history, recall and
-streams, ``"write"`` for messages, answers and cancels). It decides before the
-runtime is consulted, so a refusal says nothing about whether the
-conversation exists. The hook returns a bool (or an awaitable of one), or
-raises :class:`~torpor.serve.Unauthorized` / :class:`~torpor.serve.Forbidden`.
+touches a conversation (``action`` is ``"read"`` for history, recall, streams and
+exports, ``"write"`` for messages, answers and cancels, ``"delete"`` for
+``DELETE /v1/conversations/{id}``). It decides before the runtime is consulted,
+so a refusal says nothing about whether the conversation exists. The hook returns
+a bool (or an awaitable of one), or raises :class:`~torpor.serve.Unauthorized` /
+:class:`~torpor.serve.Forbidden`.
+
+Listing (``GET /v1/conversations``) is one range of the store's index, never an
+``authorize`` call per conversation in the store:
+
+1. the prefix listed is ``?prefix=`` if given, else the caller's own:
+   ``list_prefix(authorize, request)``, which asks the hook's optional
+   ``list_prefix(request)`` attribute (``bearer_tokens``: the user's name) and
+   is ``""`` (every conversation) for a hook without one;
+2. ``authorize(request, prefix, "list")`` decides whether the caller may list
+   that prefix (``conversation_id`` is the prefix here); a refusal is a 403;
+3. each conversation of the page is then checked with ``"read"`` and left out
+   if refused: at most ``limit`` calls per page, so a page may hold fewer than
+   ``limit`` (follow ``next`` until it is null).
+
+A custom hook keeps working unchanged: one that answers by the id alone lists
+only what it lets the caller read (step 3), and one that refuses actions it does
+not know refuses listing and deleting. It must answer ``"delete"`` for the
+conversations the caller may delete (treat it at least like ``"write"``), and
+should expose ``list_prefix`` when callers own a prefix, or listing pages through
+every conversation's index row to find theirs.
 
 It may also return a mapping instead of ``True``: allowed, and for a message
 sent through this request (``POST …/messages``) the mapping is the message's
@@ -40,10 +61,11 @@ __all__ = [
     "bearer_tokens",
     "check_admin",
     "is_loopback",
+    "list_prefix",
     "permit",
 ]
 
-Action: TypeAlias = Literal["read", "write"]
+Action: TypeAlias = Literal["read", "write", "delete", "list"]
 Verdict: TypeAlias = "bool | Mapping[str, Any]"
 """What ``authorize`` answers: allowed (True, or a mapping: the metadata of the messages
 the request sends), or not (False)."""
@@ -90,9 +112,10 @@ def bearer_token(token: str) -> Authorize:
 def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authorize:
     """A token per user (``{token: user}``); a user owns the conversations named after them.
 
-    User ``alice`` may read and write conversation ``alice`` and every
+    User ``alice`` may read, write and delete conversation ``alice`` and every
     conversation whose id starts with ``alice:`` (``separator``), and nothing
-    else: not through history, recall, streams, messages, answers or cancels.
+    else: not through history, recall, streams, exports, messages, answers, cancels
+    or deletes. Listing shows her those (prefix ``alice``, see the module doc).
     The messages she sends carry ``{"user": "alice"}`` as their metadata (a tool
     reads it in ``ToolContext.metadata["user"]``).
 
@@ -107,9 +130,7 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
         raise ValueError("the separator must not be empty")
     _check_names(set(table.values()), separator)
 
-    def authorize(
-        request: HTTPConnection, conversation_id: str, action: Action
-    ) -> bool | Mapping[str, Any]:
+    def user_of(request: HTTPConnection) -> str:
         given = bearer_of(request)
         if given is None:
             raise Unauthorized()
@@ -119,10 +140,19 @@ def bearer_tokens(users: Mapping[str, str], *, separator: str = ":") -> Authoriz
                 user = name
         if user is None:
             raise Unauthorized("unknown bearer token")
+        return user
+
+    def authorize(
+        request: HTTPConnection, conversation_id: str, action: Action
+    ) -> bool | Mapping[str, Any]:
+        # "list": conversation_id is the prefix asked for; the user's own (their name, or
+        # within "name:") may be listed, its rows then checked with "read".
+        user = user_of(request)
         if conversation_id == user or conversation_id.startswith(user + separator):
             return {"user": user}
         return False
 
+    authorize.list_prefix = user_of  # type: ignore[attr-defined]
     return authorize
 
 
@@ -136,6 +166,20 @@ def _check_names(names: set[str], separator: str) -> None:
                     f"user {name[:at]!r} would own the conversations of user {name!r} "
                     f"(its name followed by {separator!r}): rename one of them")
             at = name.find(separator, at + 1)
+
+
+async def list_prefix(authorize: Authorize, request: HTTPConnection) -> str:
+    """The prefix a caller lists by default: the hook's ``list_prefix(request)`` (a str,
+    or an awaitable of one), ``""`` (everything) for a hook without one."""
+    scope = getattr(authorize, "list_prefix", None)
+    if scope is None:
+        return ""
+    prefix = scope(request)
+    if inspect.isawaitable(prefix):
+        prefix = await prefix
+    if not isinstance(prefix, str):
+        raise TypeError(f"authorize.list_prefix returned {type(prefix).__name__}, not str")
+    return prefix
 
 
 async def permit(

@@ -25,6 +25,7 @@ from torpor.runtime import Runtime
 from torpor.serve.access import Authorize
 from torpor.serve.admin import admin_routes
 from torpor.serve.chat import chat_routes
+from torpor.serve.conversations import conversation_routes
 from torpor.serve.deferred import DEFER, Deferred, deferred
 from torpor.serve.logs import conversation_id_var, request_id_var
 from torpor.serve.metrics import Metrics
@@ -172,8 +173,9 @@ def app(
 ) -> Starlette:
     """The chat API, the admin, ``/metrics`` and the page, over ``runtime``.
 
-    ``authorize(request, conversation_id, action)`` decides who may ``"read"``
-    or ``"write"`` which conversation (see :mod:`torpor.serve.access`:
+    ``authorize(request, conversation_id, action)`` decides who may ``"read"``,
+    ``"write"`` or ``"delete"`` which conversation, and ``"list"`` which prefix
+    (see :mod:`torpor.serve.access`:
     :func:`bearer_token`, :func:`bearer_tokens`, :func:`allow_all`).
     ``admin_token`` guards ``/admin`` and ``/metrics`` (None: they refuse
     everyone); they answer loopback clients only unless ``admin_remote``.
@@ -217,6 +219,7 @@ def app(
             await service.shutdown()
 
     routes: list[BaseRoute] = [
+        *conversation_routes(service, authorize, proxy),
         *chat_routes(service, authorize, proxy),
         *admin_routes(service, admin_token, admin_remote),
         Route("/healthz", _health(service), methods=["GET"]),

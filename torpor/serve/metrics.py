@@ -80,6 +80,7 @@ _COUNTERS = (
     ("store_failures", "Turns or revivals stopped by an unavailable store"),
     ("abandoned", "Tasks abandoned after ignoring cancellation"),
     ("consolidation_failures", "Idle-sweep consolidations that failed or timed out"),
+    ("retention_deletions", "Conversations deleted by the retention sweep"),
 )
 _BUSY = frozenset({"streaming", "running_tools"})
 _RESTING = frozenset({"awaiting_input", "suspended"})

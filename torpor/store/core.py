@@ -552,6 +552,37 @@ class StoreCore:
         check_conversation_id(conversation_id)
         return await self._delete(conversation_id, check_cause(by))
 
+    async def idle_conversations(
+        self,
+        *,
+        before: int,
+        limit: int = 100,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> list[str]:
+        """Conversations with no activity since ``before`` (epoch ms), least recent first,
+        at most ``limit``; of ``shards`` (of a cluster of ``shard_count``) if given. From
+        the index on (last activity, key): never a log scan (retention's sweep)."""
+        when = check_int(before, "before", 0, 1 << 62)
+        check_limit(limit)
+        place = shard_filter(shards, shard_count)
+        if place is not None and not place.shards:
+            return []
+        wanted = None if place is None else place.wanted()
+        found: list[str] = []
+        cursor: tuple[int, int] = (-1, -1)
+        for _ in range(_IDLE_PAGES):  # rows of other shards must not end the page early
+            rows = await self._reading(self.reads.idle, when, cursor, limit, wanted)
+            for name, shard, _at, _key in rows:
+                if place is None or place.keeps(name, shard):
+                    found.append(name)
+                    if len(found) == limit:
+                        return found
+            if len(rows) < limit:
+                break
+            cursor = (rows[-1][2], rows[-1][3])
+        return found
+
     async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:
         """The deletions audit, oldest first, ids above ``after``."""
         start = -1 if after is None else check_int(after, "after", 0, 1 << 62)
@@ -610,6 +641,9 @@ def _stamped(item: Any, now: int) -> Any:
 def _audit_row(call: object) -> ModelCall:
     """``call`` admitted (:func:`admit_model_call`), stamped with the time if it has none."""
     return cast(ModelCall, _stamped(admit_model_call(call), now_ms()))
+
+
+_IDLE_PAGES = 8  # pages read by one idle_conversations call, at most (bounded)
 
 
 async def _raising(error: Exception) -> NoReturn:

@@ -350,6 +350,18 @@ class EventStore(Protocol):
         On a clustered node the delete is fenced like any write."""
         ...
 
+    async def idle_conversations(
+        self,
+        *,
+        before: int,
+        limit: int = 100,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> list[str]:
+        """Conversations whose last activity is before ``before`` (epoch ms), least recent
+        first, of ``shards`` if given (retention); from the activity index."""
+        ...
+
     async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:
         """The deletions audit, oldest first, those with an id above ``after``."""
         ...

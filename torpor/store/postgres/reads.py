@@ -187,6 +187,28 @@ async def list_conversations(
     return page_of(rows, limit)
 
 
+# Least recent activity first, from conversations_by_activity (retention, store.idle).
+_IDLE = (
+    "SELECT external_id, shard, updated_at, key FROM conversations "
+    "WHERE updated_at < $1 AND (updated_at, key) > ($2, $3) {shards}"
+    "ORDER BY updated_at, key LIMIT $4"
+)
+_IDLE_ALL = _IDLE.format(shards="")
+_IDLE_IN = _IDLE.format(shards="AND (shard = ANY($5::int[]) OR shard IS NULL) ")
+
+
+async def idle(
+    db: Reader, before: int, cursor: Cursor, limit: int, shards: list[int] | None
+) -> list[tuple[str, int | None, int, int]]:
+    """(id, shard, last activity, key) of the next ``limit`` conversations with no activity
+    since ``before`` (epoch ms) after ``cursor``, of ``shards`` (or shardless) if given."""
+    if shards is None:
+        rows = await db.fetch(_IDLE_ALL, before, cursor[0], cursor[1], limit)
+    else:
+        rows = await db.fetch(_IDLE_IN, before, cursor[0], cursor[1], limit, shards)
+    return [(r[0], r[1], int(r[2]), int(r[3])) for r in rows]
+
+
 async def deletions(db: Reader, after: int, limit: int) -> list[Deletion]:
     rows = await db.fetch(
         "SELECT id, conversations, rows, at, by FROM deletions WHERE id > $1 ORDER BY id "

@@ -370,6 +370,21 @@ def list_conversations(
     return page_of(rows, limit)
 
 
+# Least recent activity first, from conversations_by_activity (retention, store.idle).
+_IDLE = (
+    "SELECT external_id, NULL, updated_at, key FROM conversations "
+    "WHERE updated_at < ? AND (updated_at, key) > (?, ?) ORDER BY updated_at, key LIMIT ?"
+)
+
+
+def idle(
+    conn: sqlite3.Connection, before: int, cursor: Cursor, limit: int, shards: list[int] | None
+) -> list[tuple[str, int | None, int, int]]:
+    """(id, shard, last activity, key) of the next ``limit`` conversations with no activity
+    since ``before`` (epoch ms) after ``cursor``; no shard column here (one node)."""
+    return conn.execute(_IDLE, (before, cursor[0], cursor[1], limit)).fetchall()
+
+
 def conversations(
     conn: sqlite3.Connection, after: str | None, limit: int
 ) -> list[ConversationInfo]:
