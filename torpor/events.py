@@ -20,6 +20,9 @@ __all__ = [
     "Body",
     "Event",
     "Parked",
+    "REDACTABLE",
+    "REDACTED_TEXT",
+    "Redacted",
     "Resolved",
     "Spawned",
     "Suspended",
@@ -32,7 +35,10 @@ __all__ = [
     "aborted_body",
     "decode_body",
     "encode_body",
+    "presented",
+    "redaction_of",
     "searchable_text",
+    "stand_in",
 ]
 
 
@@ -191,6 +197,27 @@ class TaskCard(msgspec.Struct, tag="task_card", frozen=True, gc=False, omit_defa
     by: Literal["code", "model"] = "code"
 
 
+class Redacted(msgspec.Struct, tag="redacted", frozen=True, gc=False, omit_defaults=True):
+    """An event whose content was removed by ``Runtime.redact`` (the one in-place update
+    of the log, audited in the store's ``deletions``).
+
+    ``kind``: the original's kind; ``reason``: the caller's; ``at``: epoch ms. What keeps
+    the turn structure valid is kept, never content: a tool result's ``call_id`` and
+    ``tool``, an assistant message's calls with their ids and names but no arguments, an
+    abort's reason. The model is shown it as the original kind with the text
+    :data:`REDACTED_TEXT` (:func:`stand_in`).
+    """
+
+    kind: str
+    reason: str = ""
+    at: int = 0
+    call_id: str = ""
+    tool: str = ""
+    is_error: bool = False
+    tool_calls: tuple[ToolCall, ...] = ()
+    abort: str = ""
+
+
 Body: TypeAlias = (
     UserMessage
     | AssistantMessage
@@ -202,6 +229,7 @@ Body: TypeAlias = (
     | Unparked
     | TaskCard
     | Spawned
+    | Redacted
 )
 
 
@@ -232,6 +260,7 @@ _KINDS: dict[type, str] = {
         UserMessage, AssistantMessage, ToolResult, Suspended, Resolved, Aborted, Parked, Unparked,
         Spawned,
         TaskCard,
+        Redacted,
     )
 }
 KINDS: frozenset[str] = frozenset(_KINDS.values())
@@ -303,3 +332,58 @@ def searchable_text(body: Body) -> str:
     if isinstance(body, TaskCard):
         return " ".join((body.goal, *body.constraints, *body.open_loops)).strip()
     return ""
+
+
+REDACTED_TEXT = "[redacted]"
+"""What the model is shown in place of a redacted event's content."""
+
+REDACTABLE: frozenset[str] = frozenset(
+    {"user", "assistant", "tool_result", "aborted", "task_card"}
+)
+"""Kinds that hold content a redaction can remove. The others (suspensions, answers'
+markers, parking, sub-agent links) are the turn structure itself: refused."""
+
+
+def redaction_of(body: Body, reason: str, at: int) -> Redacted:
+    """The ``Redacted`` body that replaces ``body`` (a kind in :data:`REDACTABLE`)."""
+    kind = kind_of(body)
+    if isinstance(body, ToolResult):
+        return Redacted(kind, reason, at, call_id=body.call_id, tool=body.tool,
+                        is_error=body.is_error)
+    if isinstance(body, AssistantMessage):
+        calls = tuple(ToolCall(c.id, c.name) for c in body.tool_calls)
+        return Redacted(kind, reason, at, tool_calls=calls)
+    if isinstance(body, Aborted):
+        return Redacted(kind, reason, at, abort=body.reason)
+    return Redacted(kind, reason, at)
+
+
+def stand_in(body: Redacted) -> Body:
+    """What the runtime and the model see for a redacted event: the original kind, its
+    structure kept, its text :data:`REDACTED_TEXT` (a tool result still answers its call;
+    an assistant message still makes its calls, with empty arguments)."""
+    if body.kind == "tool_result":
+        return ToolResult(body.call_id, body.tool, REDACTED_TEXT, is_error=body.is_error)
+    if body.kind == "assistant":
+        return AssistantMessage(REDACTED_TEXT, body.tool_calls)
+    if body.kind == "aborted":
+        reason = body.abort if body.abort in _ABORT_REASONS else "crashed"
+        return Aborted(reason, REDACTED_TEXT)  # type: ignore[arg-type]
+    if body.kind == "task_card":
+        return TaskCard(goal=REDACTED_TEXT)
+    return UserMessage(REDACTED_TEXT)
+
+
+_ABORT_REASONS = frozenset(
+    {"cancelled", "crashed", "model_error", "interrupted", "shutdown", "step_limit"}
+)
+
+
+def presented(event: Event) -> Event:
+    """``event`` as the runtime works with it: a redacted one with its :func:`stand_in`
+    body (same position, turn and tokens), any other unchanged."""
+    body = event.body
+    if type(body) is not Redacted:
+        return event
+    return Event(event.conversation_id, event.position, event.turn, event.tokens,
+                 event.created_at, stand_in(body))

@@ -37,6 +37,7 @@ from torpor.actors.mailbox import (
     CardRequest,
     HibernateRequest,
     Message,
+    RedactRequest,
     ResolveRequest,
     SendRequest,
     SpawnRequest,
@@ -44,6 +45,7 @@ from torpor.actors.mailbox import (
     UnparkRequest,
 )
 from torpor.actors.observe import TurnInfo
+from torpor.actors.redaction import carry_out, carry_out_deferred, defer, fail_deferred
 from torpor.actors.resolution import replayed_resolution
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
@@ -75,6 +77,7 @@ from torpor.events import (
     Unparked,
     UserMessage,
     aborted_body,
+    presented,
 )
 
 if TYPE_CHECKING:
@@ -198,6 +201,9 @@ async def _serve(agent: Agent, host: Host) -> None:
                 crashed.settle()  # its waiters learn of it as the supervisor does
                 raise crashed.crash from None
             continue
+        if turn_task is None and agent.redactions:  # taken while a turn ran: now
+            await carry_out_deferred(agent, host, revive)
+            continue
         if agent.ws is None and (agent.has_work() or agent.runnable_postponed()
                                  or agent.state is AgentState.REVIVING):
             await revive(agent, host)  # eager after a restart: it proves the log reads back
@@ -252,6 +258,11 @@ async def _serve(agent: Agent, host: Host) -> None:
         elif isinstance(message, UnparkRequest):
             if not message.done.done():
                 message.done.set_result(False)  # not parked (any more)
+        elif isinstance(message, RedactRequest):
+            if agent.turn_task is not None:
+                defer(agent, message)  # after the turn: no fold of it may copy the text
+            else:
+                await carry_out(agent, host, message, revive)
         elif agent.turn_task is not None:
             # An answer or a spawn while the turn runs: it waits for no call until it
             # suspends (answer the ids of the Suspended that ends its stream). A keyed
@@ -304,6 +315,7 @@ def _drop_caches(agent: Agent) -> None:
 def _refuse_all(agent: Agent) -> None:
     """Parked: refuse what waits (a turn logged while it queued for a slot included)."""
     error = AgentParked(agent.id, agent.parked_cause or "parked")
+    fail_deferred(agent, error)
     postponed, agent.postponed = agent.postponed, None
     for waiting in postponed or ():
         waiting.turn._fail(error)
@@ -347,6 +359,7 @@ def _fail_waiting(agent: Agent, error: BaseException, *, postponed: bool = True)
     taken, agent.taken = agent.taken, None
     if taken is not None:
         fail(taken, error)  # no-op if it was answered
+    fail_deferred(agent, error)
     mailbox = agent.mailbox
     agent.mailbox = None
     for message in mailbox.drain() if mailbox is not None else ():
@@ -533,8 +546,9 @@ async def revive(agent: Agent, host: Host) -> None:
     # Turns this record holds handles for were postponed, even where the turn before
     # them had ended (a conversation that queued for a slot): they run, not abort.
     held = frozenset(w.event.position for w in agent.postponed) if agent.postponed else None
-    restored = restore(resume.events, postponed=held)
-    ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(resume.events, restored.turn))
+    events = [presented(e) for e in resume.events]  # a redacted one as the model sees it
+    restored = restore(events, postponed=held)
+    ws = WorkingSet(agent.id, resume.checkpoint, up_to_turn(events, restored.turn))
     agent.ws = ws
     agent.lock = lock
     agent.head = resume.head if resume.head is not None else -1
@@ -671,7 +685,8 @@ async def replayed_turn(agent: Agent, host: Host, position: int, number: int) ->
     turn = Turn(agent.id, number, position, hub.join(), replayed=True)
     outcome: AssistantMessage | Suspended | None = None
     aborted: Aborted | None = None
-    for event in await host.store.read_since(agent.id, position + 1):
+    for stored in await host.store.read_since(agent.id, position + 1):
+        event = presented(stored)
         if event.turn != number:
             continue  # a postponed message of a later turn may sit inside this one
         body = event.body
@@ -884,8 +899,8 @@ def _turn_over(agent: Agent, host: Host) -> None:
     agent.turn_task = None
     agent.last_active = time.monotonic()
     host.on_idle(agent)
-    if agent.postponed:
-        agent.wake()  # the actor starts the next one
+    if agent.postponed or agent.redactions:
+        agent.wake()  # the actor starts the next one, or redacts
 
 
 async def _replay_resolve(agent: Agent, host: Host, request: ResolveRequest) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from torpor.actors.mailbox import Mailbox, Message, SendRequest
+from torpor.actors.mailbox import Mailbox, Message, RedactRequest, SendRequest
 from torpor.actors.state import REPORTED, AgentState, transition
 from torpor.actors.write_lock import WriteLock
 
@@ -149,6 +149,7 @@ class Agent:
         "postponed",
         "profile",
         "recent",
+        "redactions",
         "restarts",
         "scope",
         "state",
@@ -198,6 +199,8 @@ class Agent:
         self.last_error: str | None = None
         self.parked_cause: str | None = None
         self.compact_requested = False
+        # Redactions taken while a turn ran: done when it ends (actors.actor).
+        self.redactions: list[RedactRequest] | None = None
         self.calibration = 1.0  # provider-reported / estimated prompt tokens, last seen
         self.ws_tokens = 0
         self.ws_bytes = 0

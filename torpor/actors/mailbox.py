@@ -15,6 +15,7 @@ __all__ = [
     "HibernateRequest",
     "Mailbox",
     "Message",
+    "RedactRequest",
     "ResolveRequest",
     "SendRequest",
     "SpawnRequest",
@@ -123,6 +124,19 @@ class UnparkRequest:
         self.done = done
 
 
+class RedactRequest:
+    """Redact one event (``Runtime.redact``): the actor has the store do it, between
+    turns (one running finishes first: no fold of it may copy the text after), and
+    rebuilds its working set from the log. ``done`` resolves to the store's answer."""
+
+    __slots__ = ("done", "position", "reason")
+
+    def __init__(self, position: int, reason: str, done: asyncio.Future[bool]) -> None:
+        self.position = position
+        self.reason = reason
+        self.done = done
+
+
 class StopRequest:
     """The conversation moved to another node: stop for good, failing what waits with
     ``error`` (the new owner runs the logged turns). Its task is cancelled as it is
@@ -135,7 +149,7 @@ class StopRequest:
 
 Message: TypeAlias = (
     SendRequest | ResolveRequest | CancelRequest | SpawnRequest | CardRequest | HibernateRequest
-    | StopRequest | UnparkRequest
+    | StopRequest | UnparkRequest | RedactRequest
 )
 
 

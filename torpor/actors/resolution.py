@@ -27,6 +27,7 @@ from torpor.events import (
     Suspended,
     ToolResult,
     UserMessage,
+    presented,
 )
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ async def _continuation_end(
     start = after + 1
     while True:
         page = await store.read_range(conversation_id, start, start + _PAGE - 1)
-        for event in page:
+        for event in map(presented, page):
             if event.turn != number:
                 if event.turn > number and not isinstance(event.body, UserMessage):
                     return None  # a later turn runs: this one ended without a record

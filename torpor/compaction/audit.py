@@ -19,11 +19,11 @@ from torpor.compaction.sections import head_of
 from torpor.compaction.task_card import card_text, card_tokens
 from torpor.compaction.working_set import handoff_tokens
 from torpor.errors import StoreError
-from torpor.events import Event, TaskCard
+from torpor.events import Event, Redacted, TaskCard, presented
 from torpor.llm.protocol import ToolSpec
 from torpor.store.protocol import Checkpoint, EventStore
 
-__all__ = ["rebuild_rendered"]
+__all__ = ["rebuild_rendered", "redacted_since"]
 
 log = get_logger(__name__)
 
@@ -35,6 +35,8 @@ async def rebuild_rendered(
     system_prompt: str,
     policy: CompactionPolicy,
     tools: Sequence[ToolSpec] = (),
+    *,
+    redacted: bool = False,
 ) -> Rendered:
     """The context a recipe describes, rebuilt from the log (compare ``.hash`` to the call's).
 
@@ -42,7 +44,9 @@ async def rebuild_rendered(
     recorded stubs, clips and drops. ``policy`` is not re-applied: the recipe's
     decisions are, so a later policy change does not alter the replay. The hash
     is computed as the recipe's version did, so calls recorded before the hash
-    chain still verify.
+    chain still verify. ``redacted``: events were redacted since the call, so the
+    checkpoint it names may be gone with them (a fold that covered one): rebuilt
+    without its handoff (the hash cannot match; the redaction is why).
     """
     bound = log.bind(conversation_id=conversation_id)
     checkpoint: Checkpoint | None = None
@@ -50,14 +54,15 @@ async def rebuild_rendered(
         for candidate in await store.checkpoints(conversation_id):
             if candidate.position == recipe.checkpoint_position and candidate.cycle == recipe.cycle:
                 checkpoint = candidate
-        if checkpoint is None:
+        if checkpoint is None and not redacted:
             raise StoreError(
                 f"conversation {conversation_id!r} has no checkpoint at position "
                 f"{recipe.checkpoint_position} (cycle {recipe.cycle})"
             )
     events: list[Event] = []
     if recipe.tail_start is not None and recipe.tail_end is not None:
-        events = await store.read_range(conversation_id, recipe.tail_start, recipe.tail_end)
+        events = [presented(e) for e in
+                  await store.read_range(conversation_id, recipe.tail_start, recipe.tail_end)]
         if recipe.turn is not None:
             events = up_to_turn(events, recipe.turn)
     if text_hash(system_prompt) != recipe.system_hash:
@@ -93,7 +98,7 @@ async def _one(store: EventStore, conversation_id: str, position: int) -> Event:
     found = await store.read_range(conversation_id, position, position)
     if not found:
         raise StoreError(f"conversation {conversation_id!r} has no event at {position}")
-    return found[0]
+    return presented(found[0])
 
 
 async def _card_at(
@@ -108,3 +113,23 @@ async def _card_at(
             f"conversation {conversation_id!r}: position {position} is not a task card"
         )
     return body
+
+
+async def redacted_since(
+    store: EventStore, conversation_id: str, recipe: Recipe, since: int
+) -> tuple[int, ...]:
+    """Positions a call's context drew on (folded or in its tail) redacted at or after
+    ``since`` (the call's time, epoch ms): why its rebuild differs from what it was sent."""
+    high = max(
+        recipe.tail_end if recipe.tail_end is not None else -1,
+        recipe.checkpoint_position - 1 if recipe.checkpoint_position is not None else -1,
+        *(position for position, _ in recipe.pushed),
+    )
+    if high < 0:
+        return ()
+    found: list[int] = []
+    for event in await store.read_range(conversation_id, 0, high):
+        body = event.body
+        if type(body) is Redacted and body.at >= since:
+            found.append(event.position)
+    return tuple(found)

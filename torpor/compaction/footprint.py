@@ -23,6 +23,7 @@ from torpor.events import (
     AssistantMessage,
     Event,
     Parked,
+    Redacted,
     Resolved,
     Spawned,
     Suspended,
@@ -53,6 +54,7 @@ _BODY = {
         (Unparked, Unparked()),
         (Spawned, Spawned("", "", "")),
         (TaskCard, TaskCard()),
+        (Redacted, Redacted("")),
     )
 }
 _SMALL_INT = 256  # CPython shares the ints up to here: they cost an event nothing

@@ -44,7 +44,7 @@ from torpor.compaction.sections import Block
 from torpor.compaction.slots import clip_text
 from torpor.compaction.task_card import card_lines
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
-from torpor.events import Event, TaskCard, ToolResult, kind_of, searchable_text
+from torpor.events import Event, TaskCard, ToolResult, kind_of, presented, searchable_text
 from torpor.store.fulltext import coverage
 from torpor.store.protocol import EventStore, SearchHit
 
@@ -282,7 +282,7 @@ async def _read(store: EventStore, conversation_id: str, positions: Iterable[int
     reads = await asyncio.gather(
         *(store.read_range(conversation_id, p, p) for p in sorted(positions))
     )
-    return [r[0] for r in reads if r and not _echo(r[0])]
+    return [presented(r[0]) for r in reads if r and not _echo(r[0])]
 
 
 def _echo(event: Event) -> bool:

@@ -29,6 +29,7 @@ from torpor.events import (
     ToolResult,
     Unparked,
     UserMessage,
+    presented,
 )
 from torpor.llm.protocol import ToolSpec
 from torpor.store.arguments import check_limit, check_position, search_query
@@ -178,7 +179,8 @@ async def expand(store: EventStore, conversation_id: str, start: int, end: int) 
     check_position(end, "end")
     if end < start:
         raise InvalidInput("end", f"{end} is before start ({start})")
-    events = await store.read_range(conversation_id, start, end)
+    # A redacted event as the model is shown it (its artifact is gone with its text).
+    events = [presented(e) for e in await store.read_range(conversation_id, start, end)]
     out: list[Event] = []
     for event in events:
         artifact = artifact_of(event.body)

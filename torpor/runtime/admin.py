@@ -16,10 +16,10 @@ from torpor.actors.mailbox import UnparkRequest
 from torpor.actors.revive import restore
 from torpor.actors.state import AgentState
 from torpor.cluster.view import ClusterView, ShardRoute
-from torpor.compaction.audit import rebuild_rendered
+from torpor.compaction.audit import rebuild_rendered, redacted_since
 from torpor.compaction.recipe import Rendered, decode_recipe
 from torpor.errors import CorruptEvent, InvalidInput, UnknownConversation
-from torpor.events import Parked, Unparked
+from torpor.events import Parked, Unparked, presented
 from torpor.runtime.ports import Stored
 from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
@@ -90,11 +90,17 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RenderedCall(msgspec.Struct, frozen=True):
-    """A model call's context rebuilt from the log and its recipe; ``matches``: same hash."""
+    """A model call's context rebuilt from the log and its recipe; ``matches``: same hash.
+
+    ``redacted``: positions the call's context drew on that were redacted since
+    (``Runtime.redact``): the rebuild shows them as "[redacted]" (and without a fold
+    that covered one, dropped with it), so it cannot match, and this says why.
+    """
 
     call: ModelCall
     rendered: Rendered
     matches: bool
+    redacted: tuple[int, ...] = ()
 
 
 class Caretaker(Protocol):
@@ -208,7 +214,7 @@ class Admin:
         resume = await self._runtime.store.resume(conversation_id)
         if resume.head is None:
             raise UnknownConversation(conversation_id)
-        restored = restore(resume.events)
+        restored = restore([presented(e) for e in resume.events])
         restarts = 0
         for event in resume.events:
             if isinstance(event.body, Parked):
@@ -441,15 +447,18 @@ class Admin:
                 conversation_id, -1, f"recipe of model call of turn {record.turn}: {exc}"
             ) from None
         profile = self._runtime.profile_for(conversation_id)
+        store = self._runtime.store
+        redacted = await redacted_since(store, conversation_id, recipe, record.created_at)
         rendered = await rebuild_rendered(
-            self._runtime.store,
+            store,
             conversation_id,
             recipe,
             profile.config.system_prompt,
             profile.policy,
             profile.specs,
+            redacted=bool(redacted),
         )
-        return RenderedCall(record, rendered, rendered.hash == record.rendered_hash)
+        return RenderedCall(record, rendered, rendered.hash == record.rendered_hash, redacted)
 
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
         """A conversation's derived memory (items, ledger, digest), from the store alone:

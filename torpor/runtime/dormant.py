@@ -39,8 +39,8 @@ STORED = (*INTS, *FLOATS, *TEXTS, *OBJECTS)
 referred to are shared (a profile, a state, a bool, an empty tuple) except ``pending``
 and ``crash_times`` when not empty (a suspended or crashed agent: rare)."""
 DROPPED = (
-    "cancels", "current", "hub", "lock", "mailbox", "postponed", "recent", "scope", "taken",
-    "task", "turn_task", "waiter", "ws",
+    "cancels", "current", "hub", "lock", "mailbox", "postponed", "recent", "redactions",
+    "scope", "taken", "task", "turn_task", "waiter", "ws",
 )
 """Fields that must be empty (None or an empty container): a dormant agent has none."""
 SETTLED: dict[str, object] = {

@@ -13,8 +13,15 @@ from typing import TYPE_CHECKING, Any
 from torpor._logging import get_logger
 from torpor.actors.agent import Agent, Profile
 from torpor.actors.config import AgentConfig
-from torpor.actors.mailbox import CancelRequest, Message, ResolveRequest, SendRequest
+from torpor.actors.mailbox import (
+    CancelRequest,
+    Message,
+    RedactRequest,
+    ResolveRequest,
+    SendRequest,
+)
 from torpor.actors.observe import Observer
+from torpor.actors.redaction import redact_unserved
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower, Replay
 from torpor.actors.tools import Toolbox
@@ -57,8 +64,10 @@ from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
 from torpor.runtime.task import TaskCards, TaskHandle
 from torpor.store import open_store
+from torpor.store.arguments import POSITION_LIMIT, check_int
 from torpor.store.listing import ConversationPage
 from torpor.store.protocol import EventStore, SearchHit
+from torpor.store.redact import check_reason
 from torpor.store.url import parse_store_url
 from torpor.text import check_id, check_text
 
@@ -710,6 +719,42 @@ class Runtime(MemoryAPI):
         check_id(conversation_id)
         self._erasure.refuse(conversation_id)
         return export_records(self.store, conversation_id)
+
+    async def redact(self, conversation_id: str, position: int, reason: str = "") -> bool:
+        """Replace the event at ``position`` with a ``Redacted`` body (its kind, ``reason``,
+        when) and remove every derived copy of its text: full-text entry, vectors,
+        artifact, topic hints, the folds that covered it (their summaries, markers and
+        memory items: dropped, the next fold rebuilds from the log). Recorded in the
+        store's ``deletions`` (by "redact", the position, never content).
+
+        Positions stay dense and the turns valid: the model is shown the event as its
+        kind with the text "[redacted]" (a tool result still answers its call; an
+        assistant message keeps its calls' ids and names, not their arguments). The
+        agent's actor does it (waking it like a resolve), after a turn running now, and
+        its next model call sees the redaction.
+
+        True when redacted; False when the event was redacted already with this
+        ``reason`` (a retry). ``UnknownConversation``; ``InvalidInput`` for no such
+        position, an event with no content (a suspension, an answer's marker, parking,
+        a sub-agent link) or one redacted already with another reason.
+        """
+        self._check_open()
+        check_id(conversation_id)
+        check_int(position, "position", 0, POSITION_LIMIT)
+        reason = check_reason(reason)
+        self._check_owner(conversation_id)
+        agent = await self._known(conversation_id)
+        if agent is None:
+            raise UnknownConversation(f"conversation {conversation_id!r} has no events")
+        if agent.state is not AgentState.PARKED:
+            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            try:
+                return await self._ask(  # type: ignore[no-any-return]
+                    agent, RedactRequest(position, reason, done), done
+                )
+            except AgentParked:
+                pass  # parked before its actor took it: its actor serves nothing now
+        return await redact_unserved(agent, self.store, position, reason)
 
     async def history(
         self, conversation_id: str, *, before: int | None = None, limit: int = 50

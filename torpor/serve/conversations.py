@@ -15,7 +15,7 @@ exports read the shared store wherever they arrive, as history does.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec

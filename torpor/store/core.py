@@ -70,6 +70,7 @@ from torpor.store.prepare import (
     AppendPolicy,
     OffLoop,
     PreparedAppend,
+    estimate_tokens,
     new_artifact_id,
     now_ms,
 )
@@ -84,6 +85,7 @@ from torpor.store.protocol import (
     SearchHit,
     TokenCounter,
 )
+from torpor.store.redact import check_reason
 from torpor.store.sqlite.schema import Durability
 from torpor.text import check_id
 
@@ -182,6 +184,14 @@ class StoreCore:
 
     async def _delete(self, name: str, by: str) -> Deletion | None:
         raise NotImplementedError
+
+    async def _redact(self, name: str, position: int, reason: str) -> Deletion | None:
+        raise NotImplementedError
+
+    def _count_redacted(self, body: Body) -> int:
+        """Tokens of a redacted event: its stand-in's, by the append's counter."""
+        counter = self._policy.token_counter
+        return estimate_tokens(body) if counter is None else counter(body)
 
     # lifecycle -------------------------------------------------------------------------
 
@@ -582,6 +592,16 @@ class StoreCore:
                 break
             cursor = (rows[-1][2], rows[-1][3])
         return found
+
+    async def redact(self, conversation_id: str, position: int, *, reason: str = "") -> bool:
+        """Replace the event at ``position`` with a ``Redacted`` body and remove every
+        derived copy of its text (torpor.store.redact), in one transaction recorded in
+        ``deletions``. True when redacted; False when it was redacted already with this
+        ``reason``. UnknownConversation; InvalidInput for no such position, a kind with
+        no content, or an event redacted with another reason."""
+        check_conversation_id(conversation_id)
+        check_int(position, "position", 0, POSITION_LIMIT)
+        return await self._redact(conversation_id, position, check_reason(reason)) is not None
 
     async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:
         """The deletions audit, oldest first, ids above ``after``."""

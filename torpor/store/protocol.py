@@ -360,6 +360,14 @@ class EventStore(Protocol):
     ) -> list[str]:
         """Conversations whose last activity is before ``before`` (epoch ms), least recent
         first, of ``shards`` if given (retention); from the activity index."""
+
+    async def redact(self, conversation_id: str, position: int, *, reason: str = "") -> bool:
+        """Replace one event's body with a ``Redacted`` one in place and remove every
+        derived copy of its text (torpor.store.redact), in one transaction recorded in
+        ``deletions`` (by "redact", the position in ``rows``). True when redacted, False
+        when it was redacted already with this ``reason``; UnknownConversation;
+        InvalidInput (no such position, no content, redacted with another reason). The
+        other exception to "rows are never updated"; fenced on a clustered node."""
         ...
 
     async def deletions(self, *, after: int | None = None, limit: int = 100) -> list[Deletion]:

@@ -46,6 +46,7 @@ from torpor.store.postgres.delete import delete_tree, describe
 from torpor.store.postgres.errors import DRIVER_ERRORS, is_unavailable, store_error
 from torpor.store.postgres.memory_ops import read_memory, write_memory
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
+from torpor.store.postgres.redact import redact_event
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
 from torpor.store.prepare import PreparedAppend, now_ms
@@ -329,6 +330,24 @@ class PostgresStore(StoreCore):
                 conversations=len(deletion.conversations),
                 events=deletion.rows.get("events", 0),
             )
+        return deletion
+
+    async def _redact(self, name: str, position: int, reason: str) -> Deletion | None:
+        """One transaction beside the group commit (see :mod:`.redact`), fenced on a node."""
+        await self._settle()
+        pool = self._pool_now()
+        fence = self._held(name)
+        try:
+            deletion = await redact_event(
+                pool, name, position, reason, now_ms(), self._count_redacted, fence
+            )
+        except FencedError as exc:
+            self._refused(exc)
+            raise
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, f"redaction in {name!r} failed") from exc
+        if deletion is not None:
+            self._log.info("event_redacted", conversation_id=name, position=position)
         return deletion
 
     async def _search(

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
 __all__ = ["PostgresVectors"]
 
 _KEY = "SELECT key FROM conversations WHERE external_id = $1"
+# Not for an event redacted since the embedder read it (its vector holds the text).
 _INSERT = (
     "INSERT INTO event_vectors (conversation_id, space, position, vector) "
-    "VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
+    "SELECT $1::bigint, $2::text, $3::bigint, $4::real[] WHERE NOT EXISTS (SELECT 1 "
+    "FROM events WHERE conversation_id = $1 AND position = $3 AND kind = 'redacted') "
+    "ON CONFLICT DO NOTHING"
 )
 _MOVE = (
     "INSERT INTO vector_progress (conversation_id, space, position) VALUES ($1, $2, $3) "

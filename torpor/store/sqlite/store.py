@@ -57,6 +57,7 @@ from torpor.store.sqlite.delete import backlog_size, delete_tree, truncate_wal
 from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.memory_ops import MemoryOp, read_memory
+from torpor.store.sqlite.redact import redact_event
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
 from torpor.store.sqlite.write_ops import (
     AppendOp,
@@ -375,6 +376,26 @@ class SQLiteStore(StoreCore):
             "conversation_deleted", conversation_id=name, by=by,
             conversations=len(deletion.conversations), events=deletion.rows.get("events", 0),
         )
+        return deletion
+
+    async def _redact(self, name: str, position: int, reason: str) -> Deletion | None:
+        """As ``_delete``: the redaction's transaction, then the WAL truncated, with the
+        writer held (see :mod:`.redact`)."""
+        await self._settle()
+        writer = self._write()
+        async with writer.exclusive() as conn:
+            try:
+                deletion = await hop(
+                    conn, redact_event, name, position, reason, now_ms(), self._count_redacted
+                )
+                if deletion is None:
+                    return None
+                writer.search_backlog_size = await hop(conn, backlog_size)
+                if self.path is not None and not await hop(conn, truncate_wal):
+                    self._log.warning("redact_wal_not_truncated", conversation_id=name)
+            except sqlite3.Error as exc:
+                raise store_error(exc, f"redaction in {name!r} failed") from exc
+        self._log.info("event_redacted", conversation_id=name, position=position)
         return deletion
 
     async def _search(

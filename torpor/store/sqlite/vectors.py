@@ -29,9 +29,11 @@ __all__ = ["SQLiteVectors", "VectorOp", "load_sqlite_vec"]
 
 log = get_logger(__name__)
 
+# Not for an event redacted since the embedder read it (its vector holds the text).
 _INSERT_VECTOR = (
     "INSERT OR IGNORE INTO event_vectors (conversation_id, space, position, vector) "
-    "VALUES (?, ?, ?, ?)"
+    "SELECT ?1, ?2, ?3, ?4 WHERE NOT EXISTS (SELECT 1 FROM events "
+    "WHERE conversation_id = ?1 AND position = ?3 AND kind = 'redacted')"
 )
 _MOVE_PROGRESS = (
     "INSERT INTO vector_progress (conversation_id, space, position) VALUES (?, ?, ?) "
