@@ -244,3 +244,72 @@ async def test_a_turn_whose_client_left_does_not_hold_the_shutdown(
     assert await server.exit_code() in (0, -signal.SIGTERM)
     history = await logged(tmp_path / "chat.db", "alice")
     assert history[0].kind == "aborted" and history[0].body.reason == "shutdown"
+
+
+# -- the README app against an OpenAI-compatible server, a tool that knows its caller ------
+
+
+async def test_the_readme_app_with_a_model_server_tells_tools_the_user_and_measures_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The issue's first contact, end to end: the README's FastAPI app on an OpenAI-compatible
+    server (a stand-in on 127.0.0.1, as a LiteLLM proxy would answer), its tool reading the
+    authenticated user from ToolContext, then a 429 the app reports as a structured abort
+    and counts in its /metrics by model and error type."""
+    pytest.importorskip("openai")
+    from prometheus_client.parser import text_string_to_metric_families
+    from replay import ReplayServer, Reply, openai_error, openai_stream
+
+    def rate_limited(request: Any) -> Reply:  # every call after the scripted ones
+        return openai_error(429, "LiteLLM: model group 'mock-429' failed, see "
+                            "https://docs.example/limits", kind="rate_limit_error",
+                            headers={"retry-after-ms": "20"})
+
+    async with ReplayServer(default=rate_limited) as provider:
+        provider.add(
+            Reply(openai_stream(calls=[("call_a", "order_status", ['{"order_id"', ': "17"}'])])),
+            Reply(openai_stream(["Order 17 has shipped."])),
+            Reply(openai_stream(calls=[("call_b", "order_status", ['{"order_id": "17"}'])])),
+            Reply(openai_stream(["I cannot find that order."])),
+        )
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("OPENAI_BASE_URL", provider.url + "/v1")
+        monkeypatch.setenv("ADMIN_TOKEN", "admin-token")
+        example = load_example(tmp_path / "chat.db", monkeypatch)
+        async with uvicorn_on_loopback(example.app, lifespan="on") as url, \
+                httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def turn(conversation: str, text: str, who: dict[str, str]) -> list[Any]:
+                async with client.stream("POST", f"/chat/v1/conversations/{conversation}"
+                                         "/messages", json={"text": text},
+                                         headers=who) as response:
+                    assert response.status_code == 200
+                    return [e async for e in sse_events(response)]
+
+            alice = await turn("alice", "where is order 17?", ALICE)
+            results = [d["body"]["content"] for k, d in alice if k == "tool_result"]
+            assert results == ["order 17: shipped"]
+            assert alice[-1][0] == "assistant"
+            # bob asks for alice's order in his own conversation: the tool sees bob
+            bob = await turn("bob", "where is order 17?", BOB)
+            assert [d["body"]["content"] for k, d in bob if k == "tool_result"] == [
+                "no such order"]
+
+            failed = await turn("alice", "and order 18?", ALICE)
+            kind, aborted = failed[-1]
+            assert kind == "aborted"
+            body = aborted["body"]
+            assert body["error"] == "ModelRateLimited" and body["retryable"] is True
+            assert body["status"] == 429 and body["retry_after"] == pytest.approx(0.02)
+            assert "LiteLLM" not in body["message"] and "http" not in body["message"]
+
+            scrape = await client.get("/chat/metrics",
+                                      headers={"Authorization": "Bearer admin-token"})
+            assert scrape.status_code == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(scrape.text)
+               for s in family.samples}
+    model = (("model", "openai:gpt-4o-mini"),)
+    assert samples[("torpor_model_call_seconds_count", model)] == 5
+    assert samples[("torpor_model_errors_total", (*model, ("type", "ModelRateLimited")))] == 1
+    assert samples[("torpor_model_errors_total", (*model, ("type", "ModelTimeout")))] == 0
