@@ -119,3 +119,28 @@ async def test_a_client_that_leaves_mid_body_is_not_an_error(capture: Capture) -
     assert left and left[0].levelno == logging.INFO
     assert left[0].path == "/v1/conversations/c/messages"  # type: ignore[attr-defined]
     del reader
+
+
+async def test_monitoring_requests_log_at_debug_chat_requests_at_info(capture: Capture) -> None:
+    """Health checks, scrapes and admin polling drowned the info log (722 of 811 lines)."""
+    from serve_support import ADMIN
+
+    from torpor.serve.client import Client
+
+    async with Runtime("sqlite://") as rt, served(rt) as (url, client, _app):
+        admin = Client(url, ADMIN)
+        await admin.call("GET", "/healthz")
+        for path in ("/metrics", "/admin/stats", "/admin/agents"):
+            conn, response = await admin.open("GET", path, conn=admin.connection())
+            await response.read()
+            await conn.close()
+        await client.call("POST", "/v1/conversations/c/messages", json_body={"text": "hi"},
+                          headers={"Accept": "application/json"}, expect=(202,))
+        await client.call("GET", "/v1/conversations/c/history")
+    levels = {r.path: r.levelno for r in capture.records  # type: ignore[attr-defined]
+              if getattr(r, "_torpor_event", "") == "request"}
+    assert levels == {
+        "/healthz": logging.DEBUG, "/metrics": logging.DEBUG, "/admin/stats": logging.DEBUG,
+        "/admin/agents": logging.DEBUG, "/v1/conversations/c/messages": logging.INFO,
+        "/v1/conversations/c/history": logging.INFO,
+    }

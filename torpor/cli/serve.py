@@ -72,6 +72,13 @@ def add_parser(subparsers: Any) -> None:
                         "default: generated)")
     p.add_argument("--admin-remote", action="store_true",
                    help="let the admin answer clients that are not on a loopback address")
+    p.add_argument("--admin-allow", action="append", metavar="NET",
+                   help="let the admin answer clients in this address or network instead of "
+                        "loopback ones (repeatable: 10.0.0.0/8, 192.0.2.7)")
+    p.add_argument("--trusted-proxy", action="append", metavar="NET",
+                   help="a reverse proxy whose X-Forwarded-For gives the admin's client "
+                        "address (repeatable; a proxy on this host makes every client "
+                        "loopback otherwise)")
     p.add_argument("--log-format", choices=("json", "console"), default="json",
                    help="log lines as JSON (default) or for a console")
     p.add_argument("--log-level", default="info",
@@ -173,7 +180,7 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     from torpor.cli.demo_model import DemoModel, demo_tools
     from torpor.llm.echo import EchoModel
     from torpor.runtime import Runtime, RuntimeConfig
-    from torpor.serve import Metrics, app, bearer_token, bind, serve
+    from torpor.serve import AdminClients, Metrics, app, bearer_token, bind, serve
     from torpor.serve.runner import http_protocol
 
     metrics = Metrics()
@@ -200,6 +207,11 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     except ConfigError as exc:
         raise CliError(f"--{exc.field.replace('_', '-')}: "
                        f"{str(exc).removeprefix(exc.field + ': ')}") from None
+    try:  # refused here with the flag's name, not as app()'s ValueError
+        AdminClients(allow=args.admin_allow, trusted_proxies=args.trusted_proxy)
+    except ValueError as exc:
+        raise CliError(str(exc).replace("admin_allow", "--admin-allow")
+                       .replace("trusted_proxies", "--trusted-proxy")) from None
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -216,7 +228,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
         sock.close()
         raise CliError(f"--node-id: {str(exc).removeprefix(exc.field + ': ')}") from None
     application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
-                      admin_remote=args.admin_remote, metrics=metrics,
+                      admin_remote=args.admin_remote, admin_allow=args.admin_allow,
+                      trusted_proxies=args.trusted_proxy, metrics=metrics,
                       shutdown_grace=args.shutdown_grace, cluster_routing=args.cluster_routing)
     name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
         f"{args.model.model}"

@@ -136,6 +136,8 @@ class Administered(Stored, Protocol):
 
     def agent(self, conversation_id: str) -> Agent: ...
 
+    async def stop_agents(self) -> None: ...
+
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView: ...
 
 
@@ -351,6 +353,15 @@ class Admin:
         check_id(conversation_id)
         gate = self._runtime.gate
         return None if gate is None else await gate.moved(conversation_id, owner)
+
+    async def stop_turns(self) -> None:
+        """End every turn now, as leaving the runtime does: an open turn logs
+        ``Aborted("shutdown")`` (turns postponed behind it too), followers end after what
+        they hold, and no turn starts any more. The runtime stays entered (reads work) until
+        it is left. For an HTTP layer that drains a runtime its host entered: at the end of
+        its grace, the streams it serves send these aborts before they close (a server
+        leaves the host's lifespan only once they have closed)."""
+        await self._runtime.stop_agents()
 
     async def depart(self, deadline: float | None = None) -> bool:
         """On a cluster node: begin leaving the cluster now. The node serves nothing more

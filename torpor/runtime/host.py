@@ -856,6 +856,9 @@ class _Inside:
     def profile_for(self, conversation_id: str) -> Profile:
         return self._rt._profile_for(conversation_id)
 
+    async def stop_agents(self) -> None:
+        await self._rt._stop_agents()
+
     def agent(self, conversation_id: str) -> Agent:
         return self._rt._agent(conversation_id)
 

@@ -253,7 +253,7 @@ class Branches:
             del self._watchers[child]
         if not task.cancelled() and (error := task.exception()) is not None:
             if isinstance(error, NotOwner):  # the shard moved: its new owner watches now
-                self._log.info("sub_agent_watch_moved", child=child, owner=error.owner)
+                self._log.debug("sub_agent_watch_moved", child=child, owner=error.owner)
             else:
                 self._log.warning("sub_agent_watch_failed", child=child, error=repr(error))
 

@@ -8,13 +8,14 @@ Needs the ``serve`` extra: ``pip install 'torpor[serve]'``.
 
 from torpor.serve.access import (
     Action,
+    AdminClients,
     Authorize,
     allow_all,
     bearer_of,
     bearer_token,
     bearer_tokens,
 )
-from torpor.serve.app import app, service_of
+from torpor.serve.app import app, drain, service_of
 from torpor.serve.logs import ContextFilter
 from torpor.serve.metrics import InstrumentedModel, Metrics
 from torpor.serve.observer import MetricsObserver
@@ -25,6 +26,7 @@ from torpor.serve.sse import Cursor, format_cursor, parse_cursor
 
 __all__ = [
     "Action",
+    "AdminClients",
     "Authorize",
     "ContextFilter",
     "Cursor",
@@ -44,6 +46,7 @@ __all__ = [
     "bearer_token",
     "bearer_tokens",
     "bind",
+    "drain",
     "format_cursor",
     "parse_cursor",
     "serve",

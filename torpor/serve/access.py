@@ -37,14 +37,19 @@ set metadata themselves (a body with ``"metadata"`` is refused): what a tool
 reads there is the server's word, never the client's.
 
 The admin and ``/metrics`` are not the chat API's business: they need the
-admin token, and by default a client on a loopback address.
+admin token, and by default a client on a loopback address. Behind a reverse proxy on
+the same host every client has the proxy's loopback address, so that default then
+lets everyone through: name the proxies (``trusted_proxies``: their
+``X-Forwarded-For`` gives the client's address) and, for clients that are not on
+loopback, the networks the admin answers (``admin_allow``); see :class:`AdminClients`.
 """
 
 from __future__ import annotations
 
 import hmac
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+import ipaddress
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias
 
 from starlette.requests import HTTPConnection
@@ -53,6 +58,7 @@ from torpor.serve.problems import Forbidden, Unauthorized
 
 __all__ = [
     "Action",
+    "AdminClients",
     "Authorize",
     "Verdict",
     "allow_all",
@@ -207,12 +213,99 @@ def is_loopback(request: HTTPConnection) -> bool:
     return host == "::1" or host.startswith("127.") or host in ("localhost", "testclient")
 
 
-def check_admin(request: HTTPConnection, token: str | None, *, remote: bool) -> None:
-    """The admin token, and a loopback client unless ``remote`` allows any address."""
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _networks(what: str, values: Iterable[str]) -> tuple[Network, ...]:
+    if isinstance(values, str):
+        raise ValueError(f"{what} must be a list of addresses or networks, not one string")
+    try:
+        return tuple(ipaddress.ip_network(v.strip(), strict=False) for v in values)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def _address(text: str) -> Address | None:
+    text = text.strip()
+    if text.startswith("[") and "]" in text:  # [v6]:port
+        text = text[1:text.index("]")]
+    elif text.count(":") == 1:  # v4:port
+        text = text.split(":", 1)[0]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+class AdminClients:
+    """Which clients the admin and ``/metrics`` answer (the admin token is needed as well).
+
+    ``allow``: the addresses and networks (``"10.0.0.0/8"``, ``"192.0.2.7"``) allowed;
+    None: loopback only. ``trusted_proxies``: the proxies whose ``X-Forwarded-For`` is
+    believed: for a request from one, the client is the last address of that header that
+    is not itself a trusted proxy (a request from one without the header is the proxy's
+    own, a local tool say). Anyone else's header is ignored, so it cannot be forged from
+    outside. ``remote``: any client at all.
+    """
+
+    __slots__ = ("allow", "remote", "trusted")
+
+    def __init__(self, *, allow: Iterable[str] | None = None,
+                 trusted_proxies: Iterable[str] | None = None, remote: bool = False) -> None:
+        self.allow = None if allow is None else _networks("admin_allow", allow)
+        self.trusted = _networks("trusted_proxies", trusted_proxies or ())
+        self.remote = remote
+
+    def client(self, request: HTTPConnection) -> Address | str | None:
+        """The client's address as the admin sees it (a name for in-process transports)."""
+        client = request.client
+        if client is None:
+            return None
+        peer = _address(client.host)
+        if peer is None:
+            return client.host
+        if not self._trusted(peer):
+            return peer
+        forwarded = ",".join(request.headers.getlist("x-forwarded-for"))
+        hops = [_address(hop) for hop in forwarded.split(",") if hop.strip()]
+        for hop in reversed(hops):
+            if hop is None:
+                return "unknown"  # a hop we cannot read: no address to allow
+            if not self._trusted(hop):
+                return hop
+        return hops[0] if hops else peer
+
+    def _trusted(self, address: Address) -> bool:
+        return any(address in network for network in self.trusted)
+
+    def allowed(self, request: HTTPConnection) -> bool:
+        if self.remote:
+            return True
+        address = self.client(request)
+        if address is None:  # an in-process transport or a unix socket: local
+            return True
+        if isinstance(address, str):
+            return self.allow is None and address in ("localhost", "testclient")
+        if self.allow is None:
+            return address.is_loopback
+        return any(address in network for network in self.allow)
+
+
+_LOOPBACK = AdminClients()
+_ANYONE = AdminClients(remote=True)
+
+
+def check_admin(request: HTTPConnection, token: str | None, *, remote: bool = False,
+                clients: AdminClients | None = None) -> None:
+    """The admin token, and a client ``clients`` allows (default: loopback clients, or
+    any with ``remote``)."""
     if token is None:
         raise Forbidden("the admin is disabled (no admin token configured)")
-    if not remote and not is_loopback(request):
-        raise Forbidden("the admin answers loopback clients only")
+    clients = clients if clients is not None else (_ANYONE if remote else _LOOPBACK)
+    if not clients.allowed(request):
+        raise Forbidden("the admin answers loopback clients only" if clients.allow is None
+                        else "the admin does not answer this client's address")
     given = bearer_of(request)
     if given is None:
         raise Unauthorized("the admin needs the admin bearer token")

@@ -1,4 +1,5 @@
-"""The admin over HTTP, and ``/metrics``: behind the admin token, loopback clients by default.
+"""The admin over HTTP, and ``/metrics``: behind the admin token, loopback clients by default
+(or the clients an :class:`~torpor.serve.access.AdminClients` allows).
 
 ``GET  /admin/agents?state=``                 agents in memory (optionally one state)
 ``GET  /admin/agents/{id}``                   inspect one (never revives it)
@@ -24,7 +25,7 @@ from starlette.routing import Route
 
 from torpor.errors import InvalidInput
 from torpor.runtime.stats import Watcher
-from torpor.serve.access import check_admin
+from torpor.serve.access import AdminClients, check_admin
 from torpor.serve.chat import int_param, json_response
 from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
@@ -41,15 +42,15 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class AdminAPI:
-    def __init__(self, service: Service, token: str | None, remote: bool) -> None:
+    def __init__(self, service: Service, token: str | None, clients: AdminClients) -> None:
         self.service = service
         self.rt = service.runtime
         self.token = token
-        self.remote = remote
+        self.clients = clients
 
     def guarded(self, handler: Handler) -> Handler:
         async def endpoint(request: Request) -> Response:
-            check_admin(request, self.token, remote=self.remote)
+            check_admin(request, self.token, clients=self.clients)
             self.service.readable()
             return await handler(request)
 
@@ -143,8 +144,8 @@ class _Transitions:
         self.watcher.close()
 
 
-def admin_routes(service: Service, token: str | None, remote: bool) -> list[Route]:
-    api = AdminAPI(service, token, remote)
+def admin_routes(service: Service, token: str | None, clients: AdminClients) -> list[Route]:
+    api = AdminAPI(service, token, clients)
     g = api.guarded
     agent = "/admin/agents/{conversation_id:path}"
     return [

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from torpor._logging import get_logger
 from torpor.errors import TorporError
 from torpor.runtime import Runtime
-from torpor.serve.access import Authorize
+from torpor.serve.access import AdminClients, Authorize
 from torpor.serve.admin import admin_routes
 from torpor.serve.chat import chat_routes
 from torpor.serve.conversations import conversation_routes
@@ -36,7 +37,7 @@ from torpor.serve.proxy import Proxy, Routing
 from torpor.serve.service import Service
 from torpor.serve.sse_response import PING_SECONDS
 
-__all__ = ["app", "service_of"]
+__all__ = ["app", "drain", "service_of"]
 
 log = get_logger("torpor.serve")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -70,8 +71,9 @@ class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
-        # (method, route, status) -> its counter: a labels() lookup per request costs more
-        self._counted: dict[tuple[str, str, int], Any] = {}
+        # (method, route, status) -> its counter and its access record's level: a labels()
+        # lookup per request costs more
+        self._counted: dict[tuple[str, str, int], tuple[Any, int]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,14 +103,24 @@ class RequestContext:
             status = send_with_id.status
             method = scope["method"]
             key = (method, template, status)
-            counter = self._counted.get(key)
-            if counter is None:  # routes x methods x statuses: a bounded set
-                counter = self._counted[key] = self.metrics.requests.labels(
-                    method, template, str(status))
+            counted = self._counted.get(key)
+            if counted is None:  # routes x methods x statuses: a bounded set
+                counted = self._counted[key] = (
+                    self.metrics.requests.labels(method, template, str(status)),
+                    _access_level(template))
+            counter, level = counted
             counter.inc()
-            if log.isEnabledFor(logging.INFO):  # nothing built for a level above info
-                log.info("request", method=method, path=scope["path"], status=status,
-                         ms=round((time.perf_counter() - started) * 1000, 3))
+            if log.isEnabledFor(level):  # nothing built for a level the host does not log
+                log.log(level, "request", method=method, path=scope["path"], status=status,
+                        ms=round((time.perf_counter() - started) * 1000, 3))
+
+
+def _access_level(template: str) -> int:
+    """Monitoring (health checks, scrapes, the admin a dashboard polls) logs its requests
+    at debug: at info they drowned the records an operator acts on."""
+    if template in ("/healthz", "/metrics") or template.startswith("/admin"):
+        return logging.DEBUG
+    return logging.INFO
 
 
 class _WithId:
@@ -165,6 +177,8 @@ def app(
     authorize: Authorize,
     admin_token: str | None = None,
     admin_remote: bool = False,
+    admin_allow: Sequence[str] | None = None,
+    trusted_proxies: Sequence[str] | None = None,
     metrics: Metrics | None = None,
     shutdown_grace: float = 10.0,
     ping_interval: float = PING_SECONDS,
@@ -178,28 +192,52 @@ def app(
     (see :mod:`torpor.serve.access`:
     :func:`bearer_token`, :func:`bearer_tokens`, :func:`allow_all`).
     ``admin_token`` guards ``/admin`` and ``/metrics`` (None: they refuse
-    everyone); they answer loopback clients only unless ``admin_remote``.
+    everyone); they answer loopback clients only, unless ``admin_remote`` (any
+    client) or ``admin_allow`` (these addresses and networks instead). Behind a
+    reverse proxy on the same host every client is a loopback one: name the proxy
+    in ``trusted_proxies`` (its ``X-Forwarded-For`` then gives the client's
+    address; see :class:`~torpor.serve.access.AdminClients`).
 
     Server-Sent Events streams that sent nothing for ``ping_interval`` seconds get a
     comment line (a ping), so proxies keep them open.
 
-    Lifespan: if the runtime is not running when the app starts, the app
-    enters it and leaves it at shutdown (after draining, up to
-    ``shutdown_grace`` seconds); a runtime the host entered stays the host's.
-    Mounted in another app (whose lifespan does not reach mounted apps), enter
-    ``app.router.lifespan_context(app)`` from the host's lifespan, or run the
-    runtime yourself.
+    Running it: the runtime must be running while the app serves. Either the app's
+    own lifespan enters it (when it is not running at startup; it then leaves it at
+    shutdown), or the host enters it (``async with rt:`` in its own lifespan) and it
+    stays the host's. Mounted in another app (``host.mount("/chat", app(rt, ...))``,
+    whose lifespan never reaches mounted apps), the host's lifespan entering the
+    runtime is all it takes: the app starts what it runs beside the runtime on its
+    first request, and stops it when the runtime leaves. A request that reaches it
+    while the runtime is not running is answered 503 with a ``detail`` saying what
+    to add.
+
+    Shutdown: new work is refused (503 with ``Retry-After``), turns started over
+    HTTP get up to ``shutdown_grace`` seconds to finish, then those still running end
+    with a logged ``Aborted("shutdown")`` that their open streams send before they
+    close (the app leaves a runtime it entered; in one the host entered, it ends
+    those turns the same way and the host leaves the runtime). A turn whose client
+    left holds nobody up: it may finish meanwhile, or is aborted with the rest.
+    Under ``torpor serve`` (:func:`torpor.serve.serve`) SIGTERM starts this. Under
+    plain uvicorn (``uvicorn.run(app)``, or the app mounted in a host), which on
+    SIGTERM waits for open connections to close before it runs any lifespan
+    shutdown, the app begins draining on the signal itself: it chains the handler
+    the server installed (main thread only; the server's own handling follows
+    unchanged; see :mod:`torpor.serve.drain`). Keep the server's graceful-shutdown
+    timeout (uvicorn's ``--timeout-graceful-shutdown``) above ``shutdown_grace``, or
+    unset. Elsewhere, call :func:`drain` when the server begins to stop.
 
     On a cluster node (``Runtime(node=...)``) a request for a conversation
     another node owns is proxied to it, streams included
-    (``cluster_routing="proxy"``, with a client the lifespan opens), or
+    (``cluster_routing="proxy"``, with a client the app's lifespan opens), or
     answered 421 with the owner's address (``"redirect"``, and always without
-    the lifespan); see :mod:`torpor.serve.proxy`.
+    the app's lifespan); see :mod:`torpor.serve.proxy`.
     """
     if not callable(authorize):
         raise TypeError("authorize must be a callable (request, conversation_id, action)")
     if cluster_routing not in ("proxy", "redirect"):
         raise ValueError(f'cluster_routing must be "proxy" or "redirect", got {cluster_routing!r}')
+    clients = AdminClients(allow=admin_allow, trusted_proxies=trusted_proxies,
+                           remote=admin_remote)
     metrics = metrics if metrics is not None else Metrics()
     # Every model, tool call, fold and abort of the runtime is measured from here on,
     # whoever enters it (this app's lifespan or the host's own `async with rt:`).
@@ -221,7 +259,7 @@ def app(
     routes: list[BaseRoute] = [
         *conversation_routes(service, authorize, proxy),
         *chat_routes(service, authorize, proxy),
-        *admin_routes(service, admin_token, admin_remote),
+        *admin_routes(service, admin_token, clients),
         Route("/healthz", _health(service), methods=["GET"]),
     ]
     if page:
@@ -244,6 +282,7 @@ def _health(service: Service) -> Any:
         if service.draining or service.stopped:
             return problem(503, "Service Unavailable", "shutting down", request=request,
                            error="Draining", headers={"Retry-After": "5"})
+        service.readable()  # 503 until the runtime runs (saying what to add)
         return Response(b'{"ok":true}', media_type="application/json")
 
     return health
@@ -255,3 +294,11 @@ def service_of(application: Starlette) -> Service:
     if not isinstance(service, Service):
         raise TypeError("not an app made by torpor.serve.app")
     return service
+
+
+def drain(application: Starlette, grace: float | None = None) -> asyncio.Task[None]:
+    """Begin the graceful shutdown of an app made by :func:`app` now (once; ``grace``
+    defaults to its ``shutdown_grace``); await the task for its end. For a server that
+    lets its host act when it begins to stop: under uvicorn and ``torpor serve`` the
+    app does this itself on SIGTERM."""
+    return service_of(application).shutdown(grace)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -169,7 +170,8 @@ class ChatAPI:
             }, status=202)
         after = turn.user_position - 1  # the stream starts with the user message itself
         follower = self.rt.subscribe(conversation_id, after=after)
-        return follow_response(self.service, follower, Cursor(after), until_turn=turn.number)
+        return follow_response(self.service, follower, Cursor(after), until_turn=turn.number,
+                               on_left=partial(self.service.client_left, turn))
 
     async def stream(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")
@@ -238,7 +240,8 @@ class ChatAPI:
             if logged:
                 head = logged[0].position - 1
         follower = self.rt.subscribe(conversation_id, after=head)
-        return follow_response(self.service, follower, Cursor(head), until_turn=turn.number)
+        return follow_response(self.service, follower, Cursor(head), until_turn=turn.number,
+                               on_left=partial(self.service.client_left, turn))
 
     async def cancel(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "write")

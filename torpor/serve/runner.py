@@ -196,6 +196,7 @@ async def serve(
 
     installed: list[signal.Signals] = []
     if signals:
+        service.drain_on_signal = False  # these handlers drain it (with ``grace``)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
             installed.append(signum)

@@ -5,7 +5,10 @@ the app's lifespan enters and leaves it); otherwise the host that entered it
 owns it. Graceful shutdown (:meth:`Service.shutdown`): stop admitting new
 work (503 with ``Retry-After``), let the turns started over HTTP finish up to
 a deadline, then stop the runtime, whose leaving ends every in-flight turn
-with an ``Aborted("shutdown")`` that the log holds and the open streams send.
+with an ``Aborted("shutdown")`` that the log holds and the open streams send
+(a runtime the host entered is not left: its turns still running at the deadline are
+ended the same way, and the host leaves it). A turn whose client has left holds
+nobody up (see :mod:`torpor.serve.drain`).
 A cluster node instead begins leaving the cluster at once: its shards move to
 the other nodes as their turns end, and requests that still reach it are
 proxied to the new owners rather than refused.
@@ -23,6 +26,7 @@ from torpor._logging import get_logger
 from torpor.actors.turn import Turn
 from torpor.errors import RuntimeClosed
 from torpor.runtime import Runtime
+from torpor.serve.drain import SignalDrain, wait_for_turns
 from torpor.serve.metrics import Metrics
 from torpor.serve.problems import Draining
 from torpor.serve.sse_response import PING_SECONDS, Streams
@@ -43,6 +47,13 @@ def rss_bytes() -> int | None:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PRUNE_AT = 64  # tracked turns before the ended ones are dropped (then twice those running)
+
+
+NOT_ENTERED = (
+    "the runtime is not running: enter it in your app's lifespan (`async with rt: yield`), "
+    "or run the torpor app's own lifespan from yours "
+    "(`async with chat.router.lifespan_context(chat): yield`)"
+)
 
 
 def _running(rt: Runtime) -> bool:
@@ -76,6 +87,13 @@ class Service:
         metrics.open_streams.set_function(lambda: len(self.streams))
         self._watch: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
+        # Under a server that handles SIGTERM itself (plain uvicorn): its signal begins the
+        # drain (torpor serve's runner drains on the signal itself and turns this off).
+        self.drain_on_signal = True
+        self._signals: SignalDrain | None = None
+        # turns whose client left (their stream ended): the drain does not wait for them
+        self._left: set[Turn] = set()
+        self._left_wake: asyncio.Future[None] | None = None
 
     # -- lifespan ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,19 +105,46 @@ class Service:
         log.info("serving", owns_runtime=self.owns_runtime)
 
     def ensure_started(self) -> None:
-        """Start the background watch once the runtime runs (also for a mounted app that no
-        lifespan started: its first request does it)."""
+        """Start what runs while the runtime runs: the lifecycle watch (which ends when the
+        runtime leaves, or when this service stops) and the drain on the server's signal.
+        A mounted app that no lifespan started gets it from its first request."""
         if self._watch is None and not self.stopped and _running(self.runtime):
             self._watch = asyncio.get_running_loop().create_task(
                 self._follow_lifecycle(), name="torpor-serve-watch"
             )
             self.metrics.tap.install()  # group-commit metrics, until the service stops
+            if self.drain_on_signal:
+                signals = SignalDrain(self._on_signal)
+                if signals.install():
+                    self._signals = signals
 
     async def _follow_lifecycle(self) -> None:
         clock = self.metrics.clock
-        with self.runtime.admin.watch() as watcher:
-            async for transition in watcher:
-                clock.observe(transition)
+        try:
+            with self.runtime.admin.watch() as watcher:
+                async for transition in watcher:
+                    clock.observe(transition)
+        finally:  # the runtime left (or the service stopped): no drain on a signal now
+            signals, self._signals = self._signals, None
+            if signals is not None:
+                signals.uninstall()
+
+    def _on_signal(self, name: str) -> None:
+        if self._shutdown is None and not self.stopped:
+            log.info("draining", signal=name)
+            self.shutdown()
+
+    def client_left(self, turn: Turn) -> None:
+        """The client of ``turn``'s stream went away: a drain need not wait for it."""
+        if not turn.done():
+            self._left.add(turn)
+            wake = self._left_wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+
+    def _left_grows(self) -> asyncio.Future[None]:
+        self._left_wake = asyncio.get_running_loop().create_future()
+        return self._left_wake
 
     def shutdown(self, grace: float | None = None) -> asyncio.Task[None]:
         """Begin graceful shutdown (once); await the returned task for its end."""
@@ -117,20 +162,21 @@ class Service:
             self.departing = await self.runtime.admin.depart(grace)
         pending = [t for t in self._inflight if not t.done()]
         log.info("draining", turns_in_flight=len(pending), grace_seconds=grace)
+        self.streams.watch_clients()  # a client that left lets its turn go at once
         if pending:
-            # Cancelling a wait for a turn's result cancels the wait only, never the turn.
-            waits = [asyncio.ensure_future(turn.result()) for turn in pending]
-            _, late = await asyncio.wait(waits, timeout=grace)
-            for wait in waits:
-                if not wait.done():
-                    wait.cancel()
-                elif not wait.cancelled():
-                    wait.exception()  # an aborted turn was the stream's to report
+            late = await wait_for_turns(pending, self._left, grace, self._left_grows)
             if late:
                 log.warning("turns_aborted_at_deadline", turns=len(late))
         if self.owns_runtime:
             with contextlib.suppress(RuntimeClosed):
                 await self.runtime.__aexit__(None, None, None)
+        elif (not self.departing and _running(self.runtime)
+              and any(not t.done() for t in self._inflight)):
+            # The host's runtime stays entered, but its turns still running end now as
+            # leaving would end them, so the streams below send their Aborted("shutdown")
+            # (a server such as uvicorn leaves the host's lifespan only once they closed).
+            with contextlib.suppress(RuntimeClosed):
+                await self.runtime.admin.stop_turns()
         # Each stream sends what its follower holds (the Aborted("shutdown") of a turn
         # the runtime's leaving ended) and then ends.
         self.streams.stop_all()
@@ -149,12 +195,14 @@ class Service:
         if self.stopped or (self.draining and not self.departing):
             raise Draining()
         if not _running(self.runtime):
-            raise RuntimeClosed("the runtime is not running")
+            raise RuntimeClosed(NOT_ENTERED)
         self.ensure_started()
 
     def readable(self) -> None:
-        if self.stopped or not _running(self.runtime):
-            raise RuntimeClosed("the runtime is not running")
+        if self.stopped:
+            raise RuntimeClosed("the runtime is not running (the server stopped)")
+        if not _running(self.runtime):
+            raise RuntimeClosed(NOT_ENTERED)
         self.ensure_started()
 
     def track(self, turn: Turn) -> bool:
@@ -169,6 +217,7 @@ class Service:
             return False
         if len(inflight) >= self._prune_at:  # amortised O(1) per turn
             self._inflight = inflight = {t for t in inflight if not t.done()}
+            self._left = {t for t in self._left if not t.done()}
             self._prune_at = max(_PRUNE_AT, 2 * len(inflight))
         inflight.add(turn)
         return False

@@ -10,7 +10,9 @@ left: uvicorn's ``send`` to a closed connection returns quietly, so ``receive()`
 returning ``http.disconnect`` is the only signal, and the stream asks it without
 waiting (one step of the coroutine). A client that left is noticed within one ping
 interval, and its follower released. Draining stops every stream once it has sent
-what its source holds.
+what its source holds; while it drains, each stream also waits on ``receive()`` (a
+server that is shutting down tells the app nothing else), so a client that leaves
+then is seen at once and its turn holds the drain up no longer.
 
 The wire format is sse-starlette's, byte for byte: ``id``, ``event``, ``data`` and
 ``retry`` lines, CRLF line ends, pings as ``: ping - <UTC time>``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -86,7 +88,7 @@ class Streams:
     server at least every two intervals). ``len()`` is how many are open.
     """
 
-    __slots__ = ("_handle", "_open", "interval")
+    __slots__ = ("_handle", "_open", "_watching", "interval")
 
     def __init__(self, interval: float = PING_SECONDS) -> None:
         if not interval > 0:
@@ -94,12 +96,15 @@ class Streams:
         self.interval = interval
         self._open: set[EventStream] = set()
         self._handle: asyncio.TimerHandle | None = None
+        self._watching = False
 
     def __len__(self) -> int:
         return len(self._open)
 
     def add(self, stream: EventStream) -> None:
         self._open.add(stream)
+        if self._watching:
+            stream.watch_client()
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self.interval, self._tick)
 
@@ -108,6 +113,12 @@ class Streams:
         if not self._open and self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def watch_clients(self) -> None:
+        """From now on every stream sees at once when its client leaves (draining)."""
+        self._watching = True
+        for stream in list(self._open):
+            stream.watch_client()
 
     def stop_all(self) -> None:
         """End every open stream once it has sent what its source holds (draining)."""
@@ -129,11 +140,12 @@ class EventStream(Response):
     Starlette ``Response`` only by type (what handlers return); none of its state.
     """
 
-    __slots__ = ("_check", "_head", "_ping", "_source", "_stopping", "_streams", "_wake",
-                 "_wrote", "status_code")
+    __slots__ = ("_check", "_gone", "_head", "_on_left", "_ping", "_source", "_stopping",
+                 "_streams", "_wake", "_watch", "_wrote", "status_code")
 
     def __init__(self, source: Source, streams: Streams, *, status_code: int = 200,
-                 headers: Sequence[tuple[bytes, bytes]] = HEADERS) -> None:
+                 headers: Sequence[tuple[bytes, bytes]] = HEADERS,
+                 on_left: Callable[[], None] | None = None) -> None:
         self._source = source
         self._streams = streams
         self.status_code = status_code
@@ -143,6 +155,9 @@ class EventStream(Response):
         self._wrote = True  # an event (or the headers) went out since the last tick
         self._check = True  # has the client left? (once at the start, then on each tick)
         self._wake: asyncio.Future[None] | None = None
+        self._on_left = on_left  # told when the client goes away before the stream ends
+        self._watch = False  # wait on receive() too (draining)
+        self._gone: asyncio.Task[None] | None = None  # that wait, owned by the stream
 
     def tick(self, frame: bytes) -> None:
         """The timer's tick: look whether the client left; ping unless an event went out
@@ -152,6 +167,11 @@ class EventStream(Response):
             self._wrote = False
         else:
             self._ping = frame
+        self._poke()
+
+    def watch_client(self) -> None:
+        """Notice at once when the client leaves, not at the next tick (draining)."""
+        self._watch = True
         self._poke()
 
     def stop(self) -> None:
@@ -182,6 +202,15 @@ class EventStream(Response):
                     if self._check:  # the timer's tick: has the client left?
                         self._check = False
                         if _left(receive):
+                            self._client_left()
+                            return
+                    if self._watch:
+                        gone = self._gone
+                        if gone is None:
+                            gone = self._gone = loop.create_task(_disconnect(receive))
+                            gone.add_done_callback(self._gone_done)
+                        elif gone.done():
+                            self._client_left()
                             return
                     try:
                         while (frame := source.take()) is not None:
@@ -206,11 +235,31 @@ class EventStream(Response):
                         source.wake_on(None)
                 await send(_END)
             except OSError:  # a server that says the client left when sent to (ASGI 2.4)
+                self._client_left()
                 return
             finally:
                 streams.discard(self)
         finally:
+            gone = self._gone
+            if gone is not None and not gone.done():
+                gone.cancel()  # nothing is lost: the client is there, and sent nothing
             source.close()
+
+    def _gone_done(self, gone: asyncio.Task[None]) -> None:
+        if not gone.cancelled():
+            gone.exception()  # a server whose receive() failed: taken as the client gone
+        self._poke()
+
+    def _client_left(self) -> None:
+        on_left, self._on_left = self._on_left, None
+        if on_left is not None:
+            on_left()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns once the client has gone (``http.disconnect``); reads past unread body."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _left(receive: Receive) -> bool:

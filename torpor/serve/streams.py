@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 
@@ -92,10 +93,11 @@ class _Frames:
 
 def follow_response(
     service: Service, follower: Follower, cursor: Cursor, *, until_turn: int | None = None,
-    status_code: int = 200,
+    status_code: int = 200, on_left: Callable[[], None] | None = None,
 ) -> EventStream:
     """Stream what ``follower`` yields after ``cursor``; end after turn ``until_turn`` ends
     (None: follow until the client leaves or the server stops: draining closes the
-    follower, which ends the stream once it has sent what the log says)."""
+    follower, which ends the stream once it has sent what the log says). ``on_left`` is
+    called if the client goes away first."""
     return EventStream(_Frames(follower, cursor, until_turn), service.streams,
-                       status_code=status_code)
+                       status_code=status_code, on_left=on_left)

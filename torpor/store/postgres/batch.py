@@ -90,13 +90,13 @@ async def run_batch(
                     return await _isolated(conn, ops, now)
                 return await _bulk(conn, ops, now)
         except _RETRYABLE as exc:
-            log.info("batch_retry", attempt=attempt, ops=len(ops), error=repr(exc))
+            log.debug("batch_retry", attempt=attempt, ops=len(ops), error=repr(exc))
             stats.retries += 1
             await asyncio.sleep(random.uniform(0.001, 0.004) * min(2**attempt, 64))
         except asyncpg.PostgresError as exc:
             if conn.is_closed() or isolated or is_unavailable(exc):
                 raise  # nobody's fault but the database's: the whole batch fails
-            log.info("batch_isolated", ops=len(ops), error=repr(exc))
+            log.debug("batch_isolated", ops=len(ops), error=repr(exc))
             stats.isolated += 1
             isolated = True
     raise StoreError(f"batch of {len(ops)} operations still contended after {_RETRIES} tries")

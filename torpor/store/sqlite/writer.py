@@ -350,12 +350,12 @@ class GroupCommitWriter:
         results, error, size = self._execute(raw, ops)
         if isinstance(error, sqlite3.Error) and primary_code(error) == sqlite3.SQLITE_BUSY:
             self._threaded = AFTER_SLOW  # rolled back whole: the thread waits for the lock
-            log.info("inline_commit_busy")
+            log.debug("inline_commit_busy")
             return False
         self.inline_batches += 1
         if time.perf_counter() - started > SLOW_INLINE:
             self._threaded = AFTER_SLOW
-            log.info("inline_commit_slow", seconds=time.perf_counter() - started)
+            log.debug("inline_commit_slow", seconds=time.perf_counter() - started)
         self._finish(futures, done, results, error, size, started)
         return True
 
