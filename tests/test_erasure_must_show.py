@@ -34,8 +34,8 @@ from torpor.serve.client import Client, HTTPStatusError
 
 SECRET = "qvxmustshowsecret4471"
 BIG = 200 * 1024  # the tool result's size: well over the artifact threshold
-SMALL: dict[str, Any] = dict(working_budget=150, tail_turns=1, context_window=4_000, max_output_tokens=500,
-             safety_margin=100, recall_tools=False)
+SMALL: dict[str, Any] = dict(working_budget=150, tail_turns=1, context_window=4_000,
+                             max_output_tokens=500, safety_margin=100, recall_tools=False)
 FILLERS = 5  # turns after the secret's, enough for a fold to cover it
 
 
