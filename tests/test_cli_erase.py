@@ -71,3 +71,22 @@ async def test_delete_named_conversations_and_a_prefix_with_yes(tmp_path: Path) 
     assert (done.returncode, done.stdout.strip()) == (0, "deleted 3 conversations")
     assert await _conversations(db) == ["other", "u2:a"]
     assert torpor("delete", "--db", db).returncode == 2  # nothing named
+
+
+async def test_a_clusters_database_is_refused_in_one_line(pg_url: str) -> None:
+    """A store without a node's fence writes nothing on a cluster's database: the CLI
+    says so up front (not a FencedError about joining as a node), and deletes nothing."""
+    from torpor import NodeConfig
+    from torpor.store.postgres import PostgresStore
+
+    node = NodeConfig(node_id="a", address="127.0.0.1:7001", lease_ttl=5.0, shards=4)
+    async with Runtime(pg_url, node=node) as rt:
+        await rt.store.append("c", [UserMessage("hello")])
+    for args in (("delete", "--db", pg_url, "c"), ("purge", "--db", pg_url, "--older-than", "0")):
+        result = torpor(*args)
+        assert result.returncode == 2, result.stderr
+        assert "is a cluster's database" in result.stderr
+        assert "DELETE /v1/conversations/" in result.stderr
+    async with PostgresStore(pg_url) as store:
+        assert await store.head("c") == 0
+        assert await store.deletions() == []

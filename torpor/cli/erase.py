@@ -13,6 +13,14 @@ runtime is serving, or use ``DELETE /v1/conversations/{id}`` / ``rt.delete`` on 
 running server, which also stops the conversation's live agent and ends its
 followers. Exit code 2 when a named conversation is unknown (the others are still
 deleted).
+
+On a cluster's PostgreSQL database both refuse (exit code 2), whether nodes run now
+or not: a store without a node's fence writes nothing there (an unfenced delete
+behind a node's back would leave the conversation's live agent holding its text, free
+to write some of it back). Delete through a node (``DELETE /v1/conversations/{id}``
+is proxied to the owner and fenced) and expire with the nodes'
+``RuntimeConfig(retention=)``. SQLite cannot tell whether another process serves the
+file: that is the operator's to know.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from torpor.cli.common import (
     DEFAULT_DB,
     CliError,
     conversation_id,
+    display_url,
     existing_store_url,
     require_postgres_store,
     store_url,
@@ -82,6 +91,25 @@ async def _opened(url: str) -> None:
     existing_store_url(url)
     if parse_store_url(url).backend == "postgres":
         await require_postgres_store(url)
+        await _refuse_cluster(url)
+
+
+async def _refuse_cluster(url: str) -> None:
+    """CliError on a cluster's database: a store without a node's fence writes nothing
+    there (its writes could not be fenced), so refuse in one clear line up front."""
+    import asyncpg  # present: store_url checked
+
+    conn = await asyncpg.connect(url)
+    try:
+        clustered = await conn.fetchval("SELECT to_regclass('cluster') IS NOT NULL") and (
+            await conn.fetchval("SELECT count(*) FROM cluster"))
+    finally:
+        await conn.close()
+    if clustered:
+        raise CliError(
+            f"{display_url(url)} is a cluster's database: deletes there go through a node, "
+            "fenced (DELETE /v1/conversations/{id}, proxied to the owner), and expiry is "
+            "the nodes' RuntimeConfig(retention=...)")
 
 
 async def _purge(url: str, seconds: float) -> int:
