@@ -3,9 +3,14 @@
 * ``list``: ``Runtime.conversations`` pages (50 per page, newest activity first)
   over N conversations (default 100,000): p50/p99 ms per page, first page and deep
   pages (by cursor), and a prefix page;
+* ``redact``: ``Runtime.redact`` of one event of that conversation (its agent woken
+  from the log first, as a redaction of a dormant conversation does), then of a
+  second one with the agent live: seconds each;
 * ``delete``: ``Runtime.delete`` of one conversation of E events (default 10,000,
   user messages and assistant answers, every one in the full-text index) in that
-  same database: seconds, and the rows it removed.
+  same database, with every conversation's messages in the full-text index proper
+  (not waiting in its backlog: on SQLite before 3.42 a delete merges the whole
+  index, so its size counts): seconds, and the rows it removed.
 
 Usage: ``python bench/conversations.py [--conversations 100000] [--events 10000]
 [--dir DIR]``. Prints a table and a JSON line.
@@ -81,6 +86,13 @@ async def main(conversations: int, events: int, directory: Path) -> dict[str, ob
             t = time.perf_counter()
             await rt.conversations(prefix=f"user{i:04d}/", limit=50)
             prefix.append(time.perf_counter() - t)
+        await rt.store.search("big", "topic1")  # the backlog into the index proper
+        t = time.perf_counter()
+        await rt.redact("big", events // 2, reason="bench")
+        redact_cold_s = time.perf_counter() - t
+        t = time.perf_counter()
+        await rt.redact("big", events // 2 + 1, reason="bench")
+        redact_live_s = time.perf_counter() - t
         t = time.perf_counter()
         deleted = await rt.delete("big")
         delete_s = time.perf_counter() - t
@@ -92,6 +104,8 @@ async def main(conversations: int, events: int, directory: Path) -> dict[str, ob
         "list_first_page": _ms(first),
         "list_deep_pages": _ms(deep),
         "list_prefix_page": _ms(prefix),
+        "redact_cold_s": round(redact_cold_s, 3),
+        "redact_live_s": round(redact_live_s, 3),
         "delete_s": round(delete_s, 3),
         "deleted": deleted,
         "deleted_rows": audit.rows,
@@ -110,6 +124,8 @@ if __name__ == "__main__":
     print(f"{'measure':<28}{'value':>40}")
     for name in ("list_first_page", "list_deep_pages", "list_prefix_page"):
         print(f"{name:<28}{json.dumps(result[name]):>40}")
+    for name in ("redact_cold_s", "redact_live_s"):
+        print(f"{name.removesuffix('_s'):<28}{str(result[name]) + ' s':>40}")
     print(f"{'delete of ' + str(args.events) + ' events':<28}{str(result['delete_s']) + ' s':>40}")
     print(f"{'fill':<28}{str(result['fill_s']) + ' s':>40}")
     print(json.dumps(result))
