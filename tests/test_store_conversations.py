@@ -253,3 +253,19 @@ async def test_delete_waits_for_appends_queued_before_it(store: AnyStore) -> Non
     assert head is None or head == len(later) - 1
     assert len(landed) == 20
     assert [e.position for e in reversed(later)] == list(range(len(later)))
+
+
+async def test_a_child_id_taken_again_is_not_the_parents_to_delete(store: AnyStore) -> None:
+    """A child deleted on its own frees its id; the new conversation that took it (its log
+    no longer starts with the link back) stays when the old parent is deleted."""
+    await store.append("p", [UserMessage("parent")])
+    await store.append("p/c1", [Spawned("p", "call-1", "p/c1", "task")])
+    await store.append("p", [Spawned("p", "call-1", "p/c1")], turn=1)
+    assert await store.delete("p/c1") is not None  # the child alone
+    await store.append("p/c1", [UserMessage("someone else's, under the freed id")])
+    # And one the parent's log names that never was its child.
+    await store.append("q", [UserMessage("never spawned by p")])
+    await store.append("p", [Spawned("p", "call-2", "q")], turn=2)
+    deletion = await store.delete("p")
+    assert deletion is not None and deletion.conversations == ("p",)
+    assert await store.head("p/c1") == 0 and await store.head("q") == 0

@@ -8,7 +8,10 @@ schema and fails on one that a delete leaves rows in.
 
 Sub-agent conversations go with their parent: a parent's log holds a ``Spawned``
 event naming each child (:mod:`torpor.runtime.spawn`), and a child's own log may
-hold its children, so the tree is walked from the conversation down.
+hold its children, so the tree is walked from the conversation down. A child counts
+only while its own log still starts with the link back to that parent and call
+(:func:`links_back`): a child deleted on its own frees its id, and a new conversation
+that took the id since is not the parent's to delete.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Iterable
 from torpor.events import Body, Spawned, decode_body, searchable_text
 from torpor.store.clip import artifact_of, expanded
 
-__all__ = ["KEYED_TABLES", "children", "indexed_text"]
+__all__ = ["KEYED_TABLES", "child_links", "children", "indexed_text", "links_back"]
 
 KEYED_TABLES: tuple[str, ...] = (
     "events",
@@ -37,15 +40,29 @@ KEYED_TABLES: tuple[str, ...] = (
 """Tables keyed by the conversation's integer key, deleted by ``conversation_id``."""
 
 
-def children(parent: str, spawned: Iterable[tuple[int, bytes]]) -> list[str]:
-    """The children a conversation's ``spawned`` rows (position, body) name as its own
-    (in a child's log the same kind names its parent, which is not a child)."""
-    found: list[str] = []
+def child_links(parent: str, spawned: Iterable[tuple[int, bytes]]) -> list[tuple[str, str]]:
+    """(child, call id) of each child a conversation's ``spawned`` rows (position, body)
+    name as its own (in a child's log the same kind names its parent, not a child)."""
+    found: list[tuple[str, str]] = []
     for position, body in spawned:
         value = decode_body(bytes(body), conversation_id=parent, position=position)
         if isinstance(value, Spawned) and value.parent == parent and value.child != parent:
-            found.append(value.child)
+            found.append((value.child, value.call_id))
     return found
+
+
+def children(parent: str, spawned: Iterable[tuple[int, bytes]]) -> list[str]:
+    """The children a conversation's ``spawned`` rows (position, body) name as its own."""
+    return [child for child, _ in child_links(parent, spawned)]
+
+
+def links_back(parent: str, call_id: str, child: str, first: bytes | None) -> bool:
+    """Whether ``child``'s log, whose event at position 0 is ``first``, is still the one
+    ``parent`` spawned for ``call_id`` (its first event the link back)."""
+    if first is None:
+        return False
+    value = decode_body(bytes(first), conversation_id=child, position=0)
+    return isinstance(value, Spawned) and (value.parent, value.call_id) == (parent, call_id)
 
 
 def indexed_text(body: Body, artifact: bytes | None) -> str:

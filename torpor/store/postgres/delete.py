@@ -22,7 +22,7 @@ import asyncpg
 import msgspec
 
 from torpor.errors import FencedError
-from torpor.store.erase import KEYED_TABLES, children
+from torpor.store.erase import KEYED_TABLES, child_links, links_back
 from torpor.store.listing import Deletion
 
 __all__ = ["delete_tree", "describe"]
@@ -30,6 +30,7 @@ __all__ = ["delete_tree", "describe"]
 _EPOCH = "SELECT epoch FROM shard_leases WHERE shard = $1 FOR SHARE"
 _KEY = "SELECT key FROM conversations WHERE external_id = $1"
 _SPAWNED = "SELECT position, body FROM events WHERE conversation_id = $1 AND kind = 'spawned'"
+_FIRST = "SELECT body FROM events WHERE conversation_id = $1 AND position = 0"
 _LOCK = "SELECT key FROM conversations WHERE key = ANY($1::bigint[]) ORDER BY key FOR UPDATE"
 _DESCRIBE = (
     "UPDATE conversations SET title = coalesce($2, title), metadata = coalesce($3, metadata) "
@@ -47,12 +48,15 @@ async def _tree(conn: asyncpg.Connection, name: str, key: int) -> list[tuple[str
         parent, parent_key = found[index]
         index += 1
         rows = [(int(r[0]), bytes(r[1])) for r in await conn.fetch(_SPAWNED, parent_key)]
-        for child in children(parent, rows):
+        for child, call_id in child_links(parent, rows):
             if child in seen:
                 continue
-            seen.add(child)
             child_key = await conn.fetchval(_KEY, child)
-            if child_key is not None:
+            if child_key is None:
+                continue
+            first = await conn.fetchval(_FIRST, child_key)
+            if links_back(parent, call_id, child, None if first is None else bytes(first)):
+                seen.add(child)
                 found.append((child, int(child_key)))
     return found
 

@@ -28,7 +28,7 @@ import sqlite3
 import msgspec
 
 from torpor.events import decode_body
-from torpor.store.erase import KEYED_TABLES, children, indexed_text
+from torpor.store.erase import KEYED_TABLES, child_links, indexed_text, links_back
 from torpor.store.listing import Deletion
 
 __all__ = ["SECURE_FTS", "backlog_size", "delete_tree", "read_deletions", "truncate_wal"]
@@ -38,6 +38,7 @@ SECURE_FTS = sqlite3.sqlite_version_info >= (3, 42, 0)
 
 _KEY = "SELECT key FROM conversations WHERE external_id = ?"
 _SPAWNED = "SELECT position, body FROM events WHERE conversation_id = ? AND kind = 'spawned'"
+_FIRST = "SELECT body FROM events WHERE conversation_id = ? AND position = 0"
 
 
 def _tree(conn: sqlite3.Connection, name: str, key: int) -> list[tuple[str, int]]:
@@ -48,12 +49,16 @@ def _tree(conn: sqlite3.Connection, name: str, key: int) -> list[tuple[str, int]
     while index < len(found):
         parent, parent_key = found[index]
         index += 1
-        for child in children(parent, conn.execute(_SPAWNED, (parent_key,)).fetchall()):
+        links = child_links(parent, conn.execute(_SPAWNED, (parent_key,)).fetchall())
+        for child, call_id in links:
             if child in seen:
                 continue
-            seen.add(child)
             row = conn.execute(_KEY, (child,)).fetchone()
-            if row is not None:
+            if row is None:
+                continue
+            first = conn.execute(_FIRST, (int(row[0]),)).fetchone()
+            if links_back(parent, call_id, child, None if first is None else first[0]):
+                seen.add(child)
                 found.append((child, int(row[0])))
     return found
 
