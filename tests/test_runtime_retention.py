@@ -88,3 +88,21 @@ async def test_the_background_sweep_deletes_old_conversations_and_stops_with_the
         assert (await rt.admin.stats()).retention_deletions == 1
         assert not sweep.done()
     assert sweep.cancelled()
+
+
+async def test_by_default_nothing_expires(tmp_path: Path) -> None:
+    """RuntimeConfig.retention None (the default): no sweep runs, however old the
+    conversation; deleting then takes an explicit call."""
+    path = tmp_path / "rt.db"
+    assert RuntimeConfig().retention is None
+    async with Runtime(f"sqlite:///{path}") as rt:
+        await (await rt.send("ancient", "hello")).result()
+        _age(path, {"ancient": 3650})
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "torpor-retention"]
+        assert [i.id for i in await rt.conversations()] == ["ancient"]
+    assert await _deletions(path) == 0
+
+
+async def _deletions(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT count(*) FROM deletions").fetchone()[0])
