@@ -105,6 +105,7 @@ async def test_export_streams_json_lines_equal_to_the_history(tmp_path: Path) ->
     ) as (url, _client, _app):
         alice, bob = Client(url, "tok-a"), Client(url, "tok-b")
         await alice.send("alice:x", "first")
+        assert await rt.set_metadata("alice:x", {"plan": "internal-tier-7"})  # the host's
         # A tool result over the artifact threshold, logged as a turn with a tool logs it.
         call = ToolCall("call-1", "fetch", {"url": "x"})
         await rt.store.append("alice:x", [UserMessage("fetch it")])
@@ -123,6 +124,9 @@ async def test_export_streams_json_lines_equal_to_the_history(tmp_path: Path) ->
         records = [json.loads(line) for line in raw.decode().splitlines()]
         head, rest = records[0], records[1:]
         assert head["type"] == "conversation" and head["id"] == "alice:x"
+        # Neither the host's metadata nor a message's (the server's word about the sender).
+        assert "metadata" not in head and b"internal-tier-7" not in raw
+        assert b'"user":"alice"' not in raw.replace(b" ", b"")
         history = await alice.call("GET", "/v1/conversations/alice:x/history?limit=1000")
         events = [{k: v for k, v in r.items() if k != "type"} for r in rest
                   if r["type"] == "event"]

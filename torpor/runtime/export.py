@@ -6,7 +6,9 @@ The records, in order:
   "metadata"}``: the index row, first;
 * ``{"type": "event", "position", "turn", "kind", "created_at", "tokens", "body"}``
   per logged event, oldest first: the shape ``/history`` answers (the body's fields,
-  bytes as base64), up to the head the export began at;
+  bytes as base64; an abort's caller-facing fields filled in; not a user message's
+  ``metadata``, the server's word about the sender for the tools: the log and
+  ``torpor history`` show it), up to the head the export began at;
 * after an event whose body was clipped (its full text in an artifact), that
   artifact's full text inline: ``{"type": "artifact", "id", "position", "offset",
   "text", "last"}`` records of at most :data:`ARTIFACT_CHUNK` characters each.
@@ -23,7 +25,7 @@ from typing import Any
 import msgspec
 
 from torpor.errors import UnknownConversation
-from torpor.events import Event, kind_of
+from torpor.events import Aborted, Event, abort_fields_of, kind_of
 from torpor.store.clip import artifact_of
 from torpor.store.protocol import EventStore
 
@@ -41,6 +43,9 @@ def event_record(event: Event) -> dict[str, Any]:
     body = msgspec.to_builtins(event.body)
     if isinstance(body, dict):
         body.pop("type", None)
+        body.pop("metadata", None)
+        if isinstance(event.body, Aborted):
+            body.update(abort_fields_of(event.body)._asdict())
     return {
         "type": "event",
         "position": event.position,

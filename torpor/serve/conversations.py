@@ -6,7 +6,8 @@
                                           "next": cursor or null}``; see
                                           :mod:`torpor.serve.access` for how it is filtered
 ``DELETE /v1/conversations/{id}``          ``Runtime.delete`` ("delete" action): 204, or 404
-``GET    /v1/conversations/{id}/export``   ``Runtime.export`` as JSON lines ("read" action)
+``GET    /v1/conversations/{id}/export``   ``Runtime.export`` as JSON lines ("read" action),
+                                          without the host's metadata (as listed)
 
 On a cluster node a delete goes to the owner (proxied like a send); listing and
 exports read the shared store wherever they arrive, as history does.
@@ -77,6 +78,7 @@ class ConversationsAPI:
         self.service.readable()
         records = self.rt.export(conversation_id)
         first = await anext(records)  # UnknownConversation here: a 404, not a cut stream
+        first.pop("metadata", None)  # the host's, as in the listing: not the reader's
         return StreamingResponse(_lines(first, records), media_type=NDJSON)
 
     async def _conversation(self, request: Request, action: Any) -> str:
