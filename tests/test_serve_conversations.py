@@ -83,6 +83,13 @@ async def test_delete_is_the_owners_only(tmp_path: Path) -> None:
             await bob.call("DELETE", "/v1/conversations/alice:1", expect=(204,))
         assert info.value.status == 403
         assert await rt.store.head("alice:1") is not None  # nothing deleted
+        # One that does not exist answers the same: a refusal says nothing about existence.
+        for method, path in (("DELETE", "/v1/conversations/alice:none"),
+                             ("GET", "/v1/conversations/alice:none/export"),
+                             ("GET", "/v1/conversations/alice:1/export")):
+            with pytest.raises(HTTPStatusError) as info:
+                await bob.call(method, path, expect=(200, 204))
+            assert (info.value.status, info.value.problem["error"]) == (403, "Forbidden"), path
         assert await rt.store.deletions() == []
         assert (await alice.call("GET", "/v1/conversations/alice:1/history"))["events"]
 
