@@ -575,6 +575,12 @@ class StoreCore:
         check_conversation_id(conversation_id)
         return await self._delete(conversation_id, check_cause(by))
 
+    async def subtree(self, conversation_id: str) -> list[str]:
+        """This conversation and its sub-agent conversations, parents first (what a delete
+        removes now); [] for an unknown one. Reads the ``spawned`` events only."""
+        check_conversation_id(conversation_id)
+        return cast("list[str]", await self._reading(self.reads.subtree, conversation_id))
+
     async def idle_conversations(
         self,
         *,

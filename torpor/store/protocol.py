@@ -350,6 +350,11 @@ class EventStore(Protocol):
         On a clustered node the delete is fenced like any write."""
         ...
 
+    async def subtree(self, conversation_id: str) -> list[str]:
+        """The conversations :meth:`delete` would remove now: this one and its sub-agent
+        conversations (recursively), parents first; [] for an unknown one."""
+        ...
+
     async def idle_conversations(
         self,
         *,
