@@ -31,9 +31,7 @@ from torpor.events import decode_body
 from torpor.store.erase import KEYED_TABLES, children, indexed_text
 from torpor.store.listing import Deletion
 
-__all__ = [
-    "SECURE_FTS", "backlog_size", "delete_tree", "read_deletions", "tree", "truncate_wal",
-]
+__all__ = ["SECURE_FTS", "backlog_size", "delete_tree", "read_deletions", "truncate_wal"]
 
 SECURE_FTS = sqlite3.sqlite_version_info >= (3, 42, 0)
 """FTS5's ``secure-delete`` option exists (else the index is optimized after a delete)."""
@@ -42,7 +40,7 @@ _KEY = "SELECT key FROM conversations WHERE external_id = ?"
 _SPAWNED = "SELECT position, body FROM events WHERE conversation_id = ? AND kind = 'spawned'"
 
 
-def tree(conn: sqlite3.Connection, name: str, key: int) -> list[tuple[str, int]]:
+def _tree(conn: sqlite3.Connection, name: str, key: int) -> list[tuple[str, int]]:
     """The conversation and its sub-agent conversations that exist, parents first."""
     found = [(name, key)]
     seen = {name}
@@ -103,13 +101,13 @@ def delete_tree(conn: sqlite3.Connection, name: str, by: str, now: int) -> Delet
         if row is None:
             conn.execute("ROLLBACK")
             return None
-        found = tree(conn, name, int(row[0]))
+        tree = _tree(conn, name, int(row[0]))
         if SECURE_FTS:
             conn.execute("INSERT INTO events_fts (events_fts, rank) VALUES ('secure-delete', 1)")
         counts: dict[str, int] = {"events_fts": 0, "pending_calls": 0}
         for table in KEYED_TABLES:
             counts[table] = 0
-        for conversation, key in found:
+        for conversation, key in tree:
             counts["events_fts"] += _unindex(conn, conversation, key)
             for table in KEYED_TABLES:
                 counts[table] += conn.execute(
@@ -119,11 +117,11 @@ def delete_tree(conn: sqlite3.Connection, name: str, by: str, now: int) -> Delet
                 "DELETE FROM pending_calls WHERE conversation = ?", (conversation,)
             ).rowcount
             conn.execute("DELETE FROM conversations WHERE key = ?", (key,))
-        counts["conversations"] = len(found)
+        counts["conversations"] = len(tree)
         if counts["events_fts"] and not SECURE_FTS:
             # Tombstones only hide the terms; merging every segment drops them for good.
             conn.execute("INSERT INTO events_fts (events_fts) VALUES ('optimize')")
-        names = tuple(conversation for conversation, _ in found)
+        names = tuple(conversation for conversation, _ in tree)
         cursor = conn.execute(
             "INSERT INTO deletions (at, by, conversations, rows) VALUES (?, ?, ?, ?)",
             (now, by, msgspec.json.encode(names).decode(), msgspec.json.encode(counts).decode()),

@@ -49,7 +49,8 @@ from torpor.store.rows import (
     to_events,
     to_pending_approvals,
 )
-from torpor.store.sqlite.delete import read_deletions, tree
+from torpor.store.sqlite.delete import _tree as tree
+from torpor.store.sqlite.delete import read_deletions
 from torpor.store.sqlite.schema import OPEN_WHERE
 
 __all__ = [
