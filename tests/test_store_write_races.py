@@ -15,7 +15,7 @@ import pytest
 from store_backends import AnyStore, Backend
 
 from torpor.errors import ConflictError, MemoryChanged, UnknownConversation
-from torpor.events import AssistantMessage, UserMessage
+from torpor.events import AssistantMessage, Spawned, UserMessage
 from torpor.store.memory import LedgerEntry, SemanticItem
 from torpor.store.protocol import Checkpoint, ModelCall
 from torpor.store.vectors import vector_index
@@ -113,3 +113,19 @@ async def test_a_sweep_racing_a_redaction_records_nothing_naming_dropped_items(
                                stored_only=True)
     await store.put_ledger("c", [LedgerEntry("city", "delete", "9.9")])
     assert [e.item for e in (await store.memory("c")).ledger] == ["4.0", "9.9"]
+
+
+async def test_subtree_names_what_a_delete_removes(store: AnyStore) -> None:
+    """The runtime asks it before a delete, to stop exactly those agents."""
+    await store.append("p", [UserMessage("go")])
+    await store.append("p/x", [Spawned("p", "c1", "p/x", "task")])  # the child's link first
+    await store.append("p", [Spawned("p", "c1", "p/x")], turn=1)
+    await store.append("p/x/y", [Spawned("p/x", "c2", "p/x/y", "deeper")])
+    await store.append("p/x", [Spawned("p/x", "c2", "p/x/y")], turn=1)
+    await store.append("p/other", [UserMessage("not a sub-agent")])
+    assert await store.subtree("p") == ["p", "p/x", "p/x/y"]
+    assert await store.subtree("p/x") == ["p/x", "p/x/y"]
+    assert await store.subtree("nothing") == []
+    deletion = await store.delete("p")
+    assert deletion is not None and list(deletion.conversations) == ["p", "p/x", "p/x/y"]
+    assert await store.subtree("p") == [] and await store.subtree("p/other") == ["p/other"]
