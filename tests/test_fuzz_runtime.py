@@ -1508,7 +1508,7 @@ class World:
                     problems.append(f"{cid}: {text!r} is in the log but was never sent")
         for cid, key, text in self.conflicts:
             others = [t for k, t in self.keys[cid] if k == key and t != text]
-            if not any(views[cid].users[t] for t in others):
+            if not any(views[cid].users[t] or t in self.erased[cid] for t in others):
                 problems.append(f"{cid}: key {key!r} refused as reused, yet no other text "
                                 "with it is in the log")
         return problems
