@@ -75,6 +75,7 @@ async def test_an_audit_row_whose_body_is_not_a_blob_is_a_corrupt_event(tmp_path
     must read as CorruptEvent, as an event's body does, not as a TypeError."""
     call = ModelCall("c", 1, 0, 0, b"", "ab", {"system": 1}, 1, 0.5)
     async with open_store(db(tmp_path)) as store:
+        await store.append("c", [UserMessage("x")])  # only an append creates a conversation
         await store.record_model_call(call)
     with sqlite3.connect(tmp_path / "log.db") as conn:
         conn.execute("UPDATE model_calls SET body = 'not msgpack'")

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from torpor import CorruptEvent
+from torpor import CorruptEvent, UserMessage
 from torpor.compaction.recipe import Recipe, decode_recipe, encode_recipe
 from torpor.store import ModelCall, open_store
 from torpor.store.rows import decode_model_call, encode_model_call
@@ -63,6 +63,7 @@ def test_a_row_that_does_not_decode_is_a_corrupt_event(data: bytes) -> None:
 async def test_a_database_with_map_rows_reads_them_beside_new_array_rows(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'log.db'}"
     async with open_store(url) as store:
+        await store.append(CALL.conversation_id, [UserMessage("x")])  # creates it
         await store.record_model_call(CALL)
     old = msgspec.msgpack.encode(msgspec.structs.replace(CALL, turn=5))
     with sqlite3.connect(tmp_path / "log.db") as conn:  # a row as an earlier version wrote it

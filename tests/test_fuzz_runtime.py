@@ -41,6 +41,14 @@ promise is checked against the log (see :meth:`World.check`):
    an abort's partial text) are exactly that text; closed followers are released;
 6. after a restart every conversation answers (a probe send gets a final message);
 
+7. ``delete`` and ``redact`` (at rest, issue 23): no deleted or redacted text is
+   reachable through any read afterwards (the log, ``history``, ``recall``,
+   ``expand``, ``inspect``, ``admin.memory``, ``admin.calls`` and ``rendered``,
+   ``export``); after a delete the conversation is unknown (its turns and followers
+   ended with ``ConversationDeleted``) or starts afresh, and every promise above holds
+   for the new one; after a redaction positions stay dense, the turns stay valid
+   (a redacted message is read as its stand-in) and the agent goes on answering;
+
 plus: a Turn handle agrees with the log (done once its part of the turn is
 logged as ended, with that outcome), ``cancel`` returned True exactly as often
 as the log holds a cancelled abort, the postponed messages never exceed
@@ -63,6 +71,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -90,6 +99,7 @@ from torpor import (
     AgentParked,
     AssistantMessage,
     Busy,
+    ConversationDeleted,
     CorruptEvent,
     Event,
     ExternalTool,
@@ -115,6 +125,7 @@ from torpor import (
 )
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower, Subscriber
+from torpor.events import REDACTED_TEXT, Redacted, kind_of, presented
 from torpor.llm.protocol import ContextMessage, SystemMessage, ToolCallDelta, ToolSpec
 
 EXAMPLES = int(os.environ.get("TORPOR_FUZZ_EXAMPLES", "40"))
@@ -268,6 +279,7 @@ class SendRecord:
     end: int | None = None
     turn: Turn | None = None
     error: BaseException | None = None
+    redacted: bool = False  # its message was redacted since: in the log as a stand-in
 
 
 @dataclass
@@ -348,6 +360,8 @@ def read_view(events: list[Event], full: dict[int, str]) -> LogView:
     by_turn: dict[int, list[Event]] = defaultdict(list)
     last_user_turn = 0
     for event in events:
+        if isinstance(event.body, Redacted):  # the turn structure is the stand-in's
+            event = presented(event)
         body = event.body
         if isinstance(body, Parked):
             view.parked = True
@@ -370,6 +384,7 @@ def read_view(events: list[Event], full: dict[int, str]) -> LogView:
     previous_end = -1
     for number in sorted(by_turn):
         user, *rest = by_turn[number]
+        rest = [presented(e) if isinstance(e.body, Redacted) else e for e in rest]
         if view.open_turn is not None:  # behind an open turn only user messages wait
             if rest:
                 problems.append(f"turn {number} ran at {rest[0].position} while turn "
@@ -432,6 +447,24 @@ def full_text(event: Event, full: dict[int, str]) -> str | None:
     return None
 
 
+def logged_texts(view: LogView) -> set[str]:
+    """The texts of the log that no other message holds: what sends and outside answers
+    gave it (``a-m12``, ``answer-7``; a local tool's "ok done" is in many)."""
+    texts: set[str] = set()
+    for event in view.events:
+        body = event.body
+        if isinstance(body, UserMessage) and body.text != REDACTED_TEXT:
+            texts.add(body.text)
+        elif isinstance(body, ToolResult) and body.content.startswith("answer-"):
+            texts.add(body.content)
+    return texts
+
+
+def mentions(content: str, text: str) -> bool:
+    """``text`` in ``content`` as a whole (``a-m1`` is not in ``a-m12``)."""
+    return re.search(rf"(?<![\w-]){re.escape(text)}(?![\w])", content) is not None
+
+
 def check_stream(
     items: Sequence[Any],
     view: LogView,
@@ -461,6 +494,12 @@ def check_stream(
         logged = by_position.get(item.position)
         if logged is None and item.position > view.head and moving:
             break  # logged after the view was read (writes are retried meanwhile)
+        if logged is not None and isinstance(logged.body, Redacted) and (
+            isinstance(item.body, Redacted) or kind_of(item.body) == logged.body.kind
+        ):  # received before (or after) its redaction
+            if not isinstance(item.body, UserMessage):
+                text = []
+            continue
         if logged != item:
             problems.append(f"{what}: got {item!r} at {item.position}, the log has {logged!r}")
             continue
@@ -608,6 +647,7 @@ class World:
         self.conflicts: list[tuple[str, str, str]] = []  # (cid, key, text) refused for reuse
         self.keys: dict[str, list[tuple[str, str]]] = defaultdict(list)  # cid -> (key, text)
         self.store_down = False
+        self.erased: dict[str, set[str]] = defaultdict(set)  # cid -> texts deleted/redacted
         self.writes: HeldWrites | None = None  # the runtime's store writes, delayed or held
         self.slow: deque[Delay] = deque()  # for the next writes, one each, in order
         self.slow_in: dict[str, deque[Delay]] = {c: deque() for c in CONVERSATIONS}  # cid's
@@ -1176,6 +1216,116 @@ class World:
         finally:
             await anyio.to_thread.run_sync(restore, row)
 
+    # -- delete and redact (issue 23) --------------------------------------------------------
+    async def delete(self, cid: str) -> None:
+        """Delete ``cid`` at rest (turns blocked in the model or a tool, suspended, parked,
+        with followers): everything of it ends, nothing of it stays readable, and the id
+        starts afresh."""
+        rt = self.rt
+        assert rt is not None
+        view = await self.view(cid)
+        texts = logged_texts(view)
+        gone = await self.bounded(f"delete({cid!r})", rt.delete(cid))
+        if gone != bool(view.events):
+            self.fail(f"delete({cid!r}) returned {gone}, the log had {len(view.events)} events")
+        self.notes.append(f"delete: {'deleted' if gone else 'unknown'}")
+        self.release_gate(cid)  # tools that ignore cancellation finish
+        await self.settle()
+        for record in [r for r in self.turns if r.cid == cid]:
+            if not record.handle.done():
+                self.fail(f"{cid}: {record.kind} turn #{record.handle.number} still open "
+                          "after its conversation was deleted")
+        for follower in [f for f in self.followers if f.cid == cid]:
+            if not follower.closed and not (
+                follower.done and isinstance(follower.error, ConversationDeleted)
+            ) and follower.incarnation == self.incarnation:
+                self.fail(f"{cid}: a follower did not end with ConversationDeleted "
+                          f"(done={follower.done}, error={follower.error!r})")
+        # The conversation starts afresh: what was known of the old one is forgotten.
+        self.sends = [r for r in self.sends if r.cid != cid]
+        self.turns = [r for r in self.turns if r.cid != cid]
+        self.followers = [f for f in self.followers if f.cid != cid]
+        self.conflicts = [c for c in self.conflicts if c[0] != cid]
+        self.keys[cid] = []  # a retried key would bring an erased text back
+        self.external[cid] = []
+        self.cancelled_true[cid] = 0
+        self.park_allowed.discard(cid)
+        self.plans[cid].clear()
+        self.slow_in[cid].clear()
+        self.agent_reset(cid)
+        self.erased[cid] |= texts
+
+    async def redact(self, cid: str, pick: int) -> None:
+        """Redact one user message of ``cid`` at rest, between turns (a turn running now
+        would hold the redaction until it ends: see torpor.actors.redaction)."""
+        rt = self.rt
+        assert rt is not None
+        view = await self.view(cid)
+        if self.blocked[cid] or (view.open_turn is not None and not view.suspended):
+            return
+        users = [e for e in view.events if isinstance(e.body, UserMessage)]
+        if not users:
+            return
+        event = users[pick % len(users)]
+        assert isinstance(event.body, UserMessage)
+        text = event.body.text
+        try:
+            done = await self.bounded(f"redact({cid!r}, {event.position})",
+                                      rt.redact(cid, event.position, reason="fuzz"))
+        except AgentParked:
+            self.notes.append("redact: AgentParked")
+            return
+        if done is not True:
+            self.fail(f"redact({cid!r}, {event.position}) of a user message returned {done}")
+        self.notes.append("redact: done")
+        for record in self.sends:
+            if record.cid == cid and record.text == text:
+                record.redacted = True
+        self.erased[cid].add(text)
+
+    async def check_erased(self, views: dict[str, LogView]) -> list[str]:
+        """No deleted or redacted text is reachable through any read."""
+        rt = self.rt
+        assert rt is not None
+        problems: list[str] = []
+        for cid, texts in self.erased.items():
+            if not texts:
+                continue
+            view = views[cid]
+            logged = [repr(e.body) for e in view.events] + list(view.full.values())
+            reads: list[tuple[str, str]] = [("the log", "\n".join(logged))]
+            history = await rt.history(cid, limit=1000)
+            reads.append(("history", repr([e.body for e in history])))
+            if view.events:
+                expanded = await rt.expand(cid, 0, view.head)
+                reads.append(("expand", repr([e.body for e in expanded])))
+                info = await rt.admin.inspect(cid)
+                reads.append(("inspect", repr(info)))
+                memory = await rt.admin.memory(cid)
+                reads.append(("admin.memory", repr(memory)))
+                exported = [r async for r in rt.export(cid)]
+                reads.append(("export", repr(exported)))
+                calls = await rt.store.model_calls(cid, limit=1000)
+                reads.append(("admin calls", repr(calls)))
+                if calls and calls[-1].purpose == "turn":
+                    try:
+                        rendered = await rt.admin.rendered(cid)
+                    except CorruptEvent:
+                        pass  # a row the corrupt rule took away (and put back): not ours
+                    else:
+                        reads.append(("admin.rendered", repr(rendered.rendered.messages)))
+            for text in texts:
+                for what, content in reads:
+                    if mentions(content, text):
+                        problems.append(f"{cid}: erased {text!r} is readable through {what}")
+                token = text.rsplit("-", 1)[-1]  # "a-m12" -> "m12": no other text holds it
+                if token[1:].isdigit() or token.startswith("probe"):
+                    hits = await rt.recall(cid, token, 5)
+                    if hits:
+                        problems.append(f"{cid}: recall of erased {token!r} finds "
+                                        f"{[h.position for h in hits]}")
+        return problems
+
     async def _drain_replay(self, cid: str, position: int) -> None:
         """Read a replay from the start until past ``position`` (it should raise first)."""
         assert self.rt is not None
@@ -1309,6 +1459,8 @@ class World:
         problems += self.check_turns(views)
         problems += self.check_followers(views)
         problems += await self.check_states(views)
+        if not self.store_down:
+            problems += await self.check_erased(views)
         if problems or self.failures:
             raise AssertionError("\n".join(self.failures + problems))
 
@@ -1322,6 +1474,10 @@ class World:
             view = views[cid]
             count = view.users[text]
             ok = [r for r in records if r.turn is not None]
+            if any(r.redacted for r in records):
+                if count:
+                    problems.append(f"{cid}: redacted {text!r} is still in the log")
+                continue
             if ok:
                 if count != 1:  # 1. exactly once
                     problems.append(f"{cid}: acknowledged {text!r} is in the log {count} times")
@@ -1348,11 +1504,11 @@ class World:
         known = {(r.cid, r.text) for r in self.sends}
         for cid, view in views.items():
             for text in view.users:
-                if (cid, text) not in known:
+                if (cid, text) not in known and text != REDACTED_TEXT:
                     problems.append(f"{cid}: {text!r} is in the log but was never sent")
         for cid, key, text in self.conflicts:
             others = [t for k, t in self.keys[cid] if k == key and t != text]
-            if not any(views[cid].users[t] for t in others):
+            if not any(views[cid].users[t] or t in self.erased[cid] for t in others):
                 problems.append(f"{cid}: key {key!r} refused as reused, yet no other text "
                                 "with it is in the log")
         return problems
@@ -1656,6 +1812,17 @@ class RuntimeFuzz(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         self._run(self.world.restart)
+
+    @precondition(lambda self: not self.world.store_down)
+    @rule(cid=conversations, rare=st.integers(0, 1))
+    def delete(self, cid: str, rare: int) -> None:
+        if rare == 0:  # a delete ends everything the other moves built up: not too often
+            self._run(self.world.delete, cid)
+
+    @precondition(lambda self: not self.world.store_down)
+    @rule(cid=conversations, pick=st.integers(0, 7))
+    def redact(self, cid: str, pick: int) -> None:
+        self._run(self.world.redact, cid, pick)
 
     @rule(kind=st.integers(0, 5))
     def bad_input(self, kind: int) -> None:

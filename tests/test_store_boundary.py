@@ -274,6 +274,7 @@ async def test_missing_artifacts_and_bad_audit_text(backend: Backend) -> None:
             await store.get_artifact("art-none")
         assert isinstance(caught.value, KeyError) and "art-none" in str(caught.value)
         # the audit's free text (a provider's error) is repaired, never a reason to fail
+        await store.append("c", [UserMessage("x")])  # only an append creates a conversation
         await store.record_model_call(call(error=f"bad {SURROGATE} \x00 text", model="m\x00"))
         (stored,) = await store.model_calls("c")
         assert stored.error == "bad \ufffd \ufffd text" and stored.model == "m\ufffd"

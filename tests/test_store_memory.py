@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from store_backends import AnyStore, Backend
 
-from torpor import InvalidInput
+from torpor import InvalidInput, UnknownConversation
 from torpor.events import UserMessage
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
 from torpor.store.protocol import Checkpoint
@@ -65,7 +65,7 @@ async def test_bad_memory_is_refused_before_anything_is_written(store: AnyStore)
         await store.put_memory("c", facts=[SemanticItem(1, 0, "k", "opinion", "t")])  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="key"):
         await store.put_memory("c", facts=[fact(1, 0, "", "t")])
-    with pytest.raises(InvalidInput, match="conversation"):
+    with pytest.raises(UnknownConversation, match="unknown"):  # a memory write creates none
         await store.put_memory("unknown", facts=[fact(1, 0, "k", "t")])
     with pytest.raises(InvalidInput, match="decision"):
         await store.put_turn_decision("c", 1, "maybe")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from store_backends import Backend
 
+from torpor.errors import UnknownConversation
 from torpor.events import Aborted, AssistantMessage, ToolResult, UserMessage
 from torpor.store import Checkpoint
 
@@ -63,6 +65,10 @@ async def _play(backend: Backend, script: list[tuple[str, str, object]]) -> None
             else:
                 assert isinstance(arg, float)
                 position = round(arg * len(expected[conv]))
+                if not expected[conv]:  # only an append creates a conversation
+                    with pytest.raises(UnknownConversation):
+                        await store.put_checkpoint(Checkpoint(conv, position, 0, 1))
+                    continue
                 await store.put_checkpoint(Checkpoint(conv, position, 0, 1))
         for conv, bodies_ in expected.items():
             log = await store.read_since(conv, 0)

@@ -138,6 +138,7 @@ async def test_model_calls_round_trip(store: AnyStore) -> None:
         for turn in range(1, 4)
         for index in range(2)
     ]
+    await store.append("c", [UserMessage("x")])  # only an append creates a conversation
     for call in calls:
         await store.record_model_call(call)
     assert await store.model_calls("c") == calls
@@ -226,6 +227,7 @@ async def test_listings_in_bytewise_order_heads_ranges_and_stamped_model_calls(
         for turn in range(1, 4)
         for index in range(2)
     ]
+    await store.append("c", [UserMessage("x")])  # only an append creates a conversation
     for call in calls:
         await store.record_model_call(call)
     stored = await store.model_calls("c")

@@ -97,6 +97,7 @@ async def test_large_tool_results_are_clipped_into_artifacts(any_backend: Backen
 
 async def test_put_and_get_artifact(store: AnyStore) -> None:
     data = bytes(range(256)) * 100
+    await store.append("c", [UserMessage("x")])  # only an append creates a conversation
     artifact_id = await store.put_artifact("c", data)
     assert await store.get_artifact(artifact_id) == data
     with pytest.raises(KeyError):

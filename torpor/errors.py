@@ -19,6 +19,7 @@ __all__ = [
     "IdempotencyConflict",
     "InvalidInput",
     "InvalidTransition",
+    "MemoryChanged",
     "ModelAuthError",
     "ModelBadRequest",
     "ModelConnectionError",
@@ -192,6 +193,19 @@ class ConversationDeleted(UnknownConversation):
     def __init__(self, conversation_id: str) -> None:
         super().__init__(f"conversation {conversation_id!r} was deleted")
         self.conversation_id = conversation_id
+
+
+class MemoryChanged(TorporError):
+    """A consolidation sweep's decisions name memory items that are no longer stored (a
+    redaction dropped the fold that made them since the sweep read them): nothing was
+    recorded. Sweep again: the next sweep reads what stands now."""
+
+    def __init__(self, conversation_id: str, items: tuple[str, ...]) -> None:
+        super().__init__(
+            f"{conversation_id!r}: memory items {', '.join(items)} are no longer stored"
+        )
+        self.conversation_id = conversation_id
+        self.items = items
 
 
 class UnknownCall(TorporError, LookupError):

@@ -111,12 +111,15 @@ async def consolidate(
     """Run one sweep over a conversation's memory and record its decisions in the ledger.
 
     Decisions that do not name items of their key in the swept memory are refused whole
-    (InvalidInput), before anything is recorded.
+    (InvalidInput), before anything is recorded; so are decisions naming items that a
+    redaction dropped while the sweep ran (MemoryChanged: the store checks in the
+    ledger write's transaction), and the sweep's conversation deleted meanwhile
+    (UnknownConversation).
     """
     memory = await store.memory(conversation_id)
     decisions = _checked(memory, await consolidator.sweep(conversation_id, memory))
     if decisions:
-        await store.put_ledger(conversation_id, decisions)
+        await store.put_ledger(conversation_id, decisions, stored_only=True)
         decisions = await _as_stored(store, conversation_id, memory.ledger, decisions)
     ledger = (*memory.ledger, *decisions)
     digest = write_digest(surviving(memory.facts, ledger), memory.episodes, max_lines,

@@ -13,6 +13,11 @@ write. Until then full-text search covers those events (see
 :mod:`torpor.compaction.fusion`). The marks are in the store, so a restart
 (or another process on the same PostgreSQL) carries on where the last left off.
 
+A conversation's step runs under the runtime's erasure guard
+(:meth:`torpor.runtime.erase.Erasure.guard`): a delete of it cancels the step and
+waits for it, so no vector of a deleted conversation lands after its delete (nor
+in a new conversation started under the same id afterwards).
+
 An embedder that fails (down, rate-limited) costs nothing but lag: the
 conversation is tried again at the next pass, and the failure is counted and
 logged, never raised into a turn.
@@ -23,14 +28,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Callable
+from contextlib import AbstractContextManager, AsyncExitStack
 from typing import Any
 
 import anyio
 import msgspec
 
 from torpor.compaction.fusion import HybridRecall
-from torpor.errors import StoreError
+from torpor.errors import ConversationDeleted, StoreError
 from torpor.events import AssistantMessage, ToolResult, UserMessage, searchable_text
 from torpor.llm.embedding import Embedder, check_vectors, space_of
 from torpor.store.protocol import EventStore
@@ -45,6 +51,9 @@ MAX_CHARS = 8_000  # of an event's text sent to the embedder (endpoints cap thei
 PASS_GAP = 0.05  # seconds between passes at least: appends arriving meanwhile share one
 
 _EMBEDDED = (UserMessage, AssistantMessage, ToolResult)
+
+Guard = Callable[[str], AbstractContextManager[object]]
+"""Work on one conversation, ended by its delete (torpor.runtime.erase.Erasure.guard)."""
 
 
 class EmbeddingStats(msgspec.Struct, frozen=True):
@@ -71,6 +80,7 @@ class EmbeddingWorker:
         interval: float,
         batch: int = 64,
         log: Any,
+        guard: Guard | None = None,
     ) -> None:
         self.store = store
         self.embedder = embedder
@@ -79,6 +89,7 @@ class EmbeddingWorker:
         self.interval = interval
         self.batch = batch
         self._log = log
+        self._guard = guard
         self._embedded = self._passes = self._failures = 0
         self._last_error: str | None = None
         self._last_pass_ms: float | None = None
@@ -122,7 +133,9 @@ class EmbeddingWorker:
                 break
             for name, mark in todo:
                 try:
-                    done += await self._conversation(name, mark)
+                    done += await self._guarded(name, mark)
+                except ConversationDeleted:  # being deleted: nothing to embed, no failure
+                    failed.add(name)
                 except Exception as exc:  # the embedder is the host's code: anything goes
                     failed.add(name)
                     self._failed(name, exc)
@@ -136,6 +149,13 @@ class EmbeddingWorker:
         self._log.warning(
             "embedding_failed", conversation=conversation_id, error=self._last_error
         )
+
+    async def _guarded(self, conversation_id: str, mark: int) -> int:
+        if self._guard is None:
+            return await self._conversation(conversation_id, mark)
+        with self._guard(conversation_id):
+            return await self._conversation(conversation_id, mark)
+        return 0  # cancelled by the conversation's delete
 
     async def _conversation(self, conversation_id: str, mark: int) -> int:
         """Embed the conversation's events after ``mark`` up to its head now."""
@@ -178,12 +198,13 @@ class EmbeddingWorker:
 
 
 def start_embedding(
-    store: EventStore, embedder: Embedder, interval: float, log: Any, stack: AsyncExitStack
+    store: EventStore, embedder: Embedder, interval: float, log: Any, stack: AsyncExitStack,
+    *, guard: Guard | None = None,
 ) -> tuple[EmbeddingWorker, HybridRecall]:
     """Start the worker as a task ``stack`` cancels and awaits on exit; and the recall that
     reads its vectors."""
     vectors = vector_index(store)
-    worker = EmbeddingWorker(store, embedder, vectors, interval=interval, log=log)
+    worker = EmbeddingWorker(store, embedder, vectors, interval=interval, log=log, guard=guard)
     task = asyncio.get_running_loop().create_task(worker.run(), name="torpor-embedding")
     stack.push_async_callback(_cancel_and_wait, task)
     return worker, HybridRecall(embedder, vectors)

@@ -185,7 +185,7 @@ class Runtime(MemoryAPI):
         self._erasure = Erasure(
             config=self.config, registry=self._registry, counters=self._counters,
             host=self._host, supervisor=self._supervisor, admission=self._admission,
-            store=lambda: self.store,
+            branches=self._branches, store=lambda: self.store,
         )
         self._retention = Retention(
             erasure=self._erasure, registry=self._registry, counters=self._counters,
@@ -247,7 +247,7 @@ class Runtime(MemoryAPI):
             if self.config.embedder is not None:  # hybrid recall: vectors made off the hot path
                 self._embedding, self._host.hybrid = start_embedding(
                     self._store, self.config.embedder, self.config.embed_interval,
-                    self._log, stack,
+                    self._log, stack, guard=self._erasure.guard,
                 )
                 self._host.poke_embedding = self._embedding.poke
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.

@@ -16,7 +16,7 @@ import msgspec
 
 from torpor._logging import get_logger
 from torpor.actors.state import AgentState
-from torpor.errors import InvalidInput
+from torpor.errors import ConversationDeleted, InvalidInput
 from torpor.memory.consolidate import Consolidation, KeyedConsolidator, consolidate
 from torpor.memory.digest import Digest, write_digest
 from torpor.memory.interactions import ToolInteraction, pair_tool_calls
@@ -27,6 +27,7 @@ from torpor.text import check_id
 if TYPE_CHECKING:
     from torpor.actors.agent import Profile
     from torpor.runtime.config import RuntimeConfig
+    from torpor.runtime.erase import Erasure
     from torpor.runtime.registry import Registry
     from torpor.runtime.stats import Counters
     from torpor.store.protocol import EventStore
@@ -62,6 +63,7 @@ class MemoryAPI:
         config: RuntimeConfig
         _registry: Registry
         _counters: Counters
+        _erasure: Erasure
 
         @property
         def store(self) -> EventStore: ...
@@ -88,7 +90,10 @@ class MemoryAPI:
         semantic items go to the ledger (the log is never touched); returns them and the
         regenerated digest. The sweep is the conversation's ``AgentConfig.consolidator``
         (default :class:`~torpor.memory.KeyedConsolidator`). On a cluster node:
-        ``NotOwner`` for a conversation another node serves (its writes are fenced)."""
+        ``NotOwner`` for a conversation another node serves (its writes are fenced).
+        ``ConversationDeleted`` when the conversation is deleted meanwhile (the sweep is
+        cancelled); ``MemoryChanged`` when a redaction dropped items it judged (nothing
+        recorded: sweep again)."""
         self._check_open()
         check_id(conversation_id)
         _lines(max_lines)
@@ -96,7 +101,13 @@ class MemoryAPI:
         consolidator = self._profile_for(conversation_id).config.consolidator
         if consolidator is None:
             consolidator = KeyedConsolidator()
-        return await consolidate(self.store, conversation_id, consolidator, max_lines=max_lines)
+        # A delete of the conversation cancels the sweep and waits for it (its ledger rows
+        # must not land after the delete, nor in a conversation started afresh after it).
+        with self._erasure.guard(conversation_id):
+            return await consolidate(
+                self.store, conversation_id, consolidator, max_lines=max_lines
+            )
+        raise ConversationDeleted(conversation_id)
 
     async def tool_interactions(self, conversation_id: str) -> list[ToolInteraction]:
         """Every tool call of the conversation paired with its result (or its fate:

@@ -19,6 +19,11 @@ finished while nobody watched resolves its parent, one whose turn died with
 the process is told to continue, and one never given its task gets it. The
 parent's pending check makes the resolution happen exactly once.
 
+Deletes (:mod:`torpor.runtime.erase`): a deleted child (its log gone, or its stream
+ended by its delete) answers the parent's call with an error result saying so, so
+the parent's turn never waits for it forever; a deleted parent takes its children
+with it, and the delete cancels their watchers (nothing is left to answer).
+
 A child is a conversation like any other: revivable, searchable, inspectable,
 with its own lifecycle, so it outlives the parent's eviction (resolving revives
 the parent). ``agent=`` is the child's configuration for the life of this
@@ -40,6 +45,7 @@ from torpor.actors.config import AgentConfig
 from torpor.actors.mailbox import SpawnRequest
 from torpor.errors import (
     AgentParked,
+    ConversationDeleted,
     InvalidInput,
     NotOwner,
     StoreUnavailable,
@@ -170,6 +176,7 @@ class Branches:
         self._running = False
         self._configs: dict[str, AgentConfig] = {}
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._parents: dict[str, str] = {}  # child -> the parent its watcher answers
         self._recoveries: set[asyncio.Task[None]] = set()
 
     # -- lifecycle (owned by the Runtime) -------------------------------------------
@@ -196,11 +203,23 @@ class Branches:
         tasks = [*self._recoveries, *self._watchers.values()]
         self._recoveries.clear()
         self._watchers.clear()
+        self._parents.clear()
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def drop_watchers(self, parents: set[str]) -> None:
+        """Cancel the watchers answering a call of one of ``parents`` (being deleted:
+        there is nothing left to answer; their children go with them)."""
+        for child, parent in list(self._parents.items()):
+            if parent in parents:
+                watcher = self._watchers.pop(child, None)
+                del self._parents[child]
+                self._configs.pop(child, None)
+                if watcher is not None:
+                    watcher.cancel()
 
     def config_for(self, conversation_id: str) -> AgentConfig | None:
         return self._configs.get(conversation_id)
@@ -246,11 +265,13 @@ class Branches:
             self._follow(parent, call_id, child, task, kick)
         )
         self._watchers[child] = watcher
+        self._parents[child] = parent
         watcher.add_done_callback(lambda t: self._finished(child, t))
 
     def _finished(self, child: str, task: asyncio.Task[None]) -> None:
         if self._watchers.get(child) is task:
             del self._watchers[child]
+            self._parents.pop(child, None)
         if not task.cancelled() and (error := task.exception()) is not None:
             if isinstance(error, NotOwner):  # the shard moved: its new owner watches now
                 self._log.debug("sub_agent_watch_moved", child=child, owner=error.owner)
@@ -261,17 +282,23 @@ class Branches:
         """Follow the child's log until its task has an outcome; then resolve the parent."""
         client = self._client
         progress = _Progress()
-        events = await client.store.read_since(child, 0)
-        done = any(progress.see(event) for event in events)
-        if not done:
-            head = events[-1].position if events else -1
-            async with client.subscribe(child, after=head) as follower:
-                if kick:
-                    await self._kick(parent, call_id, child, task, progress, head)
-                async for item in follower:
-                    if isinstance(item, Event) and progress.see(item):
-                        done = True
-                        break
+        try:
+            events = await client.store.read_since(child, 0)
+            if not events:  # its first event (the link) comes before the parent's: deleted
+                raise ConversationDeleted(child)
+            done = any(progress.see(event) for event in events)
+            if not done:
+                head = events[-1].position
+                async with client.subscribe(child, after=head) as follower:
+                    if kick:
+                        await self._kick(parent, call_id, child, task, progress, head)
+                    async for item in follower:
+                        if isinstance(item, Event) and progress.see(item):
+                            done = True
+                            break
+        except ConversationDeleted:  # the child was deleted (not its parent: see the doc)
+            progress.status, progress.answer = "failed", f"sub-agent {child!r} was deleted"
+            done = True
         if done:
             await self._resolve(parent, call_id, child, progress)
 
@@ -300,6 +327,8 @@ class Branches:
             try:
                 await client.resolve(parent, call_id, answer, is_error=progress.status == "failed")
             except UnknownCall:  # answered already (before a restart, or by hand): once only
+                pass
+            except UnknownConversation:  # the parent was deleted: its children went with it
                 pass
             except StoreUnavailable:
                 await asyncio.sleep(_RETRY_SECONDS)

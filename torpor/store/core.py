@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Self, cast
 
 import msgspec
 
-from torpor.errors import ConfigError, InvalidInput
+from torpor.errors import ConfigError, InvalidInput, MemoryChanged
 from torpor.events import Body, Event
 from torpor.store.admit import admit_model_call, check_checkpoint
 from torpor.store.arguments import (
@@ -63,7 +63,7 @@ from torpor.store.memory import (
     check_items,
     check_ledger_entry,
 )
-from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row
+from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row, named_items
 from torpor.store.open_work import shard_filter
 from torpor.store.prepare import (
     INLINE_TEXT,
@@ -406,20 +406,33 @@ class StoreCore:
         )
 
     async def put_ledger(
-        self, conversation_id: str, entries: Sequence[LedgerEntry], *, tail: int = LEDGER_TAIL
+        self,
+        conversation_id: str,
+        entries: Sequence[LedgerEntry],
+        *,
+        tail: int = LEDGER_TAIL,
+        stored_only: bool = False,
     ) -> None:
         """Record sweep decisions; the ledger keeps the latest decision of every key and,
         beyond those, the newest ``tail`` rows (older ones are pruned: the ledger is
-        derived, and must not grow without bound)."""
+        derived, and must not grow without bound). ``stored_only``: see the protocol."""
         check_conversation_id(conversation_id)
         check_limit(tail, "tail")
         now = now_ms()
         rows = [_stamped(e, now) for e in check_items(entries, "entries", check_ledger_entry)]
+        named: tuple[tuple[int, int], ...] = ()
+        if stored_only:
+            found = named_items(rows)
+            if found is None:  # an id no stored item can have
+                items = (i for e in rows for i in (e.item, *e.superseded))
+                raise MemoryChanged(conversation_id, tuple(dict.fromkeys(items)))
+            named = found
         await self._write_memory(
             MemoryWrite(
                 conversation_id,
                 ledger=tuple((e.key, e.created_at, encode_row(e)) for e in rows),
                 prune_tail=tail,
+                named=named,
             )
         )
 
@@ -561,6 +574,12 @@ class StoreCore:
         one transaction, recorded in ``deletions``; None for an unknown conversation."""
         check_conversation_id(conversation_id)
         return await self._delete(conversation_id, check_cause(by))
+
+    async def subtree(self, conversation_id: str) -> list[str]:
+        """This conversation and its sub-agent conversations, parents first (what a delete
+        removes now); [] for an unknown one. Reads the ``spawned`` events only."""
+        check_conversation_id(conversation_id)
+        return cast("list[str]", await self._reading(self.reads.subtree, conversation_id))
 
     async def idle_conversations(
         self,

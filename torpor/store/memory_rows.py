@@ -20,6 +20,7 @@ __all__ = [
     "MemoryWrite",
     "decode_row",
     "encode_row",
+    "named_items",
     "record",
 ]
 
@@ -44,6 +45,26 @@ class MemoryWrite(msgspec.Struct, frozen=True, gc=False):
     # First drop the items at positions after this one that no checkpoint backs (the
     # leftovers of a fold that never landed).
     replace_after: int | None = None
+    # Items the ledger rows name that must be stored, or nothing is written (a sweep's
+    # decisions, read before a redaction dropped some: torpor.memory.consolidate):
+    # facts as (position, ordinal), episodes as (position, -1).
+    named: tuple[tuple[int, int], ...] = ()
+
+
+def named_items(entries: Iterable[LedgerEntry]) -> tuple[tuple[int, int], ...] | None:
+    """The items ``entries`` name, as :attr:`MemoryWrite.named` wants them; None when one
+    is no item id at all (``<position>.<ordinal>`` or ``episode:<position>``)."""
+    found: set[tuple[int, int]] = set()
+    for entry in entries:
+        for item in (entry.item, *entry.superseded):
+            position, dot, ordinal = item.removeprefix("episode:").partition(".")
+            episode = item.startswith("episode:")
+            if not position.isdigit() or (episode and dot) or (
+                not episode and not (dot and ordinal.isdigit())
+            ):
+                return None
+            found.add((int(position), -1 if episode else int(ordinal)))
+    return tuple(sorted(found))
 
 
 def encode_row(item: EpisodicItem | SemanticItem | LedgerEntry) -> bytes:

@@ -350,6 +350,11 @@ class EventStore(Protocol):
         On a clustered node the delete is fenced like any write."""
         ...
 
+    async def subtree(self, conversation_id: str) -> list[str]:
+        """The conversations :meth:`delete` would remove now: this one and its sub-agent
+        conversations (recursively), parents first; [] for an unknown one."""
+        ...
+
     async def idle_conversations(
         self,
         *,
@@ -418,13 +423,22 @@ class EventStore(Protocol):
         drop, in the same transaction, the items at positions after it that no stored
         checkpoint's position backs (what a fold whose checkpoint was never written left
         behind; a fold passes its previous checkpoint's position). The conversation must
-        exist (InvalidInput otherwise)."""
+        exist (UnknownConversation otherwise: a fold racing a delete creates nothing)."""
         ...
 
     async def put_ledger(
-        self, conversation_id: str, entries: Sequence[LedgerEntry], *, tail: int = 256
+        self,
+        conversation_id: str,
+        entries: Sequence[LedgerEntry],
+        *,
+        tail: int = 256,
+        stored_only: bool = False,
     ) -> None:
-        """Record consolidation decisions; keeps the latest per key plus ``tail`` more."""
+        """Record consolidation decisions; keeps the latest per key plus ``tail`` more.
+        ``stored_only``: every item the entries name must be stored, checked in the same
+        transaction (MemoryChanged, nothing written, otherwise: a sweep that read the
+        memory before a redaction dropped some of it). UnknownConversation for a
+        conversation that does not exist."""
         ...
 
     async def put_turn_decision(self, conversation_id: str, turn: int, decision: str) -> None:

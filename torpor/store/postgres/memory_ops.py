@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import asyncpg
 
-from torpor.errors import FencedError, InvalidInput
+from torpor.errors import FencedError, MemoryChanged, UnknownConversation
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite, record
 
 __all__ = ["read_memory", "write_memory"]
 
 _KEY = "SELECT key FROM conversations WHERE external_id = $1"
+# A write locks the row (a delete or a redaction, which lock it FOR UPDATE, wait for it or
+# it for them), so it never lands in a conversation deleted after its check.
+_LOCK = "SELECT key FROM conversations WHERE external_id = $1 FOR SHARE"
+# The named items that are not stored, of (position, ordinal; -1 for an episode) pairs.
+_MISSING = """
+SELECT p, o FROM unnest($2::bigint[], $3::int[]) AS n(p, o)
+WHERE NOT CASE WHEN o < 0
+    THEN EXISTS (SELECT 1 FROM memory_episodes WHERE conversation_id = $1 AND position = p)
+    ELSE EXISTS (SELECT 1 FROM memory_facts
+                 WHERE conversation_id = $1 AND position = p AND ordinal = o) END
+"""
 # A clustered node's memory write checks its lease epoch in its own transaction (FOR
 # SHARE: a takeover waits for it, and it sees a takeover that committed first).
 _EPOCH = "SELECT epoch FROM shard_leases WHERE shard = $1 FOR SHARE"
@@ -73,11 +84,15 @@ async def write_memory(
     async with pool.acquire() as conn, conn.transaction():
         if fence is not None and await conn.fetchval(_EPOCH, fence[0]) != fence[1]:
             raise FencedError(write.conversation_id, fence[0], fence[1])
-        key = await conn.fetchval(_KEY, write.conversation_id)
-        if key is None:
-            raise InvalidInput(
-                "conversation_id", f"no conversation {write.conversation_id!r} to remember"
-            )
+        key = await conn.fetchval(_LOCK, write.conversation_id)
+        if key is None:  # deleted meanwhile (or never was): nothing is created
+            raise UnknownConversation(f"no conversation {write.conversation_id!r} to remember")
+        if write.named:
+            missing = await conn.fetch(_MISSING, key, *_columns(write.named, 2))
+            if missing:
+                raise MemoryChanged(write.conversation_id, tuple(
+                    f"episode:{p}" if o < 0 else f"{p}.{o}" for p, o in missing
+                ))
         if write.replace_after is not None:
             await conn.execute(_DROP_EPISODES, key, write.replace_after)
             await conn.execute(_DROP_FACTS, key, write.replace_after)

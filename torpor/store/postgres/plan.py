@@ -25,7 +25,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.errors import ConflictError, FencedError, IdempotencyConflict, StoreError
+from torpor.errors import (
+    ConflictError,
+    FencedError,
+    IdempotencyConflict,
+    StoreError,
+    UnknownConversation,
+)
 from torpor.events import Body
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.arguments import POSITION_LIMIT
@@ -154,6 +160,14 @@ class View:
     def state(self, name: str) -> ConvState:
         return self.planned.get(name) or self.states.get(name) or NEW
 
+    def existing(self, name: str, what: str) -> None:
+        """Only an append creates a conversation: a write that hangs something on one (a
+        checkpoint, an artifact, a model call's audit) racing its delete must not bring
+        back an empty row of it (torpor.runtime.erase). Its row was read locked (the
+        delete locks it too), so a delete cannot land between this check and the write."""
+        if name not in self.planned and name not in self.states:
+            raise UnknownConversation(f"no conversation {name!r} for the {what}")
+
     def keep(self, plan: Plan) -> None:
         """Make a plan visible to the operations after it."""
         if plan.writes is not None:
@@ -275,8 +289,8 @@ class AppendOp:
                 return Plan(list(range(first, first + count)))
         if append.expect_head is not None and append.expect_head != state.head:
             conflict = ConflictError(name, append.expect_head, state.head)
-            if self.audit is None:
-                raise conflict
+            if self.audit is None or (name not in view.planned and name not in view.states):
+                raise conflict  # (a deleted conversation: nothing to record the call in)
             # The model call behind the answer was made (and paid for): its row is written
             # as record_model_call would write it; only the answer is refused.
             recorded = ModelCallOp(self.audit, self.fence).plan(view)
@@ -343,6 +357,7 @@ class CheckpointOp:
     def plan(self, view: View) -> Plan:
         cp = self.checkpoint
         check_fence(view, cp.conversation_id, self.fence)
+        view.existing(cp.conversation_id, "checkpoint")
         state = view.state(cp.conversation_id)
         check_checkpoint_reach(cp, state.head)
         writes = Writes()
@@ -366,6 +381,7 @@ class ArtifactOp:
 
     def plan(self, view: View) -> Plan:
         check_fence(view, self.conversation_id, self.fence)
+        view.existing(self.conversation_id, "artifact")
         writes = Writes()
         writes.artifacts.append(
             (self.artifact_id, self.conversation_id, self.size, view.now, self.data)
@@ -389,6 +405,7 @@ class ModelCallOp:
     def plan(self, view: View) -> Plan:
         call = self.call
         check_fence(view, call.conversation_id, self.fence)
+        view.existing(call.conversation_id, "model call")
         writes = Writes()
         writes.model_calls.append(_model_call_row(call))
         return Plan(None, call.conversation_id, None, writes)

@@ -27,6 +27,7 @@ from torpor.store.hits import (
     search_hit,
 )
 from torpor.store.listing import ConversationPage, Cursor, Deletion
+from torpor.store.postgres.delete import _tree as tree
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.postgres.schema import OPEN_WHERE
 from torpor.store.protocol import (
@@ -66,6 +67,9 @@ __all__ = [
     "resume",
     "search",
 ]
+
+
+_TREE_KEY = "SELECT key FROM conversations WHERE external_id = $1"
 
 
 class Reader(Protocol):
@@ -219,6 +223,14 @@ async def deletions(db: Reader, after: int, limit: int) -> list[Deletion]:
                  int(r[3]), str(r[4]))
         for r in rows
     ]
+
+
+async def subtree(db: Reader, name: str) -> list[str]:
+    """The conversation and its sub-agent conversations that exist, parents first."""
+    key = await db.fetchval(_TREE_KEY, name)
+    if key is None:
+        return []
+    return [child for child, _ in await tree(db, name, int(key))]
 
 
 async def head(db: Reader, name: str) -> int | None:

@@ -79,8 +79,8 @@ class PostgresVectors:
 
         async def run(pool: asyncpg.Pool) -> None:
             async with pool.acquire() as conn, conn.transaction():
-                key = await conn.fetchval(_KEY, conversation_id)
-                if key is None:
+                key = await conn.fetchval(_KEY + " FOR SHARE", conversation_id)
+                if key is None:  # deleted (its delete holds FOR UPDATE: waited for)
                     return
                 if rows:
                     await conn.executemany(_INSERT, [(key, space, p, v) for p, v in rows])

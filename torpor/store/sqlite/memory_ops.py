@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from torpor.errors import InvalidInput
+from torpor.errors import MemoryChanged, UnknownConversation
 from torpor.store.memory import MemoryRecord
 from torpor.store.memory_rows import MemoryWrite, record
 from torpor.store.sqlite.batch import Batch, ConvState, Plan
@@ -49,6 +49,10 @@ PRUNE_LEDGER = (
     "AND id NOT IN (SELECT id FROM memory_ledger WHERE conversation_id = ?1 "
     "ORDER BY id DESC LIMIT ?2)"
 )
+_FACT_STORED = (
+    "SELECT 1 FROM memory_facts WHERE conversation_id = ? AND position = ? AND ordinal = ?"
+)
+_EPISODE_STORED = "SELECT 1 FROM memory_episodes WHERE conversation_id = ? AND position = ?"
 INSERT_TURN = (
     "INSERT OR REPLACE INTO memory_turns (conversation_id, turn, decision, created_at) "
     "VALUES (?, ?, ?, ?)"
@@ -69,11 +73,18 @@ class MemoryOp(msgspec.Struct, frozen=True, gc=False):
     def plan(self, batch: Batch) -> Plan:
         w = self.write
         state = batch.conversation(w.conversation_id)
-        if not state.stored:
-            raise InvalidInput(
-                "conversation_id", f"no conversation {w.conversation_id!r} to remember"
-            )
+        if not state.stored:  # deleted meanwhile (or never was): nothing is created
+            raise UnknownConversation(f"no conversation {w.conversation_id!r} to remember")
         key = state.key
+        missing = [
+            f"episode:{p}" if o < 0 else f"{p}.{o}"
+            for p, o in w.named
+            if batch.conn.execute(
+                *((_EPISODE_STORED, (key, p)) if o < 0 else (_FACT_STORED, (key, p, o)))
+            ).fetchone() is None
+        ]
+        if missing:
+            raise MemoryChanged(w.conversation_id, tuple(missing))
         writes: list[tuple[str, Row]] = []
         if w.replace_after is not None:
             writes.append((DROP_EPISODES, (key, w.replace_after)))

@@ -49,6 +49,7 @@ from torpor.store.rows import (
     to_events,
     to_pending_approvals,
 )
+from torpor.store.sqlite.delete import _tree as tree
 from torpor.store.sqlite.delete import read_deletions
 from torpor.store.sqlite.schema import OPEN_WHERE
 
@@ -101,6 +102,17 @@ def _snapshot(conn: sqlite3.Connection, fn: Callable[[], T]) -> T:
         raise
     conn.execute("COMMIT")
     return result
+
+
+def subtree(conn: sqlite3.Connection, name: str) -> list[str]:
+    """The conversation and its sub-agent conversations that exist, parents first."""
+
+    def read() -> list[str]:
+        row = conn.execute("SELECT key FROM conversations WHERE external_id = ?", (name,))
+        found = row.fetchone()
+        return [] if found is None else [child for child, _ in tree(conn, name, int(found[0]))]
+
+    return _snapshot(conn, read)
 
 
 def head(conn: sqlite3.Connection, name: str) -> int | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from torpor.errors import ConflictError, IdempotencyConflict, StoreError
+from torpor.errors import ConflictError, IdempotencyConflict, StoreError, UnknownConversation
 from torpor.events import Body, Event
 from torpor.store.admit import check_checkpoint_reach
 from torpor.store.commit_queue import Failed
@@ -79,7 +79,7 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
                 return Plan(replay)
         if append.expect_head is not None and append.expect_head != state.head:
             conflict = ConflictError(name, append.expect_head, state.head)
-            if self.audit is None:
+            if self.audit is None or not state.stored:  # (deleted: nothing to record it in)
                 raise conflict
             # The model call behind the answer was made (and paid for): its row is written
             # as record_model_call would write it; only the answer is refused.
@@ -176,8 +176,9 @@ class CheckpointOp(msgspec.Struct, frozen=True, gc=False):
     def plan(self, batch: Batch) -> Plan:
         cp = self.checkpoint
         state = batch.conversation(cp.conversation_id)
+        _existing(cp.conversation_id, state, "checkpoint")
         check_checkpoint_reach(cp, state.head)
-        writes = batch.creating(cp.conversation_id, state)
+        writes: list[tuple[str, Any]] = []
         writes.append(
             (
                 "INSERT INTO checkpoints (conversation_id, position, created_at, body) "
@@ -201,7 +202,8 @@ class ArtifactOp(msgspec.Struct, frozen=True, gc=False):
 
     def plan(self, batch: Batch) -> Plan:
         state = batch.conversation(self.conversation_id)
-        writes = batch.creating(self.conversation_id, state)
+        _existing(self.conversation_id, state, "artifact")
+        writes: list[tuple[str, Any]] = []
         row = (self.artifact_id, state.key, len(self.data), batch.now, compress_artifact(self.data))
         writes.append((INSERT_ARTIFACT, row))
         return Plan(
@@ -219,9 +221,18 @@ class ModelCallOp(msgspec.Struct, frozen=True, gc=False):
     def plan(self, batch: Batch) -> Plan:
         call = self.call
         state = batch.conversation(call.conversation_id)
-        writes = batch.creating(call.conversation_id, state)
+        _existing(call.conversation_id, state, "model call")
+        writes: list[tuple[str, Any]] = []
         writes.append((INSERT_MODEL_CALL, _model_call_row(state.key, call)))
         return Plan(None, call.conversation_id, ConvState(state.key, state.head), writes)
+
+
+def _existing(name: str, state: ConvState, what: str) -> None:
+    """Only an append creates a conversation: a write that hangs something on one (a
+    checkpoint, an artifact, a model call's audit) racing its delete must not bring
+    back an empty row of it (torpor.runtime.erase)."""
+    if not state.stored:
+        raise UnknownConversation(f"no conversation {name!r} for the {what}")
 
 
 def _model_call_row(key: int, call: ModelCall) -> tuple[int, int, int, int, bytes]:
