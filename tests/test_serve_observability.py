@@ -301,3 +301,35 @@ def test_the_log_tap_follows_the_hosts_levels_set_after_it_was_installed() -> No
         root.setLevel(before)
     assert [event_of(r) for r in seen] == ["slow_disk"]
     assert "torpor_group_commit_batch_size_count 1.0" in generate_latest(metrics.registry).decode()
+
+
+def test_two_apps_taps_keep_the_hosts_level_whichever_leaves_first() -> None:
+    from torpor._logging import get_logger, stdlib_logger
+    from torpor.serve.metrics import LogTap
+
+    writer = stdlib_logger("torpor.store.sqlite.writer")
+    first, second = LogTap(torpor.serve.Metrics()), LogTap(torpor.serve.Metrics())
+    before = writer.level
+    try:
+        first.install()
+        second.install()  # over the first: the host's level is still what it was before both
+        first.uninstall()
+        assert writer.level == logging.DEBUG  # the second still reads group commits
+        seen: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = seen.append  # type: ignore[method-assign]
+        root = logging.getLogger("torpor")
+        old = root.level
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+        try:
+            get_logger("torpor.store.sqlite.writer").debug("group_commit", ops=1, failed=0,
+                                                           seconds=0.001)
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(old)
+        assert seen == []
+    finally:
+        second.uninstall()
+        first.uninstall()
+    assert writer.level == before

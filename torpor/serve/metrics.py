@@ -284,14 +284,19 @@ class LogTap(logging.Filter):
         for logger in loggers:
             if logger.name in self._installed:
                 continue
-            self._installed[logger.name] = (logger, logger.level, logger.getEffectiveLevel())
+            level = logger.level
+            for other in logger.filters:  # another app's tap: the host's level is its record
+                if isinstance(other, LogTap) and logger.name in other._installed:
+                    level = other._installed[logger.name][1]
+            self._installed[logger.name] = (logger, level, logger.getEffectiveLevel())
             logger.setLevel(logging.DEBUG)
             logger.addFilter(self)
 
     def uninstall(self) -> None:
         for logger, level, _ in self._installed.values():
             logger.removeFilter(self)
-            logger.setLevel(level)
+            if not any(isinstance(other, LogTap) for other in logger.filters):
+                logger.setLevel(level)  # the last tap gone: the host's level again
         self._installed.clear()
 
     def filter(self, record: logging.LogRecord) -> bool:

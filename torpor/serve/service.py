@@ -128,6 +128,9 @@ class Service:
             signals, self._signals = self._signals, None
             if signals is not None:
                 signals.uninstall()
+            self.metrics.tap.uninstall()  # nothing to tap until the runtime runs again
+            if self._watch is asyncio.current_task():
+                self._watch = None  # entered again, the next request starts it again
 
     def _on_signal(self, name: str) -> None:
         if self._shutdown is None and not self.stopped:
