@@ -12,6 +12,7 @@ __all__ = [
     "Busy",
     "ConfigError",
     "ConflictError",
+    "ConversationDeleted",
     "CorruptEvent",
     "CorruptStore",
     "EventTooLarge",
