@@ -6,7 +6,7 @@ id is a *cursor*: ``"P"`` or ``"P.K"``, the last position the client got plus
 last event that ended a draft. Only an assistant message or an abort ends a
 draft (they carry its text); any other event logged meanwhile (a user message
 sent while the answer streams) leaves the draft going, and its id says how
-much of the draft the client already holds.
+much of the draft the client already holds. Clients treat ids as opaque.
 
 Resuming from ``P.K`` (``Last-Event-ID``) follows the conversation after
 ``P`` (``Runtime.subscribe(after=P)``): the log replays what was logged after
@@ -15,6 +15,12 @@ are dropped. If the draft was logged meanwhile, the rest of its text (past
 ``K``) is sent as one delta just before the logged message, so the deltas a
 client received for a message always add up to exactly its logged text: no
 character twice, none missing.
+
+A delta says its ``turn`` and where its text starts in the draft, in code points
+(``offset``) and in UTF-16 code units (``offset16``, what a JavaScript string's
+``length`` counts). One turn's stream (a POST's, ``?turn=N``) leaves the other
+turns' items out but still counts them into its cursor, so its ids resume any
+stream of the conversation.
 """
 
 from __future__ import annotations
