@@ -11,6 +11,7 @@ from torpor.actors import (
     Subscriber,
     ToolContext,
     Turn,
+    TurnDelta,
     tool,
 )
 from torpor.actors.observe import (
@@ -199,6 +200,7 @@ __all__ = [
     "Transition",
     "Turn",
     "TurnAborted",
+    "TurnDelta",
     "TurnInfo",
     "UnknownArtifact",
     "UnknownCall",

@@ -2,7 +2,7 @@
 
 from torpor.actors.config import AgentConfig
 from torpor.actors.state import AgentState
-from torpor.actors.stream import StreamItem, Subscriber
+from torpor.actors.stream import StreamItem, Subscriber, TurnDelta
 from torpor.actors.tool_context import ToolContext
 from torpor.actors.tools import ExternalTool, LocalTool, Toolbox, tool
 from torpor.actors.turn import Turn
@@ -17,5 +17,6 @@ __all__ = [
     "ToolContext",
     "Toolbox",
     "Turn",
+    "TurnDelta",
     "tool",
 ]

@@ -26,10 +26,30 @@ from typing import Any, Protocol, TypeAlias
 from torpor.events import Aborted, AssistantMessage, Event
 from torpor.llm.protocol import TextDelta
 
-__all__ = ["Follower", "Origin", "StreamHub", "StreamItem", "Subscriber"]
+__all__ = ["Follower", "Origin", "StreamHub", "StreamItem", "Subscriber", "TurnDelta",
+           "delta_turn"]
+
+
+class TurnDelta(TextDelta, frozen=True, gc=False):
+    """Text in flight, and the turn that streams it. A ``TextDelta`` (readers that only
+    look for text need not know): a conversation's follower sees a user message of a
+    later turn arrive while an answer streams, so text says which turn it belongs to."""
+
+    turn: int
+
 
 StreamItem: TypeAlias = TextDelta | Event
-"""Live text (``TextDelta``) or something durably logged (``Event``)."""
+"""Live text (``TextDelta``, a ``TurnDelta`` from the runtime) or something durably logged
+(``Event``)."""
+
+
+def delta_turn(delta: TextDelta) -> int | None:
+    """The turn a delta belongs to (None: a bare ``TextDelta``, which says nothing)."""
+    return delta.turn if isinstance(delta, TurnDelta) else None
+
+
+def _delta(text: str, turn: int | None) -> TextDelta:
+    return TextDelta(text) if turn is None else TurnDelta(text, turn)
 
 
 class Subscriber:
@@ -53,8 +73,10 @@ class Subscriber:
         items = self._items
         if items is None:
             items = self._items = deque()
-        if items and isinstance(item, TextDelta) and isinstance(items[-1], TextDelta):
-            items[-1] = TextDelta(items[-1].text + item.text)
+        last = items[-1] if items else None
+        if (isinstance(item, TextDelta) and isinstance(last, TextDelta)
+                and delta_turn(last) == delta_turn(item)):
+            items[-1] = _delta(last.text + item.text, delta_turn(item))
         else:
             items.append(item)
         self._wake()
@@ -244,12 +266,13 @@ def _after_replay(items: list[StreamItem], cut: int) -> list[StreamItem]:
 class StreamHub:
     """The fan-out of one turn: its subscribers, the conversation's followers, the text so far."""
 
-    __slots__ = ("followers", "parts", "sealing", "subscribers")
+    __slots__ = ("followers", "parts", "sealing", "subscribers", "turn")
 
     def __init__(self, followers: list[Follower] | None = None) -> None:
         self.subscribers: list[Subscriber] = []
         self.followers = followers  # the conversation's, shared with the runtime (None: none)
         self.parts: list[str] = []
+        self.turn: int | None = None  # the turn whose text streams (set by the first delta)
         # The actor is writing (and then applying) this turn's own events, which hold the
         # text so far: once committed, that text is in the log, no longer in flight.
         self.sealing = False
@@ -258,13 +281,18 @@ class StreamHub:
         """A new subscriber; it first receives the text streamed so far, then live deltas."""
         sub = Subscriber()
         if self.parts:
-            sub.push(TextDelta("".join(self.parts)))
+            sub.push(self.in_flight())
         self.subscribers.append(sub)
         return sub
 
-    def text(self, delta: str) -> None:
+    def in_flight(self) -> TextDelta:
+        """The text streamed so far, as one delta of its turn."""
+        return _delta("".join(self.parts), self.turn)
+
+    def text(self, delta: str, turn: int | None = None) -> None:
         self.parts.append(delta)
-        item = TextDelta(delta)
+        self.turn = turn
+        item = _delta(delta, turn)
         for sub in self.subscribers:
             sub.push(item)
         followers = self.followers

@@ -326,7 +326,7 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
                         text = repair_text(item.text)
                         parts.append(text)
                         if hub is not None:
-                            hub.text(text)
+                            hub.text(text, agent.turn)
                     elif isinstance(item, ToolCallDelta):
                         calls.append(checked_call(item.call, calls))  # or the model's error
                     elif isinstance(item, Usage):

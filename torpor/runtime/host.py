@@ -23,7 +23,7 @@ from torpor.actors.mailbox import (
 from torpor.actors.observe import Observer
 from torpor.actors.redaction import redact_unserved
 from torpor.actors.state import AgentState
-from torpor.actors.stream import Follower, Replay
+from torpor.actors.stream import Follower, Replay, TurnDelta
 from torpor.actors.tools import Toolbox
 from torpor.actors.turn import Turn
 from torpor.actors.turn_loop import BUILTIN_TOOLS
@@ -45,7 +45,7 @@ from torpor.errors import (
 )
 from torpor.events import Event
 from torpor.llm.echo import EchoModel
-from torpor.llm.protocol import Model, TextDelta
+from torpor.llm.protocol import Model
 from torpor.metadata import check_metadata
 from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
@@ -639,10 +639,10 @@ class Runtime(MemoryAPI):
         follower = Follower(host, conversation_id, after, cut, replay)
         if hub is not None:
             if hub.parts and in_flight:
-                follower.push(TextDelta("".join(hub.parts)))
+                follower.push(hub.in_flight())
             hub.followers = followers
         elif agent is not None and agent.unlogged and in_flight:  # a dead stream's text
-            follower.push(TextDelta(agent.unlogged))
+            follower.push(TurnDelta(agent.unlogged, agent.turn))
         followers.append(follower)
         return follower
 

@@ -3,6 +3,7 @@
 ``POST /v1/conversations/{id}/messages``  send; streams the turn (or 202 JSON with
                                          ``Accept: application/json``)
 ``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=``
+                                         (``?turn=N``: that turn only, as its POST)
 ``GET  /v1/conversations/{id}/history``   scrollback (``?before=&limit=``); never wakes the agent
 ``GET  /v1/conversations/{id}/recall``    full-text search (``?q=&k=``)
 ``POST /v1/conversations/{id}/calls/{call_id}``  answer a suspended tool call; streams
@@ -33,6 +34,7 @@ from torpor.serve.proxy import Proxy
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, event_data, parse_cursor
 from torpor.serve.streams import follow_response
+from torpor.serve.turn_scope import turn_span
 from torpor.text import check_id
 
 __all__ = ["MAX_BODY_BYTES", "chat_routes", "int_param", "json_body", "path_id"]
@@ -177,15 +179,24 @@ class ChatAPI:
         conversation_id = await self._conversation(request, "read")
         self.service.readable()
         resume = request.headers.get("last-event-id")
+        turn = int_param(request, "turn", None)
         if resume:
-            cursor = parse_cursor(resume)
+            cursor: Cursor | None = parse_cursor(resume)
         elif request.query_params.get("after"):
             cursor = parse_cursor(request.query_params["after"], "after")
         else:
+            cursor = None
+        if turn is not None:  # one turn's stream, as its POST sent it
+            span = await turn_span(self.rt.store, conversation_id, turn)
+            if cursor is None:
+                cursor = Cursor(span.start - 1)  # the whole turn, from its user message
+            elif span.over_for(cursor.position):
+                return Response(status_code=204)  # the client has its end: nothing follows
+        elif cursor is None:
             head = await self.rt.store.head(conversation_id)
             cursor = Cursor(-1 if head is None else head)
         follower = self.rt.subscribe(conversation_id, after=cursor.position)
-        return follow_response(self.service, follower, cursor)
+        return follow_response(self.service, follower, cursor, until_turn=turn)
 
     async def history(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")

@@ -6,7 +6,7 @@ id is a *cursor*: ``"P"`` or ``"P.K"``, the last position the client got plus
 last event that ended a draft. Only an assistant message or an abort ends a
 draft (they carry its text); any other event logged meanwhile (a user message
 sent while the answer streams) leaves the draft going, and its id says how
-much of the draft the client already holds.
+much of the draft the client already holds. Clients treat ids as opaque.
 
 Resuming from ``P.K`` (``Last-Event-ID``) follows the conversation after
 ``P`` (``Runtime.subscribe(after=P)``): the log replays what was logged after
@@ -15,6 +15,12 @@ are dropped. If the draft was logged meanwhile, the rest of its text (past
 ``K``) is sent as one delta just before the logged message, so the deltas a
 client received for a message always add up to exactly its logged text: no
 character twice, none missing.
+
+A delta says its ``turn`` and where its text starts in the draft, in code points
+(``offset``) and in UTF-16 code units (``offset16``, what a JavaScript string's
+``length`` counts). One turn's stream (a POST's, ``?turn=N``) leaves the other
+turns' items out but still counts them into its cursor, so its ids resume any
+stream of the conversation.
 """
 
 from __future__ import annotations
@@ -26,14 +32,14 @@ from typing import Any
 
 import msgspec
 
-from torpor.actors.stream import StreamItem
+from torpor.actors.stream import StreamItem, delta_turn
 from torpor.errors import InvalidInput
 from torpor.events import Aborted, AssistantMessage, Event, Suspended, abort_fields_of, kind_of
 from torpor.llm.protocol import TextDelta
 from torpor.store.arguments import POSITION_LIMIT
 
-__all__ = ["Cursor", "Frame", "Framer", "event_data", "format_cursor", "parse_cursor",
-           "ends_turn"]
+__all__ = ["Cursor", "Frame", "Framer", "ends_turn", "event_data", "format_cursor",
+           "parse_cursor", "utf16_length"]
 
 _CURSOR = re.compile(r"(-1|0|[1-9][0-9]{0,18})(?:\.(0|[1-9][0-9]{0,18}))?")
 _MAX_OFFSET = 2**62
@@ -106,42 +112,73 @@ def ends_turn(event: Event, turn: int) -> bool:
     )
 
 
+def utf16_length(text: str) -> int:
+    """How many UTF-16 code units ``text`` is: what JavaScript's ``String.length`` says
+    (an astral character, such as most emoji, is two)."""
+    if text.isascii():
+        return len(text)
+    # surrogatepass: a lone surrogate (never in logged text, which is repaired) counts one
+    return len(text.encode("utf-16-le", "surrogatepass")) >> 1
+
+
 class Framer:
-    """Turns a follower's items into frames whose ids resume exactly (see the module doc)."""
+    """Turns a follower's items into frames whose ids resume exactly (see the module doc).
 
-    __slots__ = ("offset", "position", "skip")
+    ``turn``: send only that turn's events and text (a turn's own stream). The other
+    turns' items still move the cursor, so an id means the same in every stream of the
+    conversation: a turn's stream can be resumed by ``GET …/stream`` with or without
+    ``?turn=``.
+    """
 
-    def __init__(self, cursor: Cursor) -> None:
+    __slots__ = ("offset", "offset16", "position", "skip", "turn")
+
+    def __init__(self, cursor: Cursor, turn: int | None = None) -> None:
         self.position = cursor.position
         self.offset = 0  # characters of the current draft sent (or skipped: the client has them)
+        self.offset16 = 0  # the same in UTF-16 code units
         self.skip = cursor.offset  # characters of the draft the client has and we have not seen
+        self.turn = turn
 
     @property
     def cursor(self) -> str:
         return format_cursor(self.position, self.offset)
+
+    def _wanted(self, turn: int | None) -> bool:
+        return self.turn is None or turn is None or turn == self.turn
 
     def frames(self, item: StreamItem) -> Iterator[Frame]:
         if isinstance(item, TextDelta):
             text = item.text
             if self.skip:
                 dropped = min(self.skip, len(text))
+                self.offset16 += utf16_length(text[:dropped])
                 text = text[dropped:]
                 self.skip -= dropped
                 self.offset += dropped
             if text:
-                start = self.offset
+                start, start16 = self.offset, self.offset16
                 self.offset += len(text)
-                yield Frame("delta", {"text": text, "offset": start}, self.cursor)
+                self.offset16 += utf16_length(text)
+                turn = delta_turn(item)
+                if self._wanted(turn):
+                    yield Frame("delta", {"text": text, "offset": start, "offset16": start16,
+                                          "turn": turn}, self.cursor)
             return
         body = item.body
+        wanted = self._wanted(item.turn)
         if isinstance(body, AssistantMessage | Aborted):
             full = body.text if isinstance(body, AssistantMessage) else body.partial_text
             seen = self.offset + self.skip
             if seen and body.artifact is None and len(full) > seen:
                 # The client holds the start of this message: send it the rest first.
                 self.offset = len(full)
-                yield Frame("delta", {"text": full[seen:], "offset": seen}, self.cursor)
+                if wanted:
+                    yield Frame("delta", {"text": full[seen:], "offset": seen,
+                                          "offset16": utf16_length(full[:seen]),
+                                          "turn": item.turn}, self.cursor)
             self.offset = 0
+            self.offset16 = 0
             self.skip = 0
         self.position = item.position
-        yield Frame(kind_of(body), event_data(item), self.cursor)
+        if wanted:
+            yield Frame(kind_of(body), event_data(item), self.cursor)

@@ -33,7 +33,7 @@ class _Frames:
 
     def __init__(self, follower: Follower, cursor: Cursor, until_turn: int | None) -> None:
         self._follower = follower
-        self._framer = Framer(cursor)
+        self._framer = Framer(cursor, until_turn)
         self._until_turn = until_turn
         self._retry: int | None = RETRY_MS  # on the first event only
         self._queued: list[bytes] | None = None  # the frames of one item, not yet taken
@@ -95,8 +95,9 @@ def follow_response(
     service: Service, follower: Follower, cursor: Cursor, *, until_turn: int | None = None,
     status_code: int = 200, on_left: Callable[[], None] | None = None,
 ) -> EventStream:
-    """Stream what ``follower`` yields after ``cursor``; end after turn ``until_turn`` ends
-    (None: follow until the client leaves or the server stops: draining closes the
+    """Stream what ``follower`` yields after ``cursor``. ``until_turn``: only that turn's
+    events and text, ending where the turn ends (its answer, suspension or abort); None:
+    every turn, until the client leaves or the server stops (draining closes the
     follower, which ends the stream once it has sent what the log says). ``on_left`` is
     called if the client goes away first."""
     return EventStream(_Frames(follower, cursor, until_turn), service.streams,
