@@ -35,6 +35,7 @@ from torpor.serve.problems import HTTPProblem, problem, problem_for
 from torpor.serve.proxy import Proxy, Routing
 from torpor.serve.service import Service
 from torpor.serve.sse_response import PING_SECONDS
+from torpor.serve.tickets import DEFAULT_TICKET_TTL, StreamTickets
 
 __all__ = ["app", "drain", "service_of"]
 
@@ -183,6 +184,8 @@ def app(
     ping_interval: float = PING_SECONDS,
     page: bool = True,
     cluster_routing: Routing = "proxy",
+    ticket_secret: str | bytes | None = None,
+    ticket_ttl: float = DEFAULT_TICKET_TTL,
 ) -> Starlette:
     """The chat API, the admin, ``/metrics`` and the page, over ``runtime``.
 
@@ -229,6 +232,12 @@ def app(
     (``cluster_routing="proxy"``, with a client the app's lifespan opens), or
     answered 421 with the owner's address (``"redirect"``, and always without
     the app's lifespan); see :mod:`torpor.serve.proxy`.
+
+    Stream tickets (``POST …/stream-tickets``, for a browser's ``EventSource``; see
+    :mod:`torpor.serve.tickets`) last ``ticket_ttl`` seconds and are signed with
+    ``ticket_secret`` (at least 16 bytes; None: a random one for this app). Every node
+    of a cluster must be given the same secret: a ticket minted on one is checked on
+    the conversation's owner.
     """
     if not callable(authorize):
         raise TypeError("authorize must be a callable (request, conversation_id, action)")
@@ -243,6 +252,7 @@ def app(
     service = Service(runtime, metrics, shutdown_grace=shutdown_grace,
                       ping_interval=ping_interval)
     proxy = Proxy(runtime, cluster_routing)
+    tickets = StreamTickets(ticket_secret, ticket_ttl)
 
     @asynccontextmanager
     async def lifespan(application: Starlette) -> AsyncIterator[None]:
@@ -255,7 +265,7 @@ def app(
             await service.shutdown()
 
     routes: list[BaseRoute] = [
-        *chat_routes(service, authorize, proxy),
+        *chat_routes(service, authorize, proxy, tickets),
         *admin_routes(service, admin_token, clients),
         Route("/healthz", _health(service), methods=["GET"]),
     ]

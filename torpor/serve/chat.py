@@ -2,7 +2,11 @@
 
 ``POST /v1/conversations/{id}/messages``  send; streams the turn (or 202 JSON with
                                          ``Accept: application/json``)
-``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=``
+``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=`` (its
+                                         query twin); ``?ticket=`` instead of a bearer token
+``POST /v1/conversations/{id}/stream-tickets``  a short-lived ticket for that stream (a
+                                         browser's ``EventSource``: :mod:`torpor.serve.tickets`)
+``GET  /v1/conversations/{id}/pending``   the calls still waiting for an answer
 ``GET  /v1/conversations/{id}/history``   scrollback (``?before=&limit=``); never wakes the agent
 ``GET  /v1/conversations/{id}/recall``    full-text search (``?q=&k=``)
 ``POST /v1/conversations/{id}/calls/{call_id}``  answer a suspended tool call; streams
@@ -33,6 +37,7 @@ from torpor.serve.proxy import Proxy
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, event_data, parse_cursor
 from torpor.serve.streams import follow_response
+from torpor.serve.tickets import StreamTickets, ticket_of
 from torpor.text import check_id
 
 __all__ = ["MAX_BODY_BYTES", "chat_routes", "int_param", "json_body", "path_id"]
@@ -116,10 +121,12 @@ def _wants_json(request: Request) -> bool:
 
 
 class ChatAPI:
-    def __init__(self, service: Service, authorize: Authorize) -> None:
+    def __init__(self, service: Service, authorize: Authorize,
+                 tickets: StreamTickets | None = None) -> None:
         self.service = service
         self.rt = service.runtime
         self.authorize = authorize
+        self.tickets = tickets if tickets is not None else StreamTickets()
 
     async def _conversation(self, request: Request, action: Action) -> str:
         return (await self._granted(request, action))[0]
@@ -174,7 +181,13 @@ class ChatAPI:
                                on_left=partial(self.service.client_left, turn))
 
     async def stream(self, request: Request) -> Response:
-        conversation_id = await self._conversation(request, "read")
+        ticket = ticket_of(request)
+        if ticket is None:
+            conversation_id = await self._conversation(request, "read")
+        else:  # the ticket stands for a read permission authorize gave when it was issued
+            conversation_id = path_id(request, "conversation_id", "conversation_id")
+            conversation_id_var.set(conversation_id)
+            self.tickets.check(ticket, conversation_id)
         self.service.readable()
         resume = request.headers.get("last-event-id")
         if resume:
@@ -186,6 +199,12 @@ class ChatAPI:
             cursor = Cursor(-1 if head is None else head)
         follower = self.rt.subscribe(conversation_id, after=cursor.position)
         return follow_response(self.service, follower, cursor)
+
+    async def stream_ticket(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "read")
+        ticket, expires = self.tickets.issue(conversation_id)
+        return json_response({"ticket": ticket, "expires_at": expires,
+                              "ttl": self.tickets.ttl}, status=201)
 
     async def history(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")
@@ -200,6 +219,17 @@ class ChatAPI:
             "events": [event_data(e) for e in events],
             "before": events[-1].position if events and events[-1].position > 0 else None,
         })
+
+    async def pending(self, request: Request) -> Response:
+        """The calls still waiting for an answer, from the store's index (what a page shows
+        approve/deny buttons for: a history page may end between a call's suspension and
+        its answer)."""
+        conversation_id = await self._conversation(request, "read")
+        self.service.readable()
+        calls = await self.rt.store.open_calls(conversation_id)
+        if not calls:
+            await self._known(conversation_id)
+        return json_response({"calls": msgspec.to_builtins(calls)})
 
     async def recall(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")
@@ -250,17 +280,20 @@ class ChatAPI:
         return JSONResponse({"cancelled": cancelled})
 
 
-def chat_routes(service: Service, authorize: Authorize, proxy: Proxy) -> list[Route]:
-    """The routes; on a cluster node the owner answers those another node owns (history and
-    recall read the shared log here)."""
-    api = ChatAPI(service, authorize)
+def chat_routes(service: Service, authorize: Authorize, proxy: Proxy,
+                tickets: StreamTickets | None = None) -> list[Route]:
+    """The routes; on a cluster node the owner answers those another node owns (history,
+    recall and pending calls read the shared store here; a ticket needs no owner)."""
+    api = ChatAPI(service, authorize, tickets)
     base = "/v1/conversations/{conversation_id:path}"
     owned = proxy.route
     return [
         # the routes that answer with a stream run above the routing layers (see deferred)
         Route(base + "/messages", Deferred(owned(api.send)), methods=["POST"]),
         Route(base + "/stream", Deferred(owned(api.stream)), methods=["GET"]),
+        Route(base + "/stream-tickets", api.stream_ticket, methods=["POST"]),
         Route(base + "/history", api.history, methods=["GET"]),
+        Route(base + "/pending", api.pending, methods=["GET"]),
         Route(base + "/recall", api.recall, methods=["GET"]),
         Route(base + "/calls/{call_id}", Deferred(owned(api.resolve)), methods=["POST"]),
         Route(base + "/cancel", owned(api.cancel), methods=["POST"]),
