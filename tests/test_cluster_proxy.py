@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -327,3 +328,46 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         proc.send_signal(signal.SIGTERM)
     with anyio.fail_after(30):
         await proc.wait()
+
+
+async def test_a_stream_ticket_minted_on_one_node_opens_the_stream_through_another(
+    db: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The nodes share the ticket secret: a ticket minted on the owner opens the stream
+    through a non-owner, which passes it on in a header (httpx logs the URL it requests:
+    the ticket is not in it). A node with a secret of its own refuses it."""
+    caplog.set_level(logging.INFO)
+    secret = "the cluster's ticket secret"
+    async with node(db, "a", EchoModel(), ticket_secret=secret) as a, \
+            node(db, "b", EchoModel(), ticket_secret=secret) as b:
+        held = await split(a, b)
+        cid = owned_by(held["a"], "t")
+        async with httpx.AsyncClient(timeout=20) as client:
+            ack = await client.post(f"{a.url}/v1/conversations/{cid}/messages", json={
+                "text": "hello"}, headers={**AUTH, "Accept": "application/json"})
+            assert ack.status_code == 202
+            minted = await client.post(f"{a.url}/v1/conversations/{cid}/stream-tickets",
+                                       headers=AUTH)
+            ticket = minted.json()["ticket"]
+            async with client.stream("GET", f"{b.url}/v1/conversations/{cid}/stream",
+                                     params={"ticket": ticket, "after": "-1"}) as response:
+                assert response.status_code == 200, await response.aread()
+                assert response.headers[OWNER_HEADER] == a.url.removeprefix("http://")
+                kinds = []
+                async for event, _, _ in sse(response):
+                    kinds.append(event)
+                    if event == "assistant":
+                        break
+            assert kinds[0] == "user" and kinds[-1] == "assistant"
+            other = app(b.rt, authorize=bearer_token(TOKEN), admin_token=ADMIN,
+                        ticket_secret="a secret of that node's own")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=other),
+                                         base_url="http://o") as there:
+                refused = await there.get(f"/v1/conversations/{cid}/stream",
+                                          params={"ticket": ticket, "after": "-1"})
+                assert refused.status_code == 401
+    owner = a.url.removeprefix("http://")
+    relayed = [m for m in (r.getMessage() for r in caplog.records if r.name == "httpx")
+               if f"GET http://{owner}/v1/conversations/{cid}/stream?" in m]  # b's relay
+    assert len(relayed) == 1 and "after=-1" in relayed[0], relayed
+    assert ticket not in relayed[0] and "ticket=" not in relayed[0], relayed

@@ -16,12 +16,16 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
-from serve_support import ADMIN, TOKEN, serving
+from serve_support import ADMIN, TOKEN, service_of, serving
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
-from torpor import AgentConfig, ExternalTool, Runtime
-from torpor.events import ToolCall, ToolResult, UserMessage
+from torpor import AgentConfig, ExternalTool, Runtime, ScriptedModel
+from torpor.events import Resolved, Suspended, ToolCall, ToolResult, UserMessage
 from torpor.llm.protocol import ContextMessage, StreamEvent, TextDelta, ToolCallDelta, ToolSpec
+from torpor.llm.scripted import Signal, Text, Wait
 from torpor.serve import app, bearer_token
 from torpor.serve.client import Client
 
@@ -72,7 +76,9 @@ class BrowserModel:
         text = last.text if isinstance(last, UserMessage) else ""
         if text.startswith("!approve"):
             yield TextDelta("asking for approval")
-            yield ToolCallDelta(ToolCall("call-approve", "approve", {"what": text[9:]}))
+            # an id of its own per call, as providers give: a page tells old calls from new
+            call_id = f"call-{len(context)}"
+            yield ToolCallDelta(ToolCall(call_id, "approve", {"what": text[9:]}))
             return
         if text.startswith("slow"):
             for word in FIRST_HALF.split(" "):
@@ -269,5 +275,190 @@ async def test_the_page_in_a_real_browser(capsys: pytest.CaptureFixture[str]) ->
         await proxy.close()
     with capsys.disabled():
         print("\nscreenshots of the page (tests/test_serve_browser.py):")
+        for path in saved:
+            print(f"  {path}")
+
+
+# -- issue 24: a native EventSource with a stream ticket; the page under a prefix, on a phone
+
+PARTS = ("Emoji 👩‍👩‍👧 then ", "flags 🇫🇷🇯🇵, ", "combining e\u0301 and 𝄞 ", "the end 🎉")
+
+FOLLOW_WITH_TICKET = """async ([token, cid]) => {
+  const minted = await fetch("v1/conversations/" + cid + "/stream-tickets",
+                             {method: "POST", headers: {Authorization: "Bearer " + token}});
+  const {ticket} = await minted.json();
+  const s = window.es = {opens: 0, errors: 0, text: "", final: null, ids: []};
+  const es = new EventSource("v1/conversations/" + cid + "/stream?ticket="
+                             + encodeURIComponent(ticket));
+  es.onopen = () => { s.opens += 1; };
+  es.onerror = () => { s.errors += 1; };
+  es.addEventListener("delta", (e) => {
+    s.text += JSON.parse(e.data).text; s.ids.push(e.lastEventId);
+  });
+  es.addEventListener("assistant", (e) => { s.final = JSON.parse(e.data).body.text; es.close(); });
+  return minted.status;
+}"""
+
+
+async def test_a_native_eventsource_with_a_ticket_survives_three_cuts() -> None:
+    """No bearer header (EventSource cannot send one): a ticket in the URL, and the
+    browser's own reconnects (Last-Event-ID) through three dropped connections rebuild
+    an answer of emoji, flags and combining marks exactly."""
+    reached = [anyio.Event() for _ in PARTS[:-1]]
+    go = [anyio.Event() for _ in PARTS[:-1]]
+    script: list[Any] = []
+    for n, part in enumerate(PARTS):
+        script.append(Text(part))
+        if n < len(reached):
+            script += [Signal(reached[n]), Wait(go[n])]
+    rt = Runtime("sqlite://", model=ScriptedModel([script]))
+    application = app(rt, authorize=bearer_token(TOKEN), admin_token=ADMIN)
+    async with serving(application) as url:
+        proxy = Proxy(int(url.rsplit(":", 1)[1]))
+        base = f"http://127.0.0.1:{await proxy.start()}"
+        async with playwright_api.async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=BROWSER,
+                                              args=["--no-sandbox", "--disable-gpu"])
+            page = await (await browser.new_context(bypass_csp=True)).new_page()
+
+            async def until(script: str, arg: Any = None) -> None:
+                await page.wait_for_function(script, arg=arg, timeout=20_000)
+
+            try:
+                await page.goto(f"{base}/")
+                assert await page.evaluate(FOLLOW_WITH_TICKET, [TOKEN, "es"]) == 201
+                await until("window.es.opens === 1")
+                await Client(url, TOKEN).call(
+                    "POST", "/v1/conversations/es/messages", json_body={"text": "go"},
+                    headers={"Accept": "application/json"}, expect=(202,))
+                for n in range(3):
+                    await reached[n].wait()
+                    await until("(t) => window.es.text === t", "".join(PARTS[:n + 1]))
+                    proxy.cut()  # mid-answer, right after an astral character
+                    await until(f"window.es.opens === {n + 2}")  # reconnected by itself
+                    go[n].set()
+                await until("window.es.final !== null")
+                got = await page.evaluate("window.es")
+            finally:
+                await browser.close()
+        await proxy.close()
+    answer = "".join(PARTS)
+    assert got["text"] == got["final"] == answer  # not one UTF-16 unit twice or missing
+    assert got["opens"] == 4 and got["errors"] >= 3
+    assert proxy.cuts == 4  # three mid-answer, one at close
+
+
+STALE_PAIRS = 7  # messages between the old approval and the new: the first page of 20
+# events then ends between the old call's suspension and its answer
+
+LAYOUT = """() => ({
+    chat: document.getElementById('chat').getBoundingClientRect().width,
+    scroll: document.documentElement.scrollWidth,
+    inner: window.innerWidth,
+    widest: Math.max(...[...document.querySelectorAll('.msg')]
+                     .map(e => e.getBoundingClientRect().right)),
+})"""
+
+
+class PrefixedPage:
+    """The page of an app mounted under /chat/, in one browser context of a given width."""
+
+    def __init__(self, url: str, width: int, shots: Path, saved: list[Path]) -> None:
+        self.url, self.width, self.shots, self.saved = url, width, shots, saved
+        self.errors: list[str] = []
+        self.outside: list[str] = []  # responses refused, or from outside /chat/
+
+    async def open(self, browser: Any, height: int) -> Any:
+        context = await browser.new_context(viewport={"width": self.width, "height": height},
+                                            bypass_csp=True)
+        self.page = await context.new_page()
+        self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        self.page.on("response", self._response)
+        return context
+
+    def _response(self, response: Any) -> None:
+        if response.status >= 400 or not response.url.startswith(f"{self.url}/chat/"):
+            self.outside.append(f"{response.status} {response.url}")
+
+    async def until(self, script: str, arg: Any = None) -> None:
+        await self.page.wait_for_function(script, arg=arg, timeout=20_000)
+
+    async def shot(self, name: str) -> None:
+        path = self.shots / f"prefix-{self.width}px-{name}.png"
+        await self.page.screenshot(path=str(path))
+        self.saved.append(path)
+
+
+async def test_the_page_under_a_prefix_at_desktop_and_phone_width(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Mounted under /chat/ (every call relative), at 1280 and 390 px: an open approval with
+    its buttons, a scrolled-back history whose old approval, answered long ago, shows none
+    (the first history page ended between its suspension and its answer)."""
+    rt = Runtime("sqlite://", model=BrowserModel(), agent=AgentConfig(tools=[APPROVE]))
+    torpor_app = app(rt, authorize=bearer_token(TOKEN), admin_token=ADMIN)
+    host = Starlette(routes=[Mount("/chat", app=torpor_app)])
+    shots = screenshot_dir()
+    saved: list[Path] = []
+    # the host runs the runtime (as a host's lifespan would): the mounted app starts itself
+    async with rt, serving(host) as url:
+        # an approval answered long ago, messages, then an approval still open
+        await (await rt.send("stale", "!approve the old deploy")).result()
+        (old_call,) = await rt.store.open_calls("stale")
+        continuation = await rt.resolve("stale", old_call.call_id, "approved")
+        assert continuation is not None
+        await continuation.result()
+        for n in range(STALE_PAIRS):
+            await (await rt.send("stale", f"message {n}: " + "words " * (n * 3))).result()
+        await (await rt.send("stale", "!approve the new deploy")).result()
+        (new_call,) = await rt.store.open_calls("stale")
+        first_page = await rt.history("stale", limit=20)
+        resolved = [e.body for e in first_page if isinstance(e.body, Resolved)]
+        suspended = [e.body for e in first_page if isinstance(e.body, Suspended)]
+        assert [r.call_id for r in resolved] == [old_call.call_id]  # its answer is on it,
+        assert [s.call_ids for s in suspended] == [(new_call.call_id,)]  # its suspension not
+        open_box = f'.approval[data-calls~="{new_call.call_id}"]'
+        stale_box = f'.approval[data-calls~="{old_call.call_id}"]'
+
+        async with playwright_api.async_playwright() as p:
+            browser = await p.chromium.launch(executable_path=BROWSER,
+                                              args=["--no-sandbox", "--disable-gpu"])
+            try:
+                for width, height in ((1280, 800), (390, 844)):
+                    view = PrefixedPage(url, width, shots, saved)
+                    context = await view.open(browser, height)
+                    page = view.page
+                    await page.goto(f"{url}/chat/#token={TOKEN}&admin={ADMIN}&c=stale")
+                    await view.until("document.getElementById('status').textContent === 'live'")
+                    cell = "document.querySelector('td[data-state=suspended]')"
+                    await view.until(f"{cell} && {cell}.textContent === '1'")  # admin, relative
+                    await page.wait_for_selector(f"{open_box} button[data-answer=approved]")
+                    await view.shot("approval-open")
+                    await page.click("#older")
+                    await page.wait_for_selector(stale_box)
+                    assert await page.locator(f"{stale_box} button").count() == 0
+                    assert await page.text_content(f"{stale_box} .done") == "answered"
+                    assert await page.locator(f"{open_box} button").count() == 2
+                    await page.evaluate("document.getElementById('log').scrollTop = 0")
+                    await view.shot("scrolled-back")
+                    layout = await page.evaluate(LAYOUT)
+                    assert layout["scroll"] <= layout["inner"], layout  # no sideways scroll
+                    assert layout["widest"] <= layout["inner"], layout
+                    assert layout["chat"] > (300 if width == 390 else 800), layout
+                    if width == 390:  # approved from the phone: the answer streams in
+                        await page.click(f"{open_box} button[data-answer=approved]")
+                        await view.until("[...document.querySelectorAll('.msg.assistant')]"
+                                         ".some(e => e.textContent === 'approved: approved')")
+                        await page.evaluate("document.getElementById('log').scrollTop = 1e9")
+                        await view.shot("approved")
+                    assert not view.errors, view.errors
+                    assert not view.outside, view.outside  # every call under /chat/, none refused
+                    await context.close()
+            finally:
+                await browser.close()
+        assert await rt.store.open_calls("stale") == []
+        await service_of(torpor_app).shutdown(0)  # its streams end before the server stops
+    with capsys.disabled():
+        print("\nscreenshots of the page under /chat/ (tests/test_serve_browser.py):")
         for path in saved:
             print(f"  {path}")

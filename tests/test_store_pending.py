@@ -9,6 +9,7 @@ and an existing database gets it backfilled from its log when it migrates.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from store_backends import MEMORY_TABLES, Backend
 
@@ -22,7 +23,7 @@ from torpor.events import (
     ToolResult,
     UserMessage,
 )
-from torpor.store import PendingApproval, PendingCall
+from torpor.store import OpenCall, PendingApproval, PendingCall
 
 
 def asks(*calls: tuple[str, str]) -> AssistantMessage:
@@ -174,3 +175,35 @@ async def test_pending_summary_counts_the_index_and_names_its_oldest_call(
         await store.append("a", [Aborted("cancelled")])
         summary = await store.pending_summary()
         assert (summary.conversations, summary.calls) == (1, 1)
+
+
+async def test_open_calls_of_one_conversation_with_their_arguments(store: Any) -> None:
+    """``open_calls(c)``: only c's waiting calls, in log order, with the arguments the model
+    gave them (the local tool's result between the ask and the Suspended changes nothing)."""
+    assert await store.open_calls("a") == []
+    await store.append("a", [UserMessage("deploy please")])
+    ask = AssistantMessage("checking", (
+        ToolCall("c1", "approve", {"what": "deploy 🚀", "n": 2}),
+        ToolCall("local", "lookup", {}),
+        ToolCall("c2", "deploy", {"env": "prod"}),
+    ))
+    await store.append("a", [ask, ToolResult("local", "lookup", "found")])
+    (suspended,) = await store.append_events(
+        "a", [Suspended(("c1", "c2"), "awaiting approval", ("approve", "deploy"))])
+    await store.append("b", [asks(("b1", "approve")), Suspended(("b1",), "", ("approve",))])
+    at = suspended.created_at
+    assert await store.open_calls("a") == [
+        OpenCall("c1", "approve", {"what": "deploy 🚀", "n": 2}, at, suspended.position),
+        OpenCall("c2", "deploy", {"env": "prod"}, at, suspended.position),
+    ]
+    await store.append("a", answer("c1", "approve"))
+    assert [c.call_id for c in await store.open_calls("a")] == ["c2"]
+    await store.append("a", answer("c2", "deploy"))
+    assert await store.open_calls("a") == []
+    assert [c.call_id for c in await store.open_calls("b")] == ["b1"]
+    # a later suspension names the calls of the newest ask, not an older one's
+    await store.append("a", [
+        AssistantMessage("again", (ToolCall("c3", "approve", {"what": "rollback"}),)),
+        Suspended(("c3",), "", ("approve",))])
+    (again,) = await store.open_calls("a")
+    assert (again.call_id, again.arguments) == ("c3", {"what": "rollback"})

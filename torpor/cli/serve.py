@@ -124,6 +124,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--shards", type=int, default=None, metavar="N",
                    help="with --node-id, the cluster's shard count, fixed when the first node "
                         "creates it (default: the cluster's count; 512 for a new cluster)")
+    p.add_argument("--ticket-secret", default=os.environ.get("TORPOR_TICKET_SECRET"),
+                   metavar="SECRET",
+                   help="signs the stream tickets browsers follow a conversation with (at "
+                        "least 16 bytes; env TORPOR_TICKET_SECRET; default: random per "
+                        "process): every node of a cluster needs the same one")
     p.add_argument("--cluster-routing", choices=("proxy", "redirect"), default="proxy",
                    help="with --node-id, a request for a conversation another node owns is "
                         "proxied to it (default) or answered 421 with its address")
@@ -212,6 +217,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     except ValueError as exc:
         raise CliError(str(exc).replace("admin_allow", "--admin-allow")
                        .replace("trusted_proxies", "--trusted-proxy")) from None
+    if args.ticket_secret is not None and len(args.ticket_secret.encode()) < 16:
+        raise CliError("--ticket-secret must be at least 16 bytes")
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -230,7 +237,8 @@ async def _serve(args: argparse.Namespace, chat_token: str, admin_token: str,
     application = app(rt, authorize=bearer_token(chat_token), admin_token=admin_token,
                       admin_remote=args.admin_remote, admin_allow=args.admin_allow,
                       trusted_proxies=args.trusted_proxy, metrics=metrics,
-                      shutdown_grace=args.shutdown_grace, cluster_routing=args.cluster_routing)
+                      shutdown_grace=args.shutdown_grace, cluster_routing=args.cluster_routing,
+                      ticket_secret=args.ticket_secret)
     name = args.model if isinstance(args.model, str) else f"{args.model.provider}:" \
         f"{args.model.model}"
     loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]  # asyncio, uvloop

@@ -23,6 +23,7 @@ from torpor.serve.problems import Draining, Forbidden, HTTPProblem, OwnerUnreach
 from torpor.serve.runner import Server, bind, serve
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, format_cursor, parse_cursor
+from torpor.serve.tickets import StreamTickets
 
 __all__ = [
     "Action",
@@ -39,6 +40,7 @@ __all__ = [
     "OwnerUnreachable",
     "Server",
     "Service",
+    "StreamTickets",
     "Unauthorized",
     "allow_all",
     "app",

@@ -36,6 +36,7 @@ from torpor.serve.problems import HTTPProblem, problem, problem_for
 from torpor.serve.proxy import Proxy, Routing
 from torpor.serve.service import Service
 from torpor.serve.sse_response import PING_SECONDS
+from torpor.serve.tickets import DEFAULT_TICKET_TTL, StreamTickets
 
 __all__ = ["app", "drain", "service_of"]
 
@@ -184,6 +185,8 @@ def app(
     ping_interval: float = PING_SECONDS,
     page: bool = True,
     cluster_routing: Routing = "proxy",
+    ticket_secret: str | bytes | None = None,
+    ticket_ttl: float = DEFAULT_TICKET_TTL,
 ) -> Starlette:
     """The chat API, the admin, ``/metrics`` and the page, over ``runtime``.
 
@@ -231,6 +234,12 @@ def app(
     (``cluster_routing="proxy"``, with a client the app's lifespan opens), or
     answered 421 with the owner's address (``"redirect"``, and always without
     the app's lifespan); see :mod:`torpor.serve.proxy`.
+
+    Stream tickets (``POST …/stream-tickets``, for a browser's ``EventSource``; see
+    :mod:`torpor.serve.tickets`) last ``ticket_ttl`` seconds and are signed with
+    ``ticket_secret`` (at least 16 bytes; None: a random one for this app). Every node
+    of a cluster must be given the same secret: a ticket minted on one is checked on
+    the conversation's owner.
     """
     if not callable(authorize):
         raise TypeError("authorize must be a callable (request, conversation_id, action)")
@@ -245,6 +254,7 @@ def app(
     service = Service(runtime, metrics, shutdown_grace=shutdown_grace,
                       ping_interval=ping_interval)
     proxy = Proxy(runtime, cluster_routing)
+    tickets = StreamTickets(ticket_secret, ticket_ttl)
 
     @asynccontextmanager
     async def lifespan(application: Starlette) -> AsyncIterator[None]:
@@ -258,7 +268,7 @@ def app(
 
     routes: list[BaseRoute] = [
         *conversation_routes(service, authorize, proxy),
-        *chat_routes(service, authorize, proxy),
+        *chat_routes(service, authorize, proxy, tickets),
         *admin_routes(service, admin_token, clients),
         Route("/healthz", _health(service), methods=["GET"]),
     ]

@@ -2,8 +2,12 @@
 
 ``POST /v1/conversations/{id}/messages``  send; streams the turn (or 202 JSON with
                                          ``Accept: application/json``)
-``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=``
-                                         (``?turn=N``: that turn only, as its POST)
+``GET  /v1/conversations/{id}/stream``    follow after ``Last-Event-ID`` / ``?after=`` (its
+                                         query twin; ``?turn=N``: that turn only, as its
+                                         POST); ``?ticket=`` instead of a bearer token
+``POST /v1/conversations/{id}/stream-tickets``  a short-lived ticket for that stream (a
+                                         browser's ``EventSource``: :mod:`torpor.serve.tickets`)
+``GET  /v1/conversations/{id}/pending``   the calls still waiting for an answer
 ``GET  /v1/conversations/{id}/history``   scrollback (``?before=&limit=``); never wakes the agent
 ``GET  /v1/conversations/{id}/recall``    full-text search (``?q=&k=``)
 ``POST /v1/conversations/{id}/calls/{call_id}``  answer a suspended tool call; streams
@@ -34,6 +38,7 @@ from torpor.serve.proxy import Proxy
 from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, event_data, parse_cursor
 from torpor.serve.streams import follow_response
+from torpor.serve.tickets import StreamTickets, ticket_of
 from torpor.serve.turn_scope import turn_span
 from torpor.text import check_id
 
@@ -118,10 +123,12 @@ def _wants_json(request: Request) -> bool:
 
 
 class ChatAPI:
-    def __init__(self, service: Service, authorize: Authorize) -> None:
+    def __init__(self, service: Service, authorize: Authorize,
+                 tickets: StreamTickets | None = None) -> None:
         self.service = service
         self.rt = service.runtime
         self.authorize = authorize
+        self.tickets = tickets if tickets is not None else StreamTickets()
 
     async def _conversation(self, request: Request, action: Action) -> str:
         return (await self._granted(request, action))[0]
@@ -176,7 +183,13 @@ class ChatAPI:
                                on_left=partial(self.service.client_left, turn))
 
     async def stream(self, request: Request) -> Response:
-        conversation_id = await self._conversation(request, "read")
+        ticket = ticket_of(request)
+        if ticket is None:
+            conversation_id = await self._conversation(request, "read")
+        else:  # the ticket stands for a read permission authorize gave when it was issued
+            conversation_id = path_id(request, "conversation_id", "conversation_id")
+            conversation_id_var.set(conversation_id)
+            self.tickets.check(ticket, conversation_id)
         self.service.readable()
         resume = request.headers.get("last-event-id")
         turn = int_param(request, "turn", None)
@@ -198,6 +211,12 @@ class ChatAPI:
         follower = self.rt.subscribe(conversation_id, after=cursor.position)
         return follow_response(self.service, follower, cursor, until_turn=turn)
 
+    async def stream_ticket(self, request: Request) -> Response:
+        conversation_id = await self._conversation(request, "read")
+        ticket, expires = self.tickets.issue(conversation_id)
+        return json_response({"ticket": ticket, "expires_at": expires,
+                              "ttl": self.tickets.ttl}, status=201)
+
     async def history(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")
         self.service.readable()
@@ -211,6 +230,17 @@ class ChatAPI:
             "events": [event_data(e) for e in events],
             "before": events[-1].position if events and events[-1].position > 0 else None,
         })
+
+    async def pending(self, request: Request) -> Response:
+        """The calls still waiting for an answer, from the store's index (what a page shows
+        approve/deny buttons for: a history page may end between a call's suspension and
+        its answer)."""
+        conversation_id = await self._conversation(request, "read")
+        self.service.readable()
+        calls = await self.rt.store.open_calls(conversation_id)
+        if not calls:
+            await self._known(conversation_id)
+        return json_response({"calls": msgspec.to_builtins(calls)})
 
     async def recall(self, request: Request) -> Response:
         conversation_id = await self._conversation(request, "read")
@@ -261,17 +291,20 @@ class ChatAPI:
         return JSONResponse({"cancelled": cancelled})
 
 
-def chat_routes(service: Service, authorize: Authorize, proxy: Proxy) -> list[Route]:
-    """The routes; on a cluster node the owner answers those another node owns (history and
-    recall read the shared log here)."""
-    api = ChatAPI(service, authorize)
+def chat_routes(service: Service, authorize: Authorize, proxy: Proxy,
+                tickets: StreamTickets | None = None) -> list[Route]:
+    """The routes; on a cluster node the owner answers those another node owns (history,
+    recall and pending calls read the shared store here; a ticket needs no owner)."""
+    api = ChatAPI(service, authorize, tickets)
     base = "/v1/conversations/{conversation_id:path}"
     owned = proxy.route
     return [
         # the routes that answer with a stream run above the routing layers (see deferred)
         Route(base + "/messages", Deferred(owned(api.send)), methods=["POST"]),
         Route(base + "/stream", Deferred(owned(api.stream)), methods=["GET"]),
+        Route(base + "/stream-tickets", api.stream_ticket, methods=["POST"]),
         Route(base + "/history", api.history, methods=["GET"]),
+        Route(base + "/pending", api.pending, methods=["GET"]),
         Route(base + "/recall", api.recall, methods=["GET"]),
         Route(base + "/calls/{call_id}", Deferred(owned(api.resolve)), methods=["POST"]),
         Route(base + "/cancel", owned(api.cancel), methods=["POST"]),

@@ -5,6 +5,12 @@ reconnection that loses no text (``Last-Event-ID``), scrollback that loads
 older pages, and agents per state updating live from the admin's watch. Tokens
 come from the page's fields or its URL fragment (``#token=…&admin=…&c=…``),
 which browsers never send to the server.
+
+Every URL it calls is relative to the page, so it works mounted under a prefix
+(``host.mount("/chat", app(...))``: the page at ``/chat/`` calls ``/chat/v1/…``).
+Approve/deny buttons appear only for calls ``GET …/pending`` lists as open (or
+that the stream suspends later), never for one answered since its history page.
+Below 760 px wide it is one column.
 """
 
 from __future__ import annotations

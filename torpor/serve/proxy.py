@@ -55,6 +55,7 @@ from torpor.cluster import shard_of
 from torpor.errors import NotOwner, StoreUnavailable
 from torpor.runtime import Runtime
 from torpor.serve.problems import OwnerUnreachable
+from torpor.serve.tickets import TICKET_HEADER
 from torpor.serve.traces import forwarded
 
 __all__ = ["HOP_HEADER", "Proxy", "Routing"]
@@ -210,7 +211,11 @@ class Proxy:
         if body is None:
             body = await request.body()
         url = f"http://{target}{request.url.path}"
-        outgoing = client.build_request(request.method, url, params=request.url.query or None,
+        params: Any = request.url.query or None
+        if "ticket" in request.query_params:  # on in a header: httpx logs the URLs it requests
+            headers.append((TICKET_HEADER, request.query_params["ticket"]))
+            params = [(k, v) for k, v in request.query_params.multi_items() if k != "ticket"]
+        outgoing = client.build_request(request.method, url, params=params or None,
                                         headers=headers, content=body)
         sending = asyncio.ensure_future(client.send(outgoing, stream=True))
         # While the owner has not answered, its lease may move (it stopped renewing):

@@ -79,6 +79,7 @@ from torpor.store.protocol import (
     ConversationInfo,
     HintExtractor,
     ModelCall,
+    OpenCall,
     PendingApproval,
     PendingSummary,
     Resume,
@@ -636,6 +637,12 @@ class StoreCore:
         check_after(after)
         check_limit(limit)
         return cast("list[PendingApproval]", await self._reading(self.reads.pending, after, limit))
+
+    async def open_calls(self, conversation_id: str) -> list[OpenCall]:
+        """One conversation's calls waiting for an outside answer, with their arguments."""
+        check_conversation_id(conversation_id)
+        found = await self._reading(self.reads.open_calls, conversation_id)
+        return cast("list[OpenCall]", found)
 
     async def pending_summary(self) -> PendingSummary:
         """How many calls wait for an outside answer, in how many conversations, the oldest."""

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torpor.events import Aborted, AssistantMessage, Body, Resolved, Suspended
+from torpor.store.protocol import OpenCall
 
 __all__ = [
     "INDEXED_KINDS",
@@ -31,6 +33,7 @@ __all__ = [
     "backfill_rows",
     "call_names",
     "named",
+    "open_calls",
     "unnamed",
 ]
 
@@ -131,3 +134,21 @@ def call_names(body: Body) -> Iterable[tuple[str, str]]:
     if isinstance(body, AssistantMessage):
         return [(call.id, call.name) for call in body.tool_calls]
     return []
+
+
+def open_calls(rows: Iterable[tuple[str, str, int, int]], made_by: Body | None) -> list[OpenCall]:
+    """A conversation's index rows (call id, tool, since, position) in log order, with the
+    arguments ``made_by`` (the newest assistant message before the oldest row's Suspended)
+    gave them. While a call waits no model step runs, so that message made every call
+    still waiting; a call it does not hold gets ``{}``."""
+    arguments: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}
+    if isinstance(made_by, AssistantMessage):
+        for call in made_by.tool_calls:
+            arguments[call.id] = call.arguments
+            names[call.id] = call.name
+    return [
+        OpenCall(call_id, tool or names.get(call_id, ""), arguments.get(call_id, {}), since,
+                 position)
+        for call_id, tool, since, position in rows
+    ]

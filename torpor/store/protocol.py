@@ -28,6 +28,7 @@ __all__ = [
     "ModelCall",
     "PendingApproval",
     "PendingCall",
+    "OpenCall",
     "Resume",
     "SearchHit",
     "TokenCounter",
@@ -190,6 +191,17 @@ class PendingCall(msgspec.Struct, frozen=True, gc=False):
 
     call_id: str
     tool: str  # "" for a suspension logged before tool names were recorded
+    since: int  # epoch ms of the Suspended event
+    position: int  # of the Suspended event
+
+
+class OpenCall(msgspec.Struct, frozen=True):
+    """One call of a conversation waiting for an outside answer, with what it asked for
+    (see :meth:`EventStore.open_calls`)."""
+
+    call_id: str
+    tool: str  # "" for a suspension logged before tool names were recorded
+    arguments: dict[str, Any]  # the model's arguments ({} if the log holds no such call)
     since: int  # epoch ms of the Suspended event
     position: int  # of the Suspended event
 
@@ -384,6 +396,12 @@ class EventStore(Protocol):
     ) -> list[PendingApproval]:
         """Conversations with tool calls waiting for an outside answer, ordered by id,
         those after ``after`` (keyset pagination), from an index: never a log scan."""
+        ...
+
+    async def open_calls(self, conversation_id: str) -> list[OpenCall]:
+        """The conversation's calls waiting for an outside answer, in log order, from the
+        pending-approvals index (its primary key), with their arguments from the one
+        assistant message that made them: never a scan of the log."""
         ...
 
     async def pending_summary(self) -> PendingSummary:

@@ -27,6 +27,7 @@ from torpor.store.hits import (
     search_hit,
 )
 from torpor.store.listing import ConversationPage, Cursor, Deletion
+from torpor.store.pending import open_calls as pending_open_calls
 from torpor.store.postgres.delete import _tree as tree
 from torpor.store.postgres.lexemes import search_terms
 from torpor.store.postgres.schema import OPEN_WHERE
@@ -34,6 +35,7 @@ from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
     ModelCall,
+    OpenCall,
     PendingApproval,
     PendingSummary,
     Resume,
@@ -59,6 +61,7 @@ __all__ = [
     "keyed",
     "latest_checkpoint",
     "model_calls",
+    "open_calls",
     "open_work",
     "page_backward",
     "pending",
@@ -391,6 +394,32 @@ async def pending(db: Reader, after: str | None, limit: int) -> list[PendingAppr
     """The next ``limit`` waiting conversations after ``after``, from the index's primary key."""
     rows = await db.fetch(_PENDING, "" if after is None else after, limit)
     return to_pending_approvals(tuple(row) for row in rows)
+
+
+# The conversation's index rows, then (r = 1) the assistant message that made the calls:
+# the newest before their oldest Suspended, a few rows back by the events' primary key.
+_OPEN_CALLS = """
+WITH p AS (
+    SELECT call_id, tool, since, position, ordinal FROM pending_calls WHERE conversation = $1
+)
+SELECT call_id, tool, since, position, ordinal, NULL::bytea AS body, 0 AS r FROM p
+UNION ALL
+(SELECT NULL, NULL, NULL, e.position, NULL, e.body, 1
+ FROM events AS e JOIN conversations AS c ON c.key = e.conversation_id
+ WHERE c.external_id = $1 AND e.kind = 'assistant'
+   AND e.position < (SELECT min(position) FROM p)
+ ORDER BY e.position DESC LIMIT 1)
+"""
+
+
+async def open_calls(db: Reader, name: str) -> list[OpenCall]:
+    """One statement (one snapshot): the rows of one conversation and the message behind."""
+    rows = await db.fetch(_OPEN_CALLS, name)
+    calls = sorted((row for row in rows if row[6] == 0), key=lambda row: (row[3], row[4]))
+    made = [row for row in rows if row[6] == 1]
+    made_by = decode_body(made[0][5], conversation_id=name, position=made[0][3]) \
+        if made else None
+    return pending_open_calls([(r[0], r[1], r[2], r[3]) for r in calls], made_by)
 
 
 async def pending_summary(db: Reader) -> PendingSummary:

@@ -29,10 +29,12 @@ from torpor.store.hits import (
     search_hit,
 )
 from torpor.store.listing import ConversationPage, Cursor, Deletion
+from torpor.store.pending import open_calls as pending_open_calls
 from torpor.store.protocol import (
     Checkpoint,
     ConversationInfo,
     ModelCall,
+    OpenCall,
     PendingApproval,
     PendingSummary,
     Resume,
@@ -62,6 +64,7 @@ __all__ = [
     "keyed",
     "latest_checkpoint",
     "model_calls",
+    "open_calls",
     "open_work",
     "page_backward",
     "pending",
@@ -433,6 +436,34 @@ def pending(conn: sqlite3.Connection, after: str | None, limit: int) -> list[Pen
 
     return _snapshot(conn, read)
 
+
+
+_OPEN_CALLS = (
+    "SELECT call_id, tool, since, position FROM pending_calls WHERE conversation = ? "
+    "ORDER BY position, ordinal"
+)
+# The assistant message that made the calls: the newest before their Suspended (a few rows
+# back: the tool results of the same step lie between).
+_MADE_BY = (
+    "SELECT position, body FROM events WHERE conversation_id = " + _KEY + " AND position < ? "
+    "AND kind = 'assistant' ORDER BY position DESC LIMIT 1"
+)
+
+
+def open_calls(conn: sqlite3.Connection, name: str) -> list[OpenCall]:
+    """The index's rows of one conversation (its primary key's range), then the assistant
+    message that made them, in one snapshot."""
+
+    def read() -> list[OpenCall]:
+        rows = conn.execute(_OPEN_CALLS, (name,)).fetchall()
+        if not rows:
+            return []
+        found = conn.execute(_MADE_BY, (name, min(row[3] for row in rows))).fetchone()
+        made_by = None if found is None else decode_body(
+            found[1], conversation_id=name, position=found[0])
+        return pending_open_calls(rows, made_by)
+
+    return _snapshot(conn, read)
 
 
 def pending_summary(conn: sqlite3.Connection) -> PendingSummary:
