@@ -5,23 +5,21 @@ approval response, a resume after the network drops mid-answer, and an abort as 
 protocol's error chunk.
 
 ``npm ci`` installs the pinned ``ai`` (tests/ai_sdk/package-lock.json) once into a cache
-folder (``TORPOR_NPM_CACHE``, default ``~/.cache/torpor``), keyed by the lockfile. Without
+folder (see :mod:`npm_packages`; ``.ci/run`` installs it before the tests). Without
 node and npm, or when npm cannot install, the test skips saying why, unless
 ``TORPOR_REQUIRE_NPM=1`` (CI sets it): then it fails."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from npm_packages import NpmUnavailable, ai_sdk
 from serve_support import ADMIN, TOKEN, serving
 
 from torpor import AgentConfig, ExternalTool, Runtime, ScriptedModel, tool
@@ -29,7 +27,6 @@ from torpor.errors import ModelRateLimited
 from torpor.llm.scripted import Call, Fail, Signal, Text, Wait
 from torpor.serve import app, bearer_token
 
-HERE = Path(__file__).parent / "ai_sdk"
 FIRST, SECOND = "The first half of a long answer, ", "and its second half. 🎉"
 SECRET = "provider says: account 1234 over quota"
 
@@ -43,37 +40,14 @@ async def lookup(city: str) -> str:
     return f"sunny in {city}"
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("TORPOR_REQUIRE_NPM") == "1":
-        pytest.fail(f"TORPOR_REQUIRE_NPM=1 but {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def chat_script() -> Path:
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        _unavailable("node and npm are needed for the AI SDK client")
-    assert npm is not None
-    lock = (HERE / "package-lock.json").read_bytes()
-    cache = Path(os.environ.get("TORPOR_NPM_CACHE") or Path.home() / ".cache" / "torpor")
-    folder = cache / f"ai-sdk-{hashlib.sha256(lock).hexdigest()[:16]}"
-    installed = folder / "node_modules" / "ai" / "package.json"
-    if not installed.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in ("package.json", "package-lock.json"):
-            shutil.copyfile(HERE / name, folder / name)
-        try:
-            done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--silent"],
-                                  cwd=folder, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            _unavailable(f"npm could not install the ai package: {exc!r}")
-        if done.returncode != 0 or not installed.is_file():
-            _unavailable(f"npm could not install the ai package: "
-                         f"{(done.stderr or done.stdout)[-400:]}")
-    script = folder / "chat.mjs"
-    shutil.copyfile(HERE / "chat.mjs", script)  # beside its node_modules: how ESM finds `ai`
-    return script
+    try:
+        return ai_sdk() / "chat.mjs"
+    except NpmUnavailable as exc:
+        if os.environ.get("TORPOR_REQUIRE_NPM") == "1":
+            pytest.fail(f"TORPOR_REQUIRE_NPM=1, but {exc}")
+        pytest.skip(str(exc))
 
 
 class CuttingProxy:
