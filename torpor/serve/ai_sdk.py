@@ -442,6 +442,9 @@ class AISDKChat:
         conversation_id = path_id(request, "conversation_id", "id")
         await self._permit(request, conversation_id, "read")
         self.service.readable()
+        # On a cluster node another node may own it: subscribing raises NotOwner (the proxy
+        # then asks the owner, whose memory knows the turn in flight) before anything is read.
+        self.rt.subscribe(conversation_id).close()
         # The head first: a suspension logged after it ends the stream, one before it (the
         # agent ran on past it, as inspect then says) is part of the answer being replayed.
         head = await self.rt.store.head(conversation_id)
