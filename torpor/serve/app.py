@@ -25,6 +25,7 @@ from torpor.errors import TorporError
 from torpor.runtime import Runtime
 from torpor.serve.access import AdminClients, Authorize
 from torpor.serve.admin import admin_routes
+from torpor.serve.ai_sdk import ai_sdk_routes
 from torpor.serve.chat import chat_routes
 from torpor.serve.conversations import conversation_routes
 from torpor.serve.deferred import DEFER, Deferred, deferred
@@ -269,6 +270,7 @@ def app(
     routes: list[BaseRoute] = [
         *conversation_routes(service, authorize, proxy),
         *chat_routes(service, authorize, proxy, tickets),
+        *ai_sdk_routes(service, authorize, proxy),
         *admin_routes(service, admin_token, clients),
         Route("/healthz", _health(service), methods=["GET"]),
     ]
