@@ -45,7 +45,8 @@ from torpor.llm.scripted import Call, Fail, Text, Wait
 APPROVE = ExternalTool("approve", "Ask a person.", {"type": "object", "properties": {}})
 # Astral characters, a ZWJ family, a flag, skin tones and combining marks: what offsets in
 # code points and UTF-16 units disagree on, and what a cut inside a character breaks.
-PIECES = ["Hé 👋🏽 ", "la famille 👨‍👩‍👧 ", "e\u0301t\u0301é 🇫🇷 ", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ",
+PIECES = ["Hé 👋🏽 ", "la famille 👨‍👩‍👧 ", "e\u0301t\u0301é 🇫🇷 ",
+          "\U0001d518\U0001d52b\U0001d526 ",
           "mi\u0308d 🎉", " done 🧪."]
 
 
@@ -209,6 +210,12 @@ async def test_errors_are_the_runtimes_types() -> None:
             await c.resolve("b", "no-such-call", "x")
         gate.set()
         assert (await running.result()).text == "done"
+        # the second POST's stream: only its own turn's items, whatever the server sends
+        items = [item async for item in waiting]
+        assert [(e.turn, e.kind) for e in items if isinstance(e, Event)] == [
+            (2, "user"), (2, "assistant")]
+        if all(d.turn is not None for d in items if isinstance(d, tc.Delta)):
+            assert deltas(items) == "done"  # a server that tags deltas with their turn
         assert isinstance(await waiting.result(), AssistantMessage)
         assert (running.number, waiting.number) == (1, 2)
         # 503 Draining with Retry-After, while the server shuts down
