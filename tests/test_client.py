@@ -294,6 +294,26 @@ async def test_resolve_cancel_and_history() -> None:
         assert isinstance(every[-1], Event) and every[-1].body == UserMessage("deploy?")
 
 
+async def test_a_turn_is_picked_up_by_its_number() -> None:
+    model = ScriptedModel(["first answer 👋🏽", "second answer"])
+    async with Runtime("sqlite://", model=model) as rt, through_proxy(rt) as (_p, c, _u, _a):
+        sent = await c.send("p", "one")
+        items = [item async for item in sent]
+        await (await c.send("p", "two")).result()
+        again = c.turn("p", 1, after="-1")  # another process, from the conversation's start
+        replayed = [item async for item in again]
+        assert [(e.position, e.kind) for e in replayed if isinstance(e, Event)] == [
+            (0, "user"), (1, "assistant")]
+        assert (await again.result()).text == "first answer 👋🏽"  # logged: no deltas again
+        tagged = [d for d in items if isinstance(d, tc.Delta)]
+        if tagged and tagged[0].turn is not None:  # a server with turn-scoped streams
+            # from the turn's start without an id; and from past its end: the log's end
+            assert (await c.turn("p", 1).result()).text == "first answer 👋🏽"
+            over = c.turn("p", 1, after="1")
+            assert [item async for item in over] == []
+            assert (await over.result()).text == "first answer 👋🏽"
+
+
 def test_turn_filter_keeps_its_own_items_only() -> None:
     def ev(position: int, turn: int, body: Any) -> Event:
         return Event("c", position, turn, 1, 0, body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from torpor.client.items import Item, decode_item
-from torpor.client.stream import ResumingStream
+from torpor.client.stream import ResumingStream, StreamOver
 
 __all__ = ["Follow"]
 
@@ -33,6 +33,8 @@ class Follow:
             raise StopAsyncIteration
         try:
             event = await self._stream.next()
+        except StreamOver:  # the server has nothing more for this cursor
+            raise StopAsyncIteration from None
         except Exception:  # a typed error or ServerUnreachable: the stream is over
             await self._stream.aclose()
             raise

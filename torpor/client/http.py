@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -14,7 +15,7 @@ from urllib.parse import quote
 import httpx
 
 from torpor.client.follow import Follow
-from torpor.client.items import Delta, Item, Other, decode_item, decode_value
+from torpor.client.items import Delta, Item, Other, decode_item, decode_value, ends_turn
 from torpor.client.problems import ServerUnreachable, error_for, problem_from
 from torpor.client.sse import SSEParser
 from torpor.client.stream import Connection, Opener, ResumingStream, Settings
@@ -104,12 +105,14 @@ class Client:
                                  self._path(conversation_id, "calls", call_id),
                                  {"result": result, "is_error": is_error}, key)
 
-    def turn(self, conversation_id: str, number: int, *, after: str) -> Turn:
-        """Follow turn ``number`` from the event id ``after`` (a turn this process did not
-        start, or one it started before it restarted)."""
+    def turn(self, conversation_id: str, number: int, *, after: str | None = None) -> Turn:
+        """Follow turn ``number`` after the event id ``after`` (a turn this process did not
+        start, or one it started before it restarted); None: from the turn's start (a
+        server with turn-scoped streams; an older one starts from now)."""
         stream = ResumingStream(self._turn_opener(conversation_id, number), self.settings,
                                 conversation_id, parser=SSEParser(after))
-        return Turn(stream, conversation_id, number, None)
+        return Turn(stream, conversation_id, number, None,
+                    find_end=partial(self._turn_end, conversation_id))
 
     def follow(self, conversation_id: str, *, after: str | int | None = None) -> Follow:
         """Every item of the conversation after the event id ``after`` (-1: from its first
@@ -171,6 +174,13 @@ class Client:
         return "/".join(["v1/conversations", *(quote(part, safe="")
                                                for part in (conversation_id, *rest))])
 
+    async def _turn_end(self, conversation_id: str, number: int) -> Event | None:
+        """Turn ``number``'s logged end, read back from the head."""
+        async for event in self.scroll(conversation_id):
+            if isinstance(event, Event) and event.turn <= number:
+                return event if ends_turn(event, number) else None
+        return None
+
     async def _head(self, conversation_id: str) -> int:
         try:
             page = await self.history(conversation_id, limit=1)
@@ -194,7 +204,7 @@ class Client:
             # ?turn=: a server with turn-scoped streams sends this turn alone (and ends
             # the stream with it); one without ignores it, and Turn filters
             return await self._open("GET", path, params={"turn": number},
-                                    headers={"Last-Event-ID": last_id or "-1"})
+                                    headers={"Last-Event-ID": last_id} if last_id else {})
 
         return reopen
 
@@ -261,7 +271,8 @@ class Client:
             assert isinstance(first, Event)
             stream = ResumingStream(self._turn_opener(conversation_id, first.turn),
                                     self.settings, conversation_id, connection=connection)
-            return Turn(stream, conversation_id, first.turn, key, pending)
+            return Turn(stream, conversation_id, first.turn, key, pending,
+                        find_end=partial(self._turn_end, conversation_id))
 
     def _failed(self, failures: int, what: str, cause: BaseException | None) -> int:
         failures += 1

@@ -23,12 +23,17 @@ from torpor._logging import get_logger
 from torpor.client.problems import ServerUnreachable, error_for, problem_from
 from torpor.client.sse import ServerSentEvent, SSEParser
 
-__all__ = ["Connection", "Opener", "ResumingStream", "Settings"]
+__all__ = ["Connection", "Opener", "ResumingStream", "Settings", "StreamOver"]
 
 log = get_logger("torpor.client")
 
 # Answers after which reconnecting may help: the server restarts, drains or moves.
 RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class StreamOver(Exception):
+    """The server has nothing more for this cursor (204: a turn's stream asked for from
+    past the turn's end)."""
 
 
 class Settings:
@@ -182,6 +187,10 @@ class ResumingStream:
                 continue
             if response.status_code == 200:
                 return Connection(response, self.parser)
+            if response.status_code == 204:
+                await response.aclose()
+                self.closed = True
+                raise StreamOver(self.last_id)
             body = await _json_of(response)
             problem = problem_from(response.status_code, body, response.headers)
             error = error_for(problem, self._conversation_id)

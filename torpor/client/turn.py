@@ -17,11 +17,12 @@ fields (``error_type``, ``retryable``, ``retry_after``, ``status``, ``message``)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 
 from torpor.client.items import Delta, Item, decode_item, ends_turn, turn_aborted
-from torpor.client.stream import ResumingStream
+from torpor.client.problems import HTTPError, Problem
+from torpor.client.stream import ResumingStream, StreamOver
 from torpor.events import Aborted, AssistantMessage, Event, Suspended
 
 __all__ = ["Turn", "TurnFilter"]
@@ -57,11 +58,14 @@ class TurnFilter:
 class Turn:
     """One turn of a conversation, from its start (see the module doc)."""
 
-    __slots__ = ("_end", "_filter", "_pending", "_stream", "conversation_id", "key")
+    __slots__ = ("_end", "_filter", "_find_end", "_pending", "_stream", "conversation_id",
+                 "key")
 
     def __init__(self, stream: ResumingStream, conversation_id: str, number: int,
-                 key: str | None, pending: Iterable[Item] = ()) -> None:
+                 key: str | None, pending: Iterable[Item] = (), *,
+                 find_end: Callable[[int], Awaitable[Event | None]] | None = None) -> None:
         self._stream = stream
+        self._find_end = find_end  # the turn's logged end, when the server says it is over
         self.conversation_id = conversation_id
         self.key = key
         self._filter = TurnFilter(number)
@@ -95,6 +99,13 @@ class Turn:
         while True:
             try:
                 event = await self._stream.next()
+            except StreamOver:
+                # resumed from past the turn's end (``turn(after=…)``): read it from the log
+                self._end = await self._find_end(self.number) if self._find_end else None
+                if self._end is None:
+                    raise HTTPError(Problem(204, "TurnOver", f"turn {self.number} is over "
+                                            "and its end was not found")) from None
+                raise StopAsyncIteration from None
             except Exception:  # a typed error or ServerUnreachable: the stream is over
                 await self._stream.aclose()
                 raise
