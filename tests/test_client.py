@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from cut_proxy import CutProxy
 from serve_support import TOKEN, served, service_of
@@ -175,6 +176,7 @@ async def test_a_reconnect_waits_the_servers_retry(caplog: pytest.LogCaptureFixt
             if isinstance(item, tc.Delta):
                 release_next(gates)
         await turn.result()
+        await c.turn("r", 1, after="-1").result()  # a first connection: no wait at all
     delays = [r.delay for r in caplog.records if r.getMessage().startswith("stream_reconnect")]
     assert proxy.cuts == 1 and delays == [0.007]
 
@@ -312,6 +314,32 @@ async def test_a_turn_is_picked_up_by_its_number() -> None:
             over = c.turn("p", 1, after="1")
             assert [item async for item in over] == []
             assert (await over.result()).text == "first answer 👋🏽"
+
+
+async def test_follow_from_now_starts_at_the_head() -> None:
+    async with Runtime("sqlite://", model=EchoModel()) as rt, \
+            through_proxy(rt) as (_p, c, _u, _a):
+        await (await c.send("n", "before")).result()
+        async with c.follow("n") as follow:  # from now: what is logged from here on
+            turn = await c.send("n", "after")
+            first = await anext(follow)
+            await turn.aclose()
+    assert isinstance(first, Event) and (first.position, first.body) == (
+        2, UserMessage("after"))
+
+
+async def test_an_unreachable_server_raises_after_the_retries() -> None:
+    from torpor.serve import bind
+
+    sock = bind("127.0.0.1", 0)  # a port nobody listens on once closed
+    port = sock.getsockname()[1]
+    sock.close()
+    async with tc.Client(f"http://127.0.0.1:{port}", retries=2, reconnect_delay=0) as c:
+        with pytest.raises(tc.ServerUnreachable) as unreachable:
+            await c.send("u", "hello")
+        with pytest.raises(tc.ServerUnreachable):
+            await anext(c.follow("u", after=-1))
+    assert isinstance(unreachable.value.__cause__, httpx.ConnectError)
 
 
 def test_turn_filter_keeps_its_own_items_only() -> None:

@@ -13,7 +13,10 @@ __all__ = ["Follow"]
 class Follow:
     """``async for item in follow``: every item of the conversation after the cursor it
     started from, live, each once, reconnecting (from :attr:`last_id`) whenever the
-    connection drops. ``last_id`` is where to start again later (``follow(after=…)``)."""
+    connection drops. ``last_id`` is where to start again later (``follow(after=…)``).
+
+    The stream opens on ``async with`` (so "from now", ``after=None``, means from
+    there), else on the first iteration."""
 
     __slots__ = ("_stream", "conversation_id")
 
@@ -44,6 +47,13 @@ class Follow:
         await self._stream.aclose()
 
     async def __aenter__(self) -> Follow:
+        try:
+            await self._stream.connect()
+        except StreamOver:
+            pass  # nothing follows: the first iteration ends
+        except Exception:
+            await self._stream.aclose()
+            raise
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, value: BaseException | None,

@@ -116,7 +116,8 @@ class Client:
 
     def follow(self, conversation_id: str, *, after: str | int | None = None) -> Follow:
         """Every item of the conversation after the event id ``after`` (-1: from its first
-        event; None: from now on), live, through dropped connections."""
+        event; None: from now on, that is from ``async with`` or the first iteration),
+        live, through dropped connections."""
         start = None if after is None else str(after)
         path = self._path(conversation_id, "stream")
 

@@ -98,7 +98,7 @@ Opener = Callable[[str | None], Awaitable[httpx.Response]]
 class ResumingStream:
     """Events from ``connection`` and, once it drops, from ``reopen(last id)``."""
 
-    __slots__ = ("_conn", "_conversation_id", "_failures", "_progress", "_reopen",
+    __slots__ = ("_conn", "_conversation_id", "_failures", "_opened", "_progress", "_reopen",
                  "_retry_after", "_settings", "closed", "parser")
 
     def __init__(self, reopen: Opener, settings: Settings, conversation_id: str, *,
@@ -110,12 +110,18 @@ class ResumingStream:
         self._conn = connection
         self._failures = 0  # attempts in a row that brought no event
         self._progress = connection is not None
+        self._opened = connection is not None  # a connection was made (or tried) before
         self._retry_after: float | None = None
         self.closed = False
 
     @property
     def last_id(self) -> str | None:
         return self.parser.last_id
+
+    async def connect(self) -> None:
+        """Open the stream now, if it is not open (else the first ``next`` does)."""
+        if self._conn is None:
+            self._conn = await self._connect()
 
     async def next(self) -> ServerSentEvent:
         """The next event, reconnecting as needed."""
@@ -173,13 +179,15 @@ class ResumingStream:
 
     async def _connect(self) -> Connection:
         while True:
-            delay = self._settings.delay(self._failures, self.parser.retry_ms,
-                                         self._retry_after)
-            self._retry_after = None
-            log.debug("stream_reconnect", conversation_id=self._conversation_id,
-                      last_id=self.last_id, delay=delay)
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if self._opened:  # a reconnect waits; the first connection does not
+                delay = self._settings.delay(self._failures, self.parser.retry_ms,
+                                             self._retry_after)
+                self._retry_after = None
+                log.debug("stream_reconnect", conversation_id=self._conversation_id,
+                          last_id=self.last_id, delay=delay)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            self._opened = True
             try:
                 response = await self._reopen(self.last_id)
             except httpx.TransportError as exc:
