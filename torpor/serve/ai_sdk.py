@@ -145,6 +145,11 @@ class UIChunks:
         if self.done:
             return out
         if isinstance(item, TextDelta):
+            turn = getattr(item, "turn", None)  # a TurnDelta says whose text it is
+            if turn is not None:
+                if turn != self.turn:
+                    return out
+                self.live = True
             if self.live and item.text:
                 self._text(out, item.text)
             return out
