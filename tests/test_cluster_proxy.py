@@ -60,13 +60,14 @@ class Node:
 
 @asynccontextmanager
 async def node(
-    db: str, name: str, model: Any, *, handoff_deadline: float = 5.0, **options: Any
+    db: str, name: str, model: Any, *, handoff_deadline: float = 5.0, lease_ttl: float = 1.0,
+    **options: Any,
 ) -> AsyncIterator[Node]:
     """A cluster node served on 127.0.0.1; its app's lifespan runs the runtime."""
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     rt = Runtime(db, model=model, node=NodeConfig(
-        node_id=name, address=f"127.0.0.1:{port}", lease_ttl=1.0, shards=SHARDS,
+        node_id=name, address=f"127.0.0.1:{port}", lease_ttl=lease_ttl, shards=SHARDS,
         handoff_deadline=handoff_deadline))
     application = app(rt, authorize=bearer_token(TOKEN), admin_token=ADMIN, page=False,
                       **options)

@@ -467,7 +467,10 @@ async def test_a_proxied_turn_on_the_owner_node_is_a_child_of_the_requests_trace
     from torpor.serve.proxy import OWNER_HEADER
 
     provider, exporter = spans
-    async with node(pg_url, "a", EchoModel()) as a, node(pg_url, "b", EchoModel()) as b:
+    # A longer lease than the proxy tests' 1 s: this test is about the trace, and a renewal
+    # a loaded machine delays past 1 s would move the shard mid-request (a 503, not a trace).
+    async with node(pg_url, "a", EchoModel(), lease_ttl=10.0) as a, \
+            node(pg_url, "b", EchoModel(), lease_ttl=10.0) as b:
         instrument(a.rt, provider)
         instrument(b.rt, provider)
         held = await split(a, b)
