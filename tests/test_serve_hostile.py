@@ -89,6 +89,26 @@ async def test_a_cursor_past_every_position_is_422_before_the_stream() -> None:
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
 
 
+async def test_query_integers_are_ascii_digits_only() -> None:
+    """Python's int() takes " 1", "1_0" (10) and other scripts' digits (Arabic-Indic one):
+    ``?turn=1_0`` must not be turn 10, nor ``?limit=%D9%A1`` a limit of 1."""
+    async with Runtime("sqlite://", model=ScriptedModel(["a"] * 12)) as rt, \
+            served(rt) as (_, client, _app):
+        for _ in range(10):
+            await (await rt.send("c", "hi")).result()
+        for query in ("turn=1_0", "turn=%201", "turn=%D9%A1", "turn=1.0", "turn=0x1",
+                      "turn=%2B1", "turn=" + "9" * 21):
+            status, _, body = await raw(client, "GET", f"/v1/conversations/c/stream?{query}")
+            assert status == 422, (query, body)
+            assert b'"error":"InvalidInput"' in body and b"must be an integer" in body
+        for query in ("limit=%D9%A1", "before=%201", "limit=1_0"):
+            status, _, body = await raw(client, "GET", f"/v1/conversations/c/history?{query}")
+            assert status == 422, (query, body)
+        for query, expected in (("turn=10", 200), ("turn=-1", 404), ("turn=11", 404)):
+            status, _, body = await raw(client, "GET", f"/v1/conversations/c/stream?{query}")
+            assert status == expected, (query, body)
+
+
 def test_bearer_tokens_refuses_a_user_name_that_extends_another() -> None:
     """README: a table where one user name is another followed by the separator is refused
     (``alice`` would own every ``alice:team:…`` conversation)."""

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -107,14 +108,19 @@ def path_id(request: Request, name: str, what: str) -> str:
     return check_id(value, what)
 
 
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
+
+
 def int_param(request: Request, name: str, default: int | None) -> int | None:
+    """A query parameter as an integer: ASCII digits only, since Python's ``int`` would also
+    take ``" 1"``, ``"1_0"`` (10) and other scripts' digits, so ``?turn=1_0`` would be turn 10."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidInput(name, f"must be an integer, got {raw[:40]!r}") from None
+    if _INTEGER.fullmatch(raw) is None:
+        raise InvalidInput(name, f"must be an integer (ASCII digits, at most 20), got "
+                           f"{raw[:40]!r}")
+    return int(raw)
 
 
 def _wants_json(request: Request) -> bool:
