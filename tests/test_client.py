@@ -388,3 +388,97 @@ def test_the_client_imports_without_starlette_or_uvicorn() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- a server that is not torpor (a proxy's page, a redirect, a stream without end) ----------
+
+@asynccontextmanager
+async def answering(answer: bytes, tail: bytes = b"", repeat: int = 0) -> AsyncIterator[str]:
+    """A loopback HTTP server that reads a request and writes ``answer``, then ``tail``
+    ``repeat`` times, then closes; yields its base URL."""
+    import asyncio
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                           if h.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(answer)
+            for _ in range(repeat):
+                writer.write(tail)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client gave up on us: what the test wants
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+def _head(status: str, content_type: str, extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\nconnection: close\r\n"
+            f"{extra}\r\n").encode()
+
+
+@pytest.mark.parametrize("answer", [
+    _head("200 OK", "text/html") + b"<html>sign in</html>",
+    _head("302 Found", "text/html", "location: /login\r\n"),
+    _head("202 Accepted", "application/json") + b'{"queued": true}',
+], ids=["html-page", "redirect", "json-202"])
+async def test_a_send_answered_without_a_stream_is_a_typed_error(answer: bytes) -> None:
+    """Not an AssertionError: the send was answered by something that is not torpor."""
+    async with answering(answer) as url, tc.Client(url, retries=0) as c:
+        with pytest.raises(tc.HTTPError) as refused:
+            await c.send("a", "hi")
+        assert refused.value.problem.error == "NotAnEventStream"
+        with pytest.raises(tc.HTTPError):
+            await c.resolve("a", "call", "ok")  # resolve's only stream-less answer is 202 JSON
+
+
+async def test_a_resolve_answered_202_has_no_continuation() -> None:
+    answer = _head("202 Accepted", "application/json") + \
+        b'{"resolved": "call", "continuation": false, "replayed": false}'
+    async with answering(answer) as url, tc.Client(url, retries=0) as c:
+        assert await c.resolve("a", "call", "ok") is None
+
+
+@pytest.mark.parametrize("tail", [b"x" * 4096, b"data: " + b"x" * 1000 + b"\n"],
+                         ids=["a-line-without-end", "an-event-without-end"])
+async def test_a_stream_without_end_of_line_or_event_raises_instead_of_growing(
+        tail: bytes) -> None:
+    """A server that never ends a line (or an event) costs the client at most its cap."""
+    head = _head("200 OK", "text/event-stream")
+    async with answering(head, tail, repeat=10_000) as url, \
+            tc.Client(url, retries=0, max_event_chars=100_000) as c:
+        with pytest.raises(tc.EventTooLong):
+            await anext(c.follow("a", after=-1))
+        with pytest.raises(tc.EventTooLong):
+            await c.send("a", "hi")
+
+
+async def test_a_history_page_of_the_wrong_shape_is_an_empty_page() -> None:
+    answer = _head("200 OK", "application/json") + b'{"events": 5, "before": "x"}'
+    async with answering(answer) as url, tc.Client(url, retries=0) as c:
+        page = await c.history("a")
+        assert page.events == [] and page.before is None
+
+
+async def test_lines_end_at_crlf_lf_or_cr_split_anywhere() -> None:
+    from torpor.client.sse import lines
+
+    async def chunks(*parts: str) -> AsyncIterator[str]:
+        for part in parts:
+            yield part
+
+    got = [line async for line in lines(chunks("a\r", "\nb\n", "\r", "\n", "\r", "c\rd",
+                                               "e\r\n\n", "cut off"))]
+    # "\r" then "\n" is one end; the lone "\n" after the CRLF is an empty line; the text
+    # after the last end never completes
+    assert got == ["a", "b", "", "", "c", "de", ""]
+    with pytest.raises(tc.EventTooLong):
+        [line async for line in lines(chunks("ab", "cd", "e\n"), limit=4)]
+    assert [line async for line in lines(chunks("ab", "cd\n"), limit=4)] == ["abcd"]

@@ -20,6 +20,7 @@ from torpor.client.http import Client, HistoryPage
 from torpor.client.items import Delta, Item, Other
 from torpor.client.problems import (
     Draining,
+    EventTooLong,
     Forbidden,
     HTTPError,
     OwnerUnreachable,
@@ -34,6 +35,7 @@ __all__ = [
     "Client",
     "Delta",
     "Draining",
+    "EventTooLong",
     "Follow",
     "Forbidden",
     "HTTPError",

@@ -16,8 +16,15 @@ import httpx
 
 from torpor.client.follow import Follow
 from torpor.client.items import Delta, Item, Other, decode_item, decode_value, ends_turn
-from torpor.client.problems import ServerUnreachable, error_for, problem_from
-from torpor.client.sse import SSEParser
+from torpor.client.problems import (
+    HTTPError,
+    Problem,
+    ServerUnreachable,
+    error_for,
+    problem_from,
+    retry_after_of,
+)
+from torpor.client.sse import MAX_EVENT_CHARS, SSEParser
 from torpor.client.stream import Connection, Opener, ResumingStream, Settings
 from torpor.client.turn import Turn
 from torpor.errors import UnknownConversation
@@ -51,15 +58,17 @@ class Client:
     may fail (a network error, a drop with no event, a 502/503/504) before
     :class:`ServerUnreachable`; between them the client waits ``reconnect_delay``
     seconds (default: the server's ``retry:``, else 1 s), doubled per failure up to
-    ``max_reconnect_delay``, and at least a 503's ``Retry-After``. ``transport``: an
-    httpx transport (a test's ``ASGITransport``, a proxy).
+    ``max_reconnect_delay``, and at least a 503's ``Retry-After``. ``max_event_chars``:
+    a stream's longest line or event (longer raises :class:`EventTooLong`: not a torpor
+    server's). ``transport``: an httpx transport (a test's ``ASGITransport``, a proxy).
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 30.0,
                  idle_timeout: float = 45.0, retries: int = 5,
                  reconnect_delay: float | None = None, max_reconnect_delay: float = 30.0,
                  headers: Mapping[str, str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 max_event_chars: int = MAX_EVENT_CHARS) -> None:
         sent = {"User-Agent": "torpor-client", **(headers or {})}
         if token is not None:
             sent["Authorization"] = f"Bearer {token}"
@@ -67,6 +76,7 @@ class Client:
                                        timeout=httpx.Timeout(timeout), transport=transport)
         self._stream_timeout = httpx.Timeout(timeout, read=idle_timeout)
         self.settings = Settings(retries, reconnect_delay, max_reconnect_delay)
+        self._max_event = max_event_chars
 
     async def __aenter__(self) -> Client:
         return self
@@ -92,7 +102,9 @@ class Client:
         key = key if key is not None else uuid.uuid4().hex
         turn = await self._start(conversation_id, self._path(conversation_id, "messages"),
                                  {"text": text}, key)
-        assert turn is not None  # a message always streams its turn
+        if turn is None:  # a message always streams its turn: this is no torpor server
+            raise HTTPError(Problem(202, "NotAnEventStream", "the message was answered "
+                                    "without its turn's stream"))
         return turn
 
     async def resolve(self, conversation_id: str, call_id: str, result: str, *,
@@ -110,7 +122,7 @@ class Client:
         start, or one it started before it restarted); None: from the turn's start (a
         server with turn-scoped streams; an older one starts from now)."""
         stream = ResumingStream(self._turn_opener(conversation_id, number), self.settings,
-                                conversation_id, parser=SSEParser(after))
+                                conversation_id, parser=SSEParser(after, limit=self._max_event))
         return Turn(stream, conversation_id, number, None,
                     find_end=partial(self._turn_end, conversation_id))
 
@@ -128,7 +140,8 @@ class Client:
             return await self._open("GET", path, headers={"Last-Event-ID": last_id or start or
                                                           "-1"})
 
-        stream = ResumingStream(reopen, self.settings, conversation_id, parser=SSEParser())
+        stream = ResumingStream(reopen, self.settings, conversation_id,
+                                parser=SSEParser(limit=self._max_event))
         return Follow(stream, conversation_id)
 
     async def cancel(self, conversation_id: str) -> bool:
@@ -149,7 +162,8 @@ class Client:
         data = await self._request("GET", self._path(conversation_id, "history"),
                                    conversation_id, params=params)
         events: list[Event | Other] = []
-        for value in data.get("events", ()) if isinstance(data, dict) else ():
+        values = data.get("events") if isinstance(data, dict) else None
+        for value in values if isinstance(values, list) else ():
             kind = value.get("kind", "") if isinstance(value, dict) else ""
             item = decode_value(kind, value, None, conversation_id)
             assert not isinstance(item, Delta)  # history holds logged events only
@@ -250,11 +264,21 @@ class Client:
                 await response.aclose()
                 raise error_for(problem_from(response.status_code, _json(response),
                                              response.headers), conversation_id, key)
-            if not response.headers.get("content-type", "").startswith("text/event-stream"):
-                await response.aread()  # resolve's 202: answered, no continuation yet
+            content_type = response.headers.get("content-type", "")
+            if not content_type.startswith("text/event-stream"):
+                await response.aread()
                 await response.aclose()
-                return None
-            connection = Connection(response, SSEParser())
+                answer = _json(response)
+                if response.status_code == 202 and isinstance(answer, dict) \
+                        and "resolved" in answer:
+                    return None  # resolve's 202: answered, no continuation yet
+                # a redirect, a proxy's HTML page: not a torpor answer, and nothing to follow
+                raise HTTPError(Problem(
+                    response.status_code, "NotAnEventStream",
+                    f"expected an event stream, got {response.status_code} "
+                    f"{content_type or 'without a content type'}", retry_after_of(
+                        response.headers), response.headers.get("x-request-id")))
+            connection = Connection(response, SSEParser(limit=self._max_event))
             try:
                 pending = await self._first_event(connection, conversation_id, key)
             except httpx.TransportError as exc:

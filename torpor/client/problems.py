@@ -23,6 +23,7 @@ from torpor.errors import TorporError
 
 __all__ = [
     "Draining",
+    "EventTooLong",
     "Forbidden",
     "HTTPError",
     "OwnerUnreachable",
@@ -88,6 +89,11 @@ class OwnerUnreachable(HTTPError):
 class ServerUnreachable(TorporError):
     """The server could not be reached (or kept dropping the connection) through every
     retry; the last network error is the ``__cause__``."""
+
+
+class EventTooLong(TorporError):
+    """A stream sent a line or an event longer than the client's ``max_event_chars``: no
+    torpor server does (a proxy's garbage, or a store allowing larger events)."""
 
 
 _HTTP: dict[str, type[HTTPError]] = {

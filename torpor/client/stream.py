@@ -21,7 +21,7 @@ import msgspec
 
 from torpor._logging import get_logger
 from torpor.client.problems import ServerUnreachable, error_for, problem_from
-from torpor.client.sse import ServerSentEvent, SSEParser
+from torpor.client.sse import ServerSentEvent, SSEParser, lines
 
 __all__ = ["Connection", "Opener", "ResumingStream", "Settings", "StreamOver"]
 
@@ -71,7 +71,7 @@ class Connection:
     def __init__(self, response: httpx.Response, parser: SSEParser) -> None:
         self.response = response
         self.parser = parser
-        self._lines: AsyncIterator[str] = response.aiter_lines()
+        self._lines: AsyncIterator[str] = lines(response.aiter_text(), parser.limit)
 
     async def next(self) -> ServerSentEvent | None:
         """The next complete event; None when the body ended."""
