@@ -61,6 +61,9 @@ class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False, omit_defaul
 
     text: str
     metadata: dict[str, Any] | None = None
+    # The schedule that logged it (``Runtime.schedule``), not a person: the model is shown
+    # the text as "[scheduled] text" (torpor.compaction.slots). None: a person's message.
+    scheduled: str | None = None
 
 
 class AssistantMessage(
