@@ -63,6 +63,7 @@ from torpor.text import repair_text
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
+    from torpor.store.schedules import Firing
 
 __all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "logged", "run_steps"]
 
@@ -106,6 +107,7 @@ async def logged(
     key: str | None = None,
     audit: ModelCall | None = None,
     apply: bool = False,
+    fired: Firing | None = None,
 ) -> list[Event]:
     """Append at our head, one writer at a time, and tell the followers.
 
@@ -149,6 +151,10 @@ async def logged(
             events: list[Event]
             if audited is not None:
                 events = await audited(agent.id, bodies, number, agent.head, audit)
+            elif fired is not None:  # a schedule's firing: it moves in the same transaction
+                events = await store.append_events(
+                    agent.id, bodies, turn=number, expect_head=agent.head, fired=fired
+                )
             else:
                 events = await store.append_events(
                     agent.id, bodies, turn=number, expect_head=agent.head, key=key

@@ -36,6 +36,7 @@ __all__ = [
     "Firing",
     "NewSchedule",
     "Schedule",
+    "SchedulePage",
     "check_new",
     "check_schedule_id",
     "due_from",
@@ -74,6 +75,14 @@ class Schedule(msgspec.Struct, frozen=True, gc=False):
     key: str | None = None
     created_at: int = 0
     fired: int = 0
+
+
+class SchedulePage(msgspec.Struct, frozen=True, gc=False):
+    """A page of pending schedules (``Runtime.admin.schedules``), by id (creation order);
+    ``next``: the ``after`` of the following page (None: the last)."""
+
+    schedules: tuple[Schedule, ...]
+    next: str | None = None
 
 
 class Firing(msgspec.Struct, frozen=True, gc=False):
