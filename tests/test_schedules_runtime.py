@@ -222,7 +222,7 @@ async def test_parked_drops_and_deleted_takes_schedules(tmp_path: Path) -> None:
     clock.now += 5
     async with Runtime(url, config=config(clock)) as rt:
         with anyio.fail_after(10):
-            while await rt.schedules("p"):
+            while await rt.schedules("p"):  # noqa: ASYNC110 - the store's state, bounded
                 await anyio.sleep(0.01)
         with pytest.raises(AgentParked):
             await rt.send("p", "still parked?")

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from tests.store_backends import AnyStore
 from torpor.errors import (
     IdempotencyConflict,
     InvalidInput,
@@ -17,7 +18,6 @@ from torpor.errors import (
 )
 from torpor.events import UserMessage
 from torpor.store.schedules import Firing, check_new, next_due
-from tests.store_backends import AnyStore
 
 NOW = 1_000_000
 
