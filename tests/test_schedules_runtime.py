@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from torpor import (
+    AgentConfig,
     AgentParked,
     AssistantMessage,
     EchoModel,
@@ -22,11 +23,12 @@ from torpor import (
     Runtime,
     RuntimeConfig,
     ScriptedModel,
+    ToolResult,
     UnknownConversation,
     UserMessage,
 )
 from torpor.events import Parked
-from torpor.llm.scripted import Signal, Text, Wait
+from torpor.llm.scripted import Call, Signal, Text, Wait
 
 T0 = 1_800_000_000.0
 
@@ -229,3 +231,53 @@ async def test_parked_drops_and_deleted_takes_schedules(tmp_path: Path) -> None:
         log = await rt.store.read_since("p", 0)
         assert scheduled(log) == []  # dropped, not logged
         assert (await rt.admin.schedules(limit=10)).schedules == ()
+
+
+async def test_the_schedule_tool_within_max_schedules(tmp_path: Path) -> None:
+    """The model schedules its own follow-ups, at most ``max_schedules`` pending; past it
+    the call's result is an error and nothing is scheduled; it can cancel and list."""
+    clock = Clock()
+    adds = [Call("schedule", {"action": "add", "text": f"follow up {i}", "after_seconds": 60})
+            for i in range(3)]
+    model = ScriptedModel([
+        adds, [Text("set")],
+        [Call("schedule", {"action": "add", "text": "bad", "every_seconds": 0.01})],
+        [Text("fixed")],
+    ])
+    agent = AgentConfig(schedule_tool=True, max_schedules=2)
+    async with Runtime(f"sqlite:///{tmp_path}/s.db", model=model, agent=agent,
+                       config=config(clock)) as rt:
+        await (await rt.send("c", "remind me twice")).result()
+        assert any(spec.name == "schedule" for spec in model.tool_specs[0])
+        results = [e.body for e in await rt.store.read_since("c", 0)
+                   if isinstance(e.body, ToolResult)]
+        assert sorted(r.is_error for r in results) == [False, False, True]
+        assert "2 pending schedules" in next(r.content for r in results if r.is_error)
+        pending = await rt.schedules("c")
+        assert len(pending) == 2 and all(s.text.startswith("follow up") for s in pending)
+        await (await rt.send("c", "every 10 ms please")).result()
+        last = [e.body for e in await rt.store.read_since("c", 0)
+                if isinstance(e.body, ToolResult)][-1]
+        assert last.is_error and "every" in last.content
+    model = ScriptedModel([
+        [Call("schedule", {"action": "cancel", "schedule_id": pending[0].id})],
+        [Call("schedule", {"action": "list"})], [Text("done")],
+    ])
+    async with Runtime(f"sqlite:///{tmp_path}/s.db", model=model, agent=agent,
+                       config=config(clock)) as rt:
+        await (await rt.send("c", "cancel the first")).result()
+        results = [e.body for e in await rt.store.read_since("c", 0)
+                   if isinstance(e.body, ToolResult)][-2:]
+        assert results[0].content == f"cancelled {pending[0].id}"
+        assert pending[1].id in results[1].content and pending[0].id not in results[1].content
+        assert [s.id for s in await rt.schedules("c")] == [pending[1].id]
+
+
+async def test_the_schedule_tool_is_off_by_default(tmp_path: Path) -> None:
+    model = ScriptedModel([[Call("schedule", {"action": "list"})], [Text("ok")]])
+    async with Runtime(f"sqlite:///{tmp_path}/s.db", model=model) as rt:
+        await (await rt.send("c", "hi")).result()
+        assert not any(spec.name == "schedule" for spec in model.tool_specs[0])
+        [result] = [e.body for e in await rt.store.read_since("c", 0)
+                    if isinstance(e.body, ToolResult)]
+        assert result.is_error  # an unknown tool

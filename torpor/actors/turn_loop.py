@@ -19,6 +19,7 @@ import anyio.lowlevel
 import msgspec
 
 from torpor.actors.observe import UNOBSERVED, UNWATCHED, FoldInfo, ModelCallInfo, ToolCallInfo
+from torpor.actors.schedule_tool import SCHEDULE_TOOL, run_schedule_tool
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
@@ -543,6 +544,10 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
         if (call.name == TASK_CARD_TOOL.name and config.task_card_tool
                 and toolbox.get(call.name) is None):
             results[call.id] = await _card_tool(agent, host, call)
+            return
+        if (call.name == SCHEDULE_TOOL.name and config.schedule_tool
+                and toolbox.get(call.name) is None):
+            results[call.id] = await run_schedule_tool(agent, host, call)
             return
         if builtin is not None and toolbox.get(call.name) is None:
             results[call.id] = await _run_builtin(agent, host, call)

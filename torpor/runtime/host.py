@@ -24,6 +24,7 @@ from torpor.actors.mailbox import (
 )
 from torpor.actors.observe import Observer
 from torpor.actors.redaction import redact_unserved
+from torpor.actors.schedule_tool import SCHEDULE_TOOL
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower, Replay, TurnDelta
 from torpor.actors.tools import Toolbox
@@ -393,6 +394,8 @@ class Runtime(MemoryAPI):
                 )
             if config.task_card_tool and toolbox.get(TASK_CARD_TOOL.name) is None:
                 specs = (*specs, TASK_CARD_TOOL)
+            if config.schedule_tool and toolbox.get(SCHEDULE_TOOL.name) is None:
+                specs = (*specs, SCHEDULE_TOOL)
             profile = Profile(config, config.policy(), toolbox, specs)
             if len(self._profiles) > 1024:
                 self._profiles.clear()
