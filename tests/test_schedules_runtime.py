@@ -6,6 +6,7 @@ here waits for wall-clock time; what fired is read from the log and the store.
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -281,3 +282,19 @@ async def test_the_schedule_tool_is_off_by_default(tmp_path: Path) -> None:
         [result] = [e.body for e in await rt.store.read_since("c", 0)
                     if isinstance(e.body, ToolResult)]
         assert result.is_error  # an unknown tool
+
+
+async def test_inspect_shows_a_conversations_schedules(tmp_path: Path) -> None:
+    from test_cli import torpor
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    async with Runtime(url) as rt:
+        await (await rt.send("c", "hi")).result()
+        s = await rt.schedule("c", "nightly digest", after=3600, every=86_400)
+    shown = torpor("inspect", "--db", url, "c", "--json", "-")
+    assert shown.returncode == 0, shown.stderr
+    [listed] = json.loads(shown.stdout)["schedules"]
+    assert listed["id"] == s.id and listed["every"] == 86_400 and listed["due"] == s.due
+    table = torpor("inspect", "--db", url, "c", columns=200)
+    assert table.returncode == 0, table.stderr
+    assert "schedules" in table.stdout and "nightly digest" in table.stdout
