@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from store_backends import AnyStore
 
-from tests.store_backends import AnyStore
 from torpor.errors import (
     IdempotencyConflict,
     InvalidInput,
