@@ -581,7 +581,7 @@ async def test_pending_lists_every_suspended_conversation_without_waking_any(
 PUBLIC = {"send", "resolve", "cancel", "subscribe", "history", "recall", "expand", "admin", "task",
           "store", "config", "agent_config", "model", "store_url", "memory", "consolidate",
           "tool_interactions", "spawn", "node", "observe", "conversations", "delete", "redact",
-          "expire", "export", "set_title", "set_metadata"}
+          "expire", "export", "set_title", "set_metadata", "schedule", "schedules", "unschedule"}
 
 
 async def test_the_runtime_shows_only_its_public_api_and_every_admin_method_is_a_coroutine(

@@ -23,6 +23,7 @@ from torpor.store.erase import KEYED_TABLES
 from torpor.store.listing import TITLE_CHARS
 from torpor.store.memory import EpisodicItem, LedgerEntry, SemanticItem
 from torpor.store.protocol import Checkpoint, ModelCall
+from torpor.store.schedules import check_new
 from torpor.store.vectors import vector_index
 
 SECRET = "zqxsecretwombat7731"
@@ -111,6 +112,8 @@ async def _fill(store: AnyStore, name: str, *, secret: str = SECRET) -> None:
     await store.put_ledger(name, [LedgerEntry("password", "update", "fact:3:0")])
     await store.put_turn_decision(name, 0, "none")
     await vector_index(store).put(name, "space", [(0, [1.0, 0.0]), (3, [0.0, 1.0])], 3)
+    await store.add_schedule(check_new(name, f"remind me of {secret}", at=None, after=60,
+                                       every=None, key="daily", now=1))
 
 
 async def _keyed_tables(backend: Backend) -> list[tuple[str, str]]:

@@ -50,11 +50,13 @@ from torpor.errors import (
     ModelTimeout,
     NotOwner,
     RuntimeClosed,
+    ScheduleGone,
     ShardMoved,
     StoreError,
     StoreUnavailable,
     TaskCardTooLarge,
     ToolArgumentError,
+    TooManySchedules,
     TorporError,
     TurnAborted,
     UnknownArtifact,
@@ -105,6 +107,7 @@ from torpor.store.protocol import (
     ModelCall,
     SearchHit,
 )
+from torpor.store.schedules import MIN_EVERY, Schedule
 
 __version__ = "0.1.0"
 
@@ -176,6 +179,10 @@ __all__ = [
     "Resolved",
     "Runtime",
     "RuntimeClosed",
+    "MIN_EVERY",
+    "Schedule",
+    "ScheduleGone",
+    "TooManySchedules",
     "RuntimeConfig",
     "RuntimeStats",
     "ScriptedModel",

@@ -32,6 +32,8 @@ __all__ = [
     "ModelTimeout",
     "NotOwner",
     "RuntimeClosed",
+    "ScheduleGone",
+    "TooManySchedules",
     "ShardMoved",
     "StoreError",
     "StoreUnavailable",
@@ -194,6 +196,25 @@ class ConversationDeleted(UnknownConversation):
     def __init__(self, conversation_id: str) -> None:
         super().__init__(f"conversation {conversation_id!r} was deleted")
         self.conversation_id = conversation_id
+
+
+class ScheduleGone(TorporError):
+    """A schedule's firing found it cancelled, or fired already for that due time (by
+    another node, or before a restart): nothing was written."""
+
+    def __init__(self, conversation_id: str, schedule_id: str) -> None:
+        super().__init__(f"{conversation_id!r}: schedule {schedule_id!r} is not due any more")
+        self.conversation_id = conversation_id
+        self.schedule_id = schedule_id
+
+
+class TooManySchedules(InvalidInput):
+    """A conversation already has as many pending schedules as it may
+    (``AgentConfig.max_schedules`` for the model's schedule tool)."""
+
+    def __init__(self, conversation_id: str, limit: int) -> None:
+        super().__init__("schedule", f"{conversation_id!r} already has {limit} pending schedules")
+        self.limit = limit
 
 
 class MemoryChanged(TorporError):

@@ -14,6 +14,7 @@ import msgspec
 from torpor.errors import AbortFields, CorruptEvent, abort_fields
 
 __all__ = [
+    "SCHEDULED_MARK",
     "AbortReason",
     "Aborted",
     "AssistantMessage",
@@ -38,6 +39,7 @@ __all__ = [
     "presented",
     "redaction_of",
     "searchable_text",
+    "shown_text",
     "stand_in",
 ]
 
@@ -61,6 +63,18 @@ class UserMessage(msgspec.Struct, tag="user", frozen=True, gc=False, omit_defaul
 
     text: str
     metadata: dict[str, Any] | None = None
+    # The schedule that logged it (``Runtime.schedule``), not a person: the model is shown
+    # the text as "[scheduled] text" (torpor.compaction.slots). None: a person's message.
+    scheduled: str | None = None
+
+
+SCHEDULED_MARK = "[scheduled] "
+"""What the model is shown before a scheduled message's text (:func:`shown_text`)."""
+
+
+def shown_text(body: UserMessage) -> str:
+    """A user message's text as the model is shown it: a scheduled one marked."""
+    return body.text if body.scheduled is None else SCHEDULED_MARK + body.text
 
 
 class AssistantMessage(

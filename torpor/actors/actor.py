@@ -61,6 +61,7 @@ from torpor.errors import (
     AgentParked,
     IdempotencyConflict,
     RuntimeClosed,
+    ScheduleGone,
     StoreUnavailable,
     TurnAborted,
     UnknownCall,
@@ -615,11 +616,13 @@ async def _handle_send(agent: Agent, host: Host, request: SendRequest) -> None:
     try:
         # No shield: no cancel scope encloses the actor here, and the runtime stops its
         # actors with Task.cancel, which no scope holds back.
+        fired = request.fired
+        scheduled = None if fired is None else fired.schedule_id
         events = await logged(
-            agent, host, [UserMessage(request.text, request.metadata)], turn=number,
-            key=request.key,
+            agent, host, [UserMessage(request.text, request.metadata, scheduled)], turn=number,
+            key=request.key, fired=fired,
         )
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, ScheduleGone) as exc:  # nothing written: the agent is fine
         fail(request, exc)
         return
     except Exception as exc:

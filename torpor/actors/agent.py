@@ -19,7 +19,7 @@ from torpor.actors.state import REPORTED, AgentState, transition
 from torpor.actors.write_lock import WriteLock
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     import anyio
@@ -80,6 +80,8 @@ class Host(Protocol):
     hybrid: HybridRecall | None  # recall fused with vectors, when the runtime has an embedder
     watchdog: ModelWatchdog  # ends model streams that stall (its task is the runtime's)
     observers: Observers  # metrics, traces: told of turns, model and tool calls, folds
+    schedule_now: Callable[[], int]  # the schedules' clock, epoch ms (the schedule tool)
+    poke_schedules: Callable[[int], None] | None  # the timer: a schedule due then was added
 
     @property
     def store(self) -> EventStore: ...

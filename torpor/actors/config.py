@@ -115,6 +115,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     # is refused with TaskCardTooLarge), and whether the model gets the task_card tool.
     task_card_tokens: int = 512
     task_card_tool: bool = False
+    # The model's schedule tool (torpor.actors.schedule_tool): off by default; the pending
+    # schedules a conversation may have through it.
+    schedule_tool: bool = False
+    max_schedules: int = 10
     # Task-conditioned push (torpor.compaction.push): off until measured to help; the
     # recalled section's budget (tokens) and MMR's lambda.
     push_recall: bool = False
@@ -144,6 +148,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         "cancel_deadline": seconds(),
         "task_card_tokens": integer(16, 100_000),
         "task_card_tool": flag(),
+        "schedule_tool": flag(),
+        "max_schedules": integer(1, 100_000),
         "push_recall": flag(),
         "push_tokens": integer(64, 1_000_000),
         "push_lambda": number(0.0, 1.0),

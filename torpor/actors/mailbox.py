@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     from torpor.actors.turn import Turn
     from torpor.events import Event
+    from torpor.store.schedules import Firing
 
 __all__ = [
     "CancelRequest",
@@ -31,17 +32,21 @@ class SendRequest:
     ``origin``: the sender's trace (``Observer.origin``), for the turn's observers.
     """
 
-    __slots__ = ("accepted", "key", "metadata", "origin", "text")
+    __slots__ = ("accepted", "fired", "key", "metadata", "origin", "text")
 
     def __init__(
         self, text: str, key: str | None, accepted: asyncio.Future[Turn],
         metadata: dict[str, Any] | None = None, origin: object | None = None,
+        fired: Firing | None = None,
     ) -> None:
         self.text = text
         self.key = key
         self.accepted = accepted
         self.metadata = metadata
         self.origin = origin
+        # A schedule's firing (torpor.runtime.schedules): logged as its scheduled message,
+        # the schedule moved by the same append (ScheduleGone: nothing logged).
+        self.fired = fired
 
 
 class ResolveRequest:

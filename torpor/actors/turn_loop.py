@@ -19,6 +19,7 @@ import anyio.lowlevel
 import msgspec
 
 from torpor.actors.observe import UNOBSERVED, UNWATCHED, FoldInfo, ModelCallInfo, ToolCallInfo
+from torpor.actors.schedule_tool import SCHEDULE_TOOL, run_schedule_tool
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
 from torpor.actors.task import card_change, pushed_for, tool_patch
@@ -63,6 +64,7 @@ from torpor.text import repair_text
 
 if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
+    from torpor.store.schedules import Firing
 
 __all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "logged", "run_steps"]
 
@@ -106,6 +108,7 @@ async def logged(
     key: str | None = None,
     audit: ModelCall | None = None,
     apply: bool = False,
+    fired: Firing | None = None,
 ) -> list[Event]:
     """Append at our head, one writer at a time, and tell the followers.
 
@@ -149,6 +152,10 @@ async def logged(
             events: list[Event]
             if audited is not None:
                 events = await audited(agent.id, bodies, number, agent.head, audit)
+            elif fired is not None:  # a schedule's firing: it moves in the same transaction
+                events = await store.append_events(
+                    agent.id, bodies, turn=number, expect_head=agent.head, fired=fired
+                )
             else:
                 events = await store.append_events(
                     agent.id, bodies, turn=number, expect_head=agent.head, key=key
@@ -537,6 +544,10 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
         if (call.name == TASK_CARD_TOOL.name and config.task_card_tool
                 and toolbox.get(call.name) is None):
             results[call.id] = await _card_tool(agent, host, call)
+            return
+        if (call.name == SCHEDULE_TOOL.name and config.schedule_tool
+                and toolbox.get(call.name) is None):
+            results[call.id] = await run_schedule_tool(agent, host, call)
             return
         if builtin is not None and toolbox.get(call.name) is None:
             results[call.id] = await _run_builtin(agent, host, call)

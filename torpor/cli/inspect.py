@@ -221,6 +221,7 @@ async def _detail(store: EventStore, conversation_id: str, events: int,
         "anatomy": _anatomy(model_calls[-1]) if model_calls else None,
         "memory": await memory_json(store, conversation_id),
         "sub_agents": to_jsonable(await branch_tree(store, conversation_id)),
+        "schedules": [to_jsonable(s) for s in await store.conversation_schedules(conversation_id)],
         "_lines": [event_line(e, 90) for e in reversed(last)],
     }
 
@@ -256,6 +257,15 @@ def _print_detail(console: Console, data: dict[str, Any]) -> None:
             )
             table.add_row(str(c["cycle"]), str(c["position"]), str(c["tokens"]),
                           clip(markers or c["summary"] or "-", 80))
+        console.print(table)
+    if data["schedules"]:
+        table = Table(title="schedules")
+        for name in ("id", "due", "every", "fired", "text"):
+            table.add_column(name)
+        for sch in data["schedules"]:
+            every = "-" if sch["every"] is None else f"{sch['every']:g} s"
+            table.add_row(sch["id"], _when(sch["due"]), every, str(sch["fired"]),
+                          clip(sch["text"], 60))
         console.print(table)
     tree = data["sub_agents"]
     if tree["parent"] is not None or tree["children"]:

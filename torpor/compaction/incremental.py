@@ -212,7 +212,9 @@ class TailCache:
             self._close()
             self._demote_user(tail)
             self.last_user = (len(self.messages), i)
-            self.messages.append(body)  # type: ignore[arg-type]
+            # A scheduled message is shown marked (slots.whole); a person's, as logged.
+            scheduled = body.scheduled is not None  # type: ignore[union-attr]
+            self.messages.append(whole(event) if scheduled else body)  # type: ignore[arg-type]
         elif kind is AssistantMessage:
             assert isinstance(body, AssistantMessage)
             self._close()

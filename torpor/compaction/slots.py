@@ -25,7 +25,15 @@ from torpor.compaction.tokens import (
     count_cached,
     leading_text,
 )
-from torpor.events import Aborted, AssistantMessage, Event, ToolCall, ToolResult, UserMessage
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    ToolCall,
+    ToolResult,
+    UserMessage,
+    shown_text,
+)
 from torpor.llm.protocol import ContextMessage, ToolSpec
 
 __all__ = [
@@ -181,7 +189,9 @@ def calls_text(body: AssistantMessage) -> str:
 def clip_source(event: Event) -> str:
     """The text clipping cuts: what the event renders as, minus any tool calls."""
     body = event.body
-    if isinstance(body, UserMessage | AssistantMessage):
+    if isinstance(body, UserMessage):
+        return shown_text(body)
+    if isinstance(body, AssistantMessage):
         return body.text
     if isinstance(body, ToolResult):
         return body.content
@@ -214,6 +224,8 @@ def clip_keep(event: Event, limit: int, encoding: str) -> int:
 
 def whole(event: Event) -> ContextMessage:
     body = event.body
+    if isinstance(body, UserMessage) and body.scheduled is not None:
+        return UserMessage(shown_text(body))  # the model can tell it from a person's
     if isinstance(body, UserMessage | AssistantMessage):
         return body
     if isinstance(body, ToolResult):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from torpor.compaction.segments import SEGMENT, cut_points
-from torpor.events import Aborted, AssistantMessage, Body, ToolResult, UserMessage
+from torpor.events import Aborted, AssistantMessage, Body, ToolResult, UserMessage, shown_text
 
 if TYPE_CHECKING:
     import tiktoken
@@ -128,7 +128,7 @@ def rendered_text(body: Body, position: int | None = None) -> str | None:
     renders only when the model had streamed something before it died.
     """
     if isinstance(body, UserMessage):
-        return body.text
+        return shown_text(body)
     if isinstance(body, AssistantMessage):
         if not body.tool_calls:
             return body.text
@@ -264,7 +264,7 @@ def make_token_counter(encoding: str = DEFAULT_ENCODING) -> Callable[[Body], int
     def counter(body: Body) -> int:  # count_body, the encoding looked up once
         # The two commonest bodies first, without rendered_text's isinstance chain.
         if type(body) is UserMessage or (type(body) is AssistantMessage and not body.tool_calls):
-            text = body.text
+            text = body.text if type(body) is not UserMessage else shown_text(body)
             return (length(text) if text else 0) + MESSAGE_OVERHEAD
         return _count(body, length)
 

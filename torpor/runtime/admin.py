@@ -24,6 +24,7 @@ from torpor.runtime.ports import Stored
 from torpor.runtime.spawn import branch_tree
 from torpor.runtime.stats import Watcher, percentile
 from torpor.store.protocol import ModelCall
+from torpor.store.schedules import SchedulePage
 from torpor.text import check_id
 
 if TYPE_CHECKING:
@@ -414,6 +415,18 @@ class Admin:
         if after is not None:
             check_id(after, "after")
         return await self._runtime.store.pending(after=after, limit=limit)
+
+    async def schedules(self, limit: int = 100, after: str | None = None) -> SchedulePage:
+        """Every conversation's pending schedules, by id (creation order), from the store:
+        never wakes an agent. ``after``: the page's ``next`` (a schedule id)."""
+        if type(limit) is not int or not 1 <= limit <= 10_000:
+            raise InvalidInput("limit", f"must be an int from 1 to 10000, got {limit!r}")
+        if after is not None:
+            check_id(after, "after")
+        found = await self._runtime.store.list_schedules(after=after, limit=limit + 1)
+        more = len(found) > limit
+        page = tuple(found[:limit])
+        return SchedulePage(page, page[-1].id if more else None)
 
     async def unpark(self, conversation_id: str) -> bool:
         """Let a parked agent run again (logged as ``Unparked``). False if it was not parked.

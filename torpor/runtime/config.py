@@ -29,6 +29,10 @@ def _embedder(value: object) -> str | None:
     return None if problem is None else f" ({type(value).__name__}: {problem})"
 
 
+def _clock(value: object) -> str | None:
+    return None if value is None or callable(value) else " (not callable)"
+
+
 def _evict_before_hibernate(c: Any) -> str | None:
     if c.evict_after >= c.hibernate_after:
         return None
@@ -90,6 +94,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Retention (None: keep forever): conversations with no activity for this many seconds
     # are deleted by a background sweep (torpor.runtime.retention), audited by="retention".
     retention: float | None = None
+    # Schedules (Runtime.schedule): the clock they are due by, a function returning epoch
+    # seconds (None: time.time). A test gives its own to move time without waiting.
+    clock: Any = None
 
     # One rule per field (check_fields refuses a field without one); then the relations.
     RULES: ClassVar[Mapping[str, Rule]] = {
@@ -111,6 +118,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         "embedder": custom("None or an Embedder (name, dimensions, async embed)", _embedder),
         "embed_interval": seconds(),
         "retention": optional(seconds()),
+        "clock": custom("None or a function returning epoch seconds", _clock),
     }
     RELATIONS: ClassVar[tuple[Relation, ...]] = (
         Relation(("evict_after", "hibernate_after"), _evict_before_hibernate),

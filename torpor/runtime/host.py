@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ from torpor.actors.mailbox import (
 )
 from torpor.actors.observe import Observer
 from torpor.actors.redaction import redact_unserved
+from torpor.actors.schedule_tool import SCHEDULE_TOOL
 from torpor.actors.state import AgentState
 from torpor.actors.stream import Follower, Replay, TurnDelta
 from torpor.actors.tools import Toolbox
@@ -59,6 +62,7 @@ from torpor.runtime.memory_api import MemoryAPI
 from torpor.runtime.redrive import Redrive
 from torpor.runtime.registry import Registry
 from torpor.runtime.retention import Retention
+from torpor.runtime.schedules import Scheduler
 from torpor.runtime.spawn import Branches
 from torpor.runtime.stats import Counters, Watchers
 from torpor.runtime.supervisor import Supervisor
@@ -68,6 +72,7 @@ from torpor.store.arguments import POSITION_LIMIT, check_int
 from torpor.store.listing import ConversationPage
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.redact import check_reason
+from torpor.store.schedules import Firing, Schedule, check_new, check_schedule_id
 from torpor.store.url import parse_store_url
 from torpor.text import check_id, check_text
 
@@ -192,6 +197,11 @@ class Runtime(MemoryAPI):
             store=lambda: self.store, shards=self._served_shards, check=self._check_served,
             log=self._log,
         )
+        self._scheduler = Scheduler(
+            inside, clock=self.config.clock or time.time, log=self._log
+        )
+        self._host.schedule_now = self._scheduler.now
+        self._host.poke_schedules = self._scheduler.poke
         self._profiles: dict[int, Profile] = {}
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
@@ -218,7 +228,7 @@ class Runtime(MemoryAPI):
                     self.store_url, self._node, config=self.config, registry=self._registry,
                     counters=self._counters, watchers=self._watchers, host=self._host,
                     admission=self._admission, supervisor=self._supervisor,
-                    branches=self._branches, redrive=self._redrive,
+                    branches=self._branches, redrive=_Gained(self._redrive, self._scheduler),
                 )
             self._store = await stack.enter_async_context(
                 open_store(
@@ -265,6 +275,9 @@ class Runtime(MemoryAPI):
                 self._cluster = await stack.enter_async_context(gate)
             elif not self.store.read_only:  # on a cluster's database without node=: nothing
                 self._redrive.run()
+            if not self.store.read_only:  # one timer fires what comes due (overdue: now)
+                self._scheduler.start()
+                stack.push_async_callback(self._scheduler.stop)  # stopped before the agents
             self._branches.start(self._cluster)  # sub-agent links a previous run left open
             stack.push_async_callback(self._branches.stop)
             retention = self.config.retention
@@ -333,6 +346,33 @@ class Runtime(MemoryAPI):
         leases = gate.member.leases
         return [s for s in sorted(leases.held) if leases.serving(s)], leases.shards
 
+    def _schedule_shards(self) -> tuple[Sequence[int], int] | None:
+        """On a cluster node: the shards it holds and is not handing off (a firing into one
+        not serving yet is tried again), and the shard count."""
+        gate = self._cluster
+        if gate is None:
+            return None
+        leases = gate.member.leases
+        return [s for s in sorted(leases.held) if s not in leases.leaving], leases.shards
+
+    async def _fire(self, schedule: Schedule, firing: Firing) -> None:
+        """Have the conversation's actor log the scheduled message (a send whose append
+        moves the schedule), reviving its agent if need be; returns once it is logged."""
+        self._check_open()
+        conversation_id = schedule.conversation_id
+        self._check_owner(conversation_id)
+        agent = self._registry.get(conversation_id)
+        if agent is None:
+            agent = self._agent(conversation_id)  # revived, let in at once (over the cap: LRU)
+        if agent.state is AgentState.PARKED:
+            raise AgentParked(conversation_id, agent.parked_cause or "parked")
+        self._check_bound(agent)
+        accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
+        request = SendRequest(schedule.text, None, accepted, fired=firing)
+        await self._ask(agent, request, accepted)
+        self._log.info("schedule_fired", conversation_id=conversation_id,
+                       schedule_id=schedule.id, due=firing.due, next_due=firing.next_due)
+
     def _check_served(self, conversation_id: str) -> None:
         if self._cluster is not None:
             self._cluster.check(conversation_id)
@@ -354,6 +394,8 @@ class Runtime(MemoryAPI):
                 )
             if config.task_card_tool and toolbox.get(TASK_CARD_TOOL.name) is None:
                 specs = (*specs, TASK_CARD_TOOL)
+            if config.schedule_tool and toolbox.get(SCHEDULE_TOOL.name) is None:
+                specs = (*specs, SCHEDULE_TOOL)
             profile = Profile(config, config.policy(), toolbox, specs)
             if len(self._profiles) > 1024:
                 self._profiles.clear()
@@ -453,6 +495,60 @@ class Runtime(MemoryAPI):
         accepted: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
         request = SendRequest(text, key, accepted, logged_metadata, origin)
         return await self._ask(agent, request, accepted)  # type: ignore[no-any-return]
+
+    async def schedule(
+        self,
+        conversation_id: str,
+        text: str,
+        *,
+        at: datetime | float | None = None,
+        after: float | None = None,
+        every: float | None = None,
+        key: str | None = None,
+    ) -> Schedule:
+        """Wake the conversation later: ``text`` is logged as a scheduled user message
+        (``UserMessage.scheduled``; the model sees "[scheduled] text") and its turn runs,
+        the agent revived if it was hibernated or evicted.
+
+        ``at`` (an aware datetime, or epoch seconds) xor ``after`` (seconds from now);
+        ``every``: repeat every so many seconds (at least ``MIN_EVERY``, 1 s; alone: first
+        due one interval from now). Missed intervals (the runtime was down) fire once, then
+        at the first ``due + k * every`` still ahead. ``key``: idempotent, as for ``send``
+        (the same key returns the same schedule, done or not; with other arguments:
+        ``IdempotencyConflict``). Durable: the schedule is a store row; firing logs the
+        message and moves the schedule in one transaction (exactly once, across crashes
+        and nodes). Into a conversation mid-turn the message is postponed like a send;
+        into a parked one it is dropped (the schedule removed) and logged.
+
+        ``InvalidInput`` for bad arguments, ``UnknownConversation`` for a conversation
+        with no events (send first), ``NotOwner`` on a cluster node that does not serve it.
+        """
+        self._check_open()
+        check_id(conversation_id)
+        new = check_new(conversation_id, text, at=at, after=after, every=every, key=key,
+                        now=self._scheduler.now())
+        self._check_owner(conversation_id)
+        schedule = await self.store.add_schedule(new)
+        if schedule.due is not None:
+            self._scheduler.poke(schedule.due)
+        return schedule
+
+    async def schedules(self, conversation_id: str) -> list[Schedule]:
+        """The conversation's pending schedules, soonest first (from the store; never
+        wakes the agent)."""
+        self._check_open()
+        check_id(conversation_id)
+        return await self.store.conversation_schedules(conversation_id)
+
+    async def unschedule(self, conversation_id: str, schedule_id: str) -> bool:
+        """Cancel a pending schedule; False when the conversation has no such schedule
+        pending (never had it, it fired for good, or it was cancelled). A firing racing it
+        either logged its message first (then False for a one-shot) or logs nothing."""
+        self._check_open()
+        check_id(conversation_id)
+        check_schedule_id(schedule_id)
+        self._check_owner(conversation_id)
+        return await self.store.remove_schedule(conversation_id, schedule_id)
 
     async def _ask(self, agent: Agent, request: Message, reply: asyncio.Future[Any]) -> Any:
         """Post ``request`` to the agent's actor and await its reply (the actor's alone to
@@ -868,6 +964,13 @@ class _Inside:
     async def memory(self, conversation_id: str, *, max_lines: int = 40) -> MemoryView:
         return await self._rt.memory(conversation_id, max_lines=max_lines)
 
+    # -- runtime.schedules.Firer -----------------------------------------------------------
+    def schedule_shards(self) -> tuple[Sequence[int], int] | None:
+        return self._rt._schedule_shards()
+
+    async def fire(self, schedule: Schedule, firing: Firing) -> None:
+        await self._rt._fire(schedule, firing)
+
     # -- ports.Room and ports.Queue --------------------------------------------------------
     def shed_agents(self, *, keep: Agent | None, below: int | None = None) -> None:
         self._rt._lifecycle.shed_agents(keep=keep, below=below)
@@ -880,3 +983,24 @@ class _Inside:
 
     def admit(self) -> None:
         self._rt._admission.admit()
+
+
+class _Gained:
+    """The re-drive a cluster node runs for the shards it gains, and its timer woken to
+    fire those shards' schedules (overdue ones at once)."""
+
+    __slots__ = ("_redrive", "_scheduler")
+
+    def __init__(self, redrive: Redrive, scheduler: Scheduler) -> None:
+        self._redrive = redrive
+        self._scheduler = scheduler
+
+    def run(
+        self,
+        *,
+        shards: frozenset[int] | None = None,
+        shard_count: int | None = None,
+        serves: Callable[[str], bool] | None = None,
+    ) -> None:
+        self._redrive.run(shards=shards, shard_count=shard_count, serves=serves)
+        self._scheduler.poke()

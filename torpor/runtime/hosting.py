@@ -10,6 +10,7 @@ deadline (the runtime takes the task over). Those hooks live here, so that
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torpor.actors.observe import Observers
@@ -49,8 +50,8 @@ class AgentHost:
 
     __slots__ = (
         "_config", "_counters", "_registry", "_runtime", "_watchers", "abandoned",
-        "followers_by_id", "hybrid", "log", "model", "observers", "poke_embedding", "revivals",
-        "watchdog", "ws_total",
+        "followers_by_id", "hybrid", "log", "model", "observers", "poke_embedding",
+        "poke_schedules", "revivals", "schedule_now", "watchdog", "ws_total",
     )
 
     def __init__(
@@ -77,6 +78,10 @@ class AgentHost:
         self.ws_total = 0  # estimated bytes of every working set held
         self.hybrid: HybridRecall | None = None  # recall fused with vectors (an embedder is set)
         self.poke_embedding: Callable[[], None] | None = None  # new events to embed
+        # The schedules' clock (epoch ms) and timer (a new schedule due then), for the
+        # model's schedule tool (torpor.actors.schedule_tool).
+        self.schedule_now: Callable[[], int] = lambda: time.time_ns() // 1_000_000
+        self.poke_schedules: Callable[[int], None] | None = None
         self.watchdog = ModelWatchdog()  # its task: Runtime.__aenter__
         self.observers = Observers()  # Runtime.observe adds to it
 

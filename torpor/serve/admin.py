@@ -8,6 +8,7 @@
                                               errors, aborted turns) and pending approvals
 ``GET  /admin/watch``                         lifecycle transitions as Server-Sent Events
 ``GET  /admin/pending?limit=&after=``         conversations waiting on an outside answer
+``GET  /admin/schedules?limit=&after=``       every conversation's pending schedules, by id
 ``GET  /admin/calls/{id}/{n}``                the exact rebuilt context of model call ``n``
 ``GET  /admin/cluster``                       a cluster node's shards, epochs, members, leases
 ``GET  /metrics``                             Prometheus exposition
@@ -98,6 +99,12 @@ class AdminAPI:
         after = request.query_params.get("after") or None
         return json_response(msgspec.to_builtins(await self.rt.admin.pending(limit, after)))
 
+    async def schedules(self, request: Request) -> Response:
+        limit = int_param(request, "limit", 100)
+        assert limit is not None
+        after = request.query_params.get("after") or None
+        return json_response(msgspec.to_builtins(await self.rt.admin.schedules(limit, after)))
+
     async def branches(self, request: Request) -> Response:
         return json_response(msgspec.to_builtins(await self.rt.admin.branches(self._id(request))))
 
@@ -157,6 +164,7 @@ def admin_routes(service: Service, token: str | None, clients: AdminClients) -> 
         Route("/admin/stats", g(api.stats), methods=["GET"]),
         Route("/admin/watch", Deferred(g(api.watch)), methods=["GET"]),
         Route("/admin/pending", g(api.pending), methods=["GET"]),
+        Route("/admin/schedules", g(api.schedules), methods=["GET"]),
         Route("/admin/cluster", g(api.cluster), methods=["GET"]),
         Route("/admin/branches/{conversation_id:path}", g(api.branches), methods=["GET"]),
         Route("/admin/calls/{conversation_id:path}/{n}", g(api.rendered), methods=["GET"]),

@@ -35,6 +35,7 @@ from torpor.serve.observer import observe_runtime
 from torpor.serve.page import page_routes
 from torpor.serve.problems import HTTPProblem, problem, problem_for
 from torpor.serve.proxy import Proxy, Routing
+from torpor.serve.schedules import schedule_routes
 from torpor.serve.service import Service
 from torpor.serve.sse_response import PING_SECONDS
 from torpor.serve.tickets import DEFAULT_TICKET_TTL, StreamTickets
@@ -268,6 +269,7 @@ def app(
             await service.shutdown()
 
     routes: list[BaseRoute] = [
+        *schedule_routes(service, authorize, proxy),
         *conversation_routes(service, authorize, proxy),
         *chat_routes(service, authorize, proxy, tickets),
         *ai_sdk_routes(service, authorize, proxy),

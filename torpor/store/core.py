@@ -87,6 +87,13 @@ from torpor.store.protocol import (
     TokenCounter,
 )
 from torpor.store.redact import check_reason
+from torpor.store.schedules import (
+    Firing,
+    NewSchedule,
+    Schedule,
+    check_schedule_id,
+    check_until,
+)
 from torpor.store.sqlite.schema import Durability
 from torpor.text import check_id
 
@@ -189,6 +196,12 @@ class StoreCore:
     async def _redact(self, name: str, position: int, reason: str) -> Deletion | None:
         raise NotImplementedError
 
+    async def _add_schedule(self, new: NewSchedule, at_most: int | None) -> Schedule:
+        raise NotImplementedError
+
+    async def _remove_schedule(self, name: str, schedule_id: str) -> bool:
+        raise NotImplementedError
+
     def _count_redacted(self, body: Body) -> int:
         """Tokens of a redacted event: its stand-in's, by the append's counter."""
         counter = self._policy.token_counter
@@ -229,9 +242,31 @@ class StoreCore:
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
+        fired: Firing | None = None,
     ) -> Awaitable[list[Event]]:
-        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts)."""
+        """Like :meth:`append`, returning the events as stored (clipped bodies, token counts).
+
+        ``fired``: the schedule these events fire, moved in the same transaction (or
+        ScheduleGone, nothing written, when it is no longer due at ``fired.due``)."""
+        if fired is not None:
+            return self._queue_firing(conversation_id, events, turn, expect_head, fired)
         return self._queue_append(conversation_id, events, turn, expect_head, key, True)
+
+    def _queue_firing(
+        self, name: str, events: Sequence[Body], turn: int, head: int | None, fired: Firing
+    ) -> Awaitable[Any]:
+        """An append that fires a schedule: its text is bounded (MAX_SCHEDULE_TEXT), so it
+        is always prepared here, on the loop."""
+        try:
+            if not isinstance(fired, Firing):
+                raise InvalidInput("fired", "must be a Firing")
+            prepared = self._policy.prepare(name, events, turn=turn, expect_head=head, key=None)
+            prepared = msgspec.structs.replace(prepared, fired=fired)
+            if self._deferred:
+                return self._behind(prepared, True, None)
+            return self._submit(self._append_op(prepared, True))
+        except Exception as exc:  # OffLoop included: a firing is never that long
+            return _raising(exc)
 
     def _queue_append(
         self, name: str, events: Sequence[Body], turn: int, head: int | None, key: str | None,
@@ -679,6 +714,96 @@ class StoreCore:
             after = rows[-1][0]
 
 
+    # schedules (torpor.store.schedules) ----------------------------------------------
+
+    async def add_schedule(self, new: NewSchedule, *, at_most: int | None = None) -> Schedule:
+        """Store a schedule checked by :func:`torpor.store.schedules.check_new`; the one
+        stored before under its key when it has one (IdempotencyConflict if that was
+        another request). UnknownConversation for a conversation with no events;
+        TooManySchedules when ``at_most`` are pending already. Fenced on a node."""
+        if not isinstance(new, NewSchedule):
+            raise InvalidInput("new", "must be a NewSchedule (torpor.store.schedules.check_new)")
+        if at_most is not None:
+            check_int(at_most, "at_most", 1, 1 << 31)
+        return await self._add_schedule(new, at_most)
+
+    async def remove_schedule(self, conversation_id: str, schedule_id: str) -> bool:
+        """Cancel a pending schedule of the conversation; False when it has no such one
+        pending (never had, fired for good, cancelled already). Fenced on a node."""
+        check_conversation_id(conversation_id)
+        check_schedule_id(schedule_id)
+        return await self._remove_schedule(conversation_id, schedule_id)
+
+    async def conversation_schedules(self, conversation_id: str) -> list[Schedule]:
+        """The conversation's pending schedules, soonest first."""
+        check_conversation_id(conversation_id)
+        found = await self._reading(self.reads.conversation_schedules, conversation_id)
+        return cast("list[Schedule]", found)
+
+    async def list_schedules(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[Schedule]:
+        """Every conversation's pending schedules by id (creation order), after ``after``."""
+        start = "" if after is None else check_schedule_id(after)
+        check_limit(limit)
+        found = await self._reading(self.reads.list_schedules, start, limit)
+        return cast("list[Schedule]", found)
+
+    async def due_schedules(
+        self,
+        *,
+        until: int,
+        limit: int = 100,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> list[Schedule]:
+        """Pending schedules due at ``until`` (epoch ms) or before, soonest first, of
+        ``shards`` (of a cluster of ``shard_count``) if given; from the due index."""
+        when = check_until(until, "until")
+        check_limit(limit)
+        place = shard_filter(shards, shard_count)
+        if place is not None and not place.shards:
+            return []
+        wanted = None if place is None else place.wanted()
+        found: list[Schedule] = []
+        cursor: tuple[int, str] = (-1, "")
+        for _ in range(_IDLE_PAGES):  # rows of other shards must not end the page early
+            rows = await self._reading(self.reads.due_schedules, when, cursor, limit, wanted)
+            for schedule, shard in rows:
+                if place is None or place.keeps(schedule.conversation_id, shard):
+                    found.append(schedule)
+                    if len(found) == limit:
+                        return found
+            if len(rows) < limit:
+                break
+            last = rows[-1][0]
+            cursor = (last.due or 0, last.id)
+        return found
+
+    async def next_due(
+        self,
+        *,
+        after: int,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> int | None:
+        """The soonest due time (epoch ms) after ``after`` of a pending schedule (of
+        ``shards`` if given); None when none is pending. From the due index."""
+        when = check_until(after, "after")
+        place = shard_filter(shards, shard_count)
+        if place is not None and not place.shards:
+            return None
+        wanted = None if place is None else place.wanted()
+        for _ in range(_IDLE_PAGES):  # rows the filter leaves out (no shard column yet)
+            rows = await self._reading(self.reads.next_due, when, _NEXT_PAGE, wanted)
+            for due, name, shard in rows:
+                if place is None or place.keeps(name, shard):
+                    return int(due)
+            if len(rows) < _NEXT_PAGE:
+                return None
+            when = rows[-1][0]
+        return when  # still only others' rows: the caller looks again from there
+
 def _stamped(item: Any, now: int) -> Any:
     """``item`` with ``created_at`` set to ``now`` when the caller left it 0."""
     return item if item.created_at else msgspec.structs.replace(item, created_at=now)
@@ -690,6 +815,7 @@ def _audit_row(call: object) -> ModelCall:
 
 
 _IDLE_PAGES = 8  # pages read by one idle_conversations call, at most (bounded)
+_NEXT_PAGE = 64  # rows next_due reads at a time
 
 
 async def _raising(error: Exception) -> NoReturn:

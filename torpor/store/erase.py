@@ -36,6 +36,7 @@ KEYED_TABLES: tuple[str, ...] = (
     "memory_turns",
     "event_vectors",
     "vector_progress",
+    "schedules",
 )
 """Tables keyed by the conversation's integer key, deleted by ``conversation_id``."""
 

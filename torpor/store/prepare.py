@@ -60,6 +60,7 @@ from torpor.store.clip import PREVIEW_BYTES, clip_aborted, clip_assistant, clip_
 from torpor.store.listing import first_title
 from torpor.store.open_work import WorkChange, work_change
 from torpor.store.protocol import HintExtractor, TokenCounter
+from torpor.store.schedules import Firing
 
 __all__ = [
     "MAX_ID_LENGTH",
@@ -141,6 +142,7 @@ class PreparedAppend(msgspec.Struct, frozen=True, gc=False):
     fingerprint: bytes | None = None  # of the first body, when keyed
     work: WorkChange | None = None  # what it changes in the open-work index (store.open_work)
     title: str | None = None  # the default title it brings (store.listing.first_title)
+    fired: Firing | None = None  # the schedule this append fires (store.schedules)
 
     def repeats(self, stored: bytes | None, first_body: bytes | None) -> bool:
         """Whether this keyed append repeats the one stored under its key.

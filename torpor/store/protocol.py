@@ -16,6 +16,7 @@ import msgspec
 from torpor.events import Body, Event
 from torpor.store.listing import ConversationPage, Deletion
 from torpor.store.memory import EpisodicItem, LedgerEntry, MemoryRecord, SemanticItem
+from torpor.store.schedules import Firing, NewSchedule, Schedule
 
 __all__ = [
     "Checkpoint",
@@ -269,9 +270,14 @@ class EventStore(Protocol):
         turn: int = 0,
         expect_head: int | None = None,
         key: str | None = None,
+        fired: Firing | None = None,
     ) -> Awaitable[list[Event]]:
         """Like ``append``, but returns the events as stored: positions, token counts,
-        created_at, and bodies after clipping (what a working set must hold)."""
+        created_at, and bodies after clipping (what a working set must hold).
+
+        ``fired``: the schedule these events fire (:mod:`torpor.store.schedules`): in the
+        same transaction it must still be due at ``fired.due`` (else ScheduleGone, nothing
+        written) and moves to ``fired.next_due`` (None: done)."""
         ...
 
     async def head(self, conversation_id: str) -> int | None: ...
@@ -424,6 +430,49 @@ class EventStore(Protocol):
         (keyset pagination); ``shards`` (with ``shard_count``, the cluster's count): only
         the conversations of those shards. From an index maintained with the appends:
         never a log scan."""
+        ...
+
+    # Schedules (torpor.store.schedules): rows beside the log, fired by appends.
+
+    async def add_schedule(self, new: NewSchedule, *, at_most: int | None = None) -> Schedule:
+        """Store a checked schedule (or return the one its key stored); UnknownConversation,
+        IdempotencyConflict, TooManySchedules (``at_most`` pending already)."""
+        ...
+
+    async def remove_schedule(self, conversation_id: str, schedule_id: str) -> bool:
+        """Cancel a pending schedule; False when the conversation has no such one pending."""
+        ...
+
+    async def conversation_schedules(self, conversation_id: str) -> list[Schedule]:
+        """The conversation's pending schedules, soonest first."""
+        ...
+
+    async def list_schedules(
+        self, *, after: str | None = None, limit: int = 100
+    ) -> list[Schedule]:
+        """Every pending schedule by id, after ``after`` (keyset pagination)."""
+        ...
+
+    async def due_schedules(
+        self,
+        *,
+        until: int,
+        limit: int = 100,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> list[Schedule]:
+        """Pending schedules due at ``until`` (epoch ms) or before, soonest first, of
+        ``shards`` if given; from the due index."""
+        ...
+
+    async def next_due(
+        self,
+        *,
+        after: int,
+        shards: Sequence[int] | None = None,
+        shard_count: int | None = None,
+    ) -> int | None:
+        """The soonest due time after ``after`` of a pending schedule (of ``shards``)."""
         ...
 
     # Derived memory (torpor.store.memory): written beside the log, never into it.

@@ -49,7 +49,14 @@ from torpor.errors import StoreError
 from torpor.store.commit_queue import Failed
 from torpor.store.postgres.errors import is_unavailable
 from torpor.store.postgres.plan import ConvState, Plan, ReplayEvents, View, WriteOp
-from torpor.store.postgres.statements import CREATE, LOCK, LOCK_FENCED, write, write_pending
+from torpor.store.postgres.statements import (
+    CREATE,
+    LOCK,
+    LOCK_FENCED,
+    LOCK_SCHEDULES,
+    write,
+    write_pending,
+)
 from torpor.store.rows import EVENT_COLUMNS, check_reaches, to_events
 
 __all__ = ["BatchStats", "Failed", "run_batch"]
@@ -118,6 +125,13 @@ async def _load(conn: asyncpg.Connection, view: View, ops: Sequence[WriteOp]) ->
         view.states[name] = ConvState(key, head)
         if idem is not None:
             view.stored_keys[(name, idem)] = (first, count, mark, body)
+    fired = sorted({
+        fire.schedule_id for op in ops
+        if (fire := getattr(getattr(op, "append", None), "fired", None)) is not None
+    })
+    if fired:  # locked after the conversations, as a delete locks them (no cycle)
+        for sid, name, due, key in await conn.fetch(LOCK_SCHEDULES, fired):
+            view.schedules[sid] = (name, due, key)
 
 
 async def _create(conn: asyncpg.Connection, view: View, names: list[str]) -> list[str]:

@@ -29,6 +29,7 @@ from torpor.errors import (
     ConflictError,
     FencedError,
     IdempotencyConflict,
+    ScheduleGone,
     StoreError,
     UnknownConversation,
 )
@@ -42,6 +43,7 @@ from torpor.store.postgres.lexemes import document_chunks
 from torpor.store.prepare import PreparedAppend, PreparedEvent
 from torpor.store.protocol import Checkpoint, ModelCall
 from torpor.store.rows import compress_artifact, encode_checkpoint, encode_model_call
+from torpor.store.schedules import Firing
 
 __all__ = [
     "AppendOp",
@@ -89,6 +91,8 @@ class Writes:
     keys: list[tuple[str, str, int, int, int, bytes | None]] = field(default_factory=list)
     checkpoints: list[tuple[str, int, int, bytes]] = field(default_factory=list)
     model_calls: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
+    # (schedule id, next due or None, delete the row): schedules fired (store.schedules)
+    schedules: list[tuple[str, int | None, bool]] = field(default_factory=list)
 
     def extend(self, other: Writes) -> None:
         self.events.extend(other.events)
@@ -97,6 +101,7 @@ class Writes:
         self.keys.extend(other.keys)
         self.checkpoints.extend(other.checkpoints)
         self.model_calls.extend(other.model_calls)
+        self.schedules.extend(other.schedules)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,8 @@ class View:
         self.creating = False  # the batch has started creating conversations
         self.epochs: dict[int, int] = {}  # shard -> current lease epoch (fenced batches only)
         self.shards: dict[str, int] = {}  # conversation -> shard, for rows this batch creates
+        # schedule id -> (conversation, due, key) of the schedules the batch fires, locked
+        self.schedules: dict[str, tuple[str, int | None, str | None]] = {}
         self.begin()
 
     def begin(self) -> None:
@@ -156,6 +163,7 @@ class View:
         self.heads: dict[str, HeadUpdate] = {}
         self.writes = Writes()
         self.pending = PendingChanges()  # the pending-approvals index, net of the batch
+        self.fired: set[str] = set()  # schedules fired by the plans kept so far
 
     def state(self, name: str) -> ConvState:
         return self.planned.get(name) or self.states.get(name) or NEW
@@ -172,6 +180,7 @@ class View:
         """Make a plan visible to the operations after it."""
         if plan.writes is not None:
             self.writes.extend(plan.writes)
+            self.fired.update(sid for sid, _, _ in plan.writes.schedules)
         if plan.idempotency is not None:
             self.planned_keys[plan.idempotency[0]] = plan.idempotency[1]
         if plan.name is None:
@@ -228,6 +237,15 @@ def check_fence(view: View, name: str, fence: tuple[int, int] | None) -> int | N
         raise FencedError(name, shard, epoch)
     view.shards[name] = shard
     return epoch
+
+
+def _fire(view: View, name: str, fired: Firing) -> tuple[str, int | None, bool]:
+    """The move of a schedule an append fires; ScheduleGone (the append is refused) unless
+    it is still due at ``fired.due`` in this conversation and no plan of the batch fired it."""
+    row = view.schedules.get(fired.schedule_id)
+    if row is None or row[0] != name or row[1] != fired.due or fired.schedule_id in view.fired:
+        raise ScheduleGone(name, fired.schedule_id)
+    return fired.schedule_id, fired.next_due, fired.next_due is None and row[2] is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +318,8 @@ class AppendOp:
         if first + len(events) > POSITION_LIMIT:
             raise StoreError(f"conversation {name!r} is full (position {first + len(events) - 1})")
         writes = Writes()
+        if append.fired is not None:
+            writes.schedules.append(_fire(view, name, append.fired))
         size = 0
         indexed: list[tuple[int, int, Body]] | None = None
         for offset, e in enumerate(events):

@@ -30,6 +30,12 @@ from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.pending import open_calls as pending_open_calls
 from torpor.store.postgres.delete import _tree as tree
 from torpor.store.postgres.lexemes import search_terms
+from torpor.store.postgres.schedule_reads import (
+    conversation_schedules,
+    due_schedules,
+    list_schedules,
+    next_due,
+)
 from torpor.store.postgres.schema import OPEN_WHERE
 from torpor.store.protocol import (
     Checkpoint,
@@ -54,6 +60,10 @@ from torpor.store.rows import (
 
 __all__ = [
     "checkpoints",
+    "conversation_schedules",
+    "due_schedules",
+    "list_schedules",
+    "next_due",
     "conversation",
     "conversations",
     "get_artifact",

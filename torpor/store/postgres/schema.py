@@ -408,8 +408,31 @@ _LISTING: Sequence[Step] = (
     """,
 )
 
+# Schedules (torpor.store.schedules): one row each, keyed by the conversation's key; an
+# index on the due time of the pending ones (what the runtime's one timer reads), one per
+# conversation, and a conversation's idempotency keys. Self-contained: no backfill.
+_SCHEDULES: Sequence[Step] = (
+    """
+    CREATE TABLE IF NOT EXISTS schedules (
+        id text PRIMARY KEY,
+        conversation_id bigint NOT NULL,
+        due bigint,
+        every bigint,
+        text text NOT NULL,
+        key text,
+        fingerprint bytea,
+        created_at bigint NOT NULL,
+        fired integer NOT NULL DEFAULT 0
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS schedules_due ON schedules (due, id) WHERE due IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS schedules_by_conversation ON schedules (conversation_id, due)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS schedules_key ON schedules (conversation_id, key) "
+    "WHERE key IS NOT NULL",
+)
+
 MIGRATIONS: tuple[Sequence[Step], ...] = (
-    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING, _LISTING
+    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING, _LISTING, _SCHEDULES
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -26,6 +26,7 @@ __all__ = [
     "CREATE",
     "LOCK",
     "LOCK_FENCED",
+    "LOCK_SCHEDULES",
     "PENDING_CLEAR",
     "PENDING_REMOVE",
     "WRITE",
@@ -74,6 +75,19 @@ LEFT JOIN idempotency_keys AS i ON i.conversation_id = l.key AND i.key = ANY($2:
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, shard, epoch FROM leases
 """
+
+# The schedules a batch fires (store.schedules), locked after its conversations (a delete
+# locks conversations, then deletes their schedules: the same order), in id order.
+LOCK_SCHEDULES = """
+SELECT s.id, c.external_id, s.due, s.key FROM schedules AS s
+JOIN conversations AS c ON c.key = s.conversation_id
+WHERE s.id = ANY($1::text[]) ORDER BY s.id FOR UPDATE OF s
+"""
+_MOVE_SCHEDULES = """
+UPDATE schedules AS s SET due = u.due, fired = s.fired + 1
+FROM unnest($1::text[], $2::bigint[]) AS u(id, due) WHERE s.id = u.id
+"""
+_DELETE_SCHEDULES = "DELETE FROM schedules WHERE id = ANY($1::text[])"
 
 # Create the conversations a batch needs, in name order. A name not returned was
 # created (and committed) by another writer meanwhile: the batch locks and re-reads it.
@@ -190,6 +204,13 @@ async def write(
         head_columns[8],  # $44: the default titles (store.listing)
     ]
     await conn.execute(WRITE, *args)
+    if writes.schedules:  # a batch that fires schedules: rare beside the appends
+        moved = [(sid, due) for sid, due, gone in writes.schedules if not gone]
+        if moved:
+            await conn.execute(_MOVE_SCHEDULES, *_columns(moved, 2))
+        gone = [sid for sid, _, deleted in writes.schedules if deleted]
+        if gone:
+            await conn.execute(_DELETE_SCHEDULES, gone)
 
 
 async def write_pending(conn: asyncpg.Connection, changes: PendingChanges) -> None:

@@ -47,6 +47,7 @@ from torpor.store.postgres.errors import DRIVER_ERRORS, is_unavailable, store_er
 from torpor.store.postgres.memory_ops import read_memory, write_memory
 from torpor.store.postgres.plan import AppendOp, ArtifactOp, CheckpointOp, ModelCallOp
 from torpor.store.postgres.redact import redact_event
+from torpor.store.postgres.schedule_ops import add_schedule, remove_schedule
 from torpor.store.postgres.schema import migrate
 from torpor.store.postgres.writer import GroupCommitWriter
 from torpor.store.prepare import PreparedAppend, now_ms
@@ -58,6 +59,7 @@ from torpor.store.protocol import (
     TokenCounter,
 )
 from torpor.store.rows import compress_artifact
+from torpor.store.schedules import NewSchedule, Schedule
 from torpor.store.sqlite.schema import Durability
 
 __all__ = ["PostgresStore", "node_session_settings"]
@@ -311,6 +313,26 @@ class PostgresStore(StoreCore):
             raise
         except DRIVER_ERRORS as exc:
             raise store_error(exc, f"describe of {name!r} failed") from exc
+
+    async def _add_schedule(self, new: NewSchedule, at_most: int | None) -> Schedule:
+        pool = self._pool_now()
+        try:
+            return await add_schedule(pool, new, at_most, self._held(new.conversation_id))
+        except FencedError as exc:
+            self._refused(exc)
+            raise
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, f"schedule for {new.conversation_id!r} failed") from exc
+
+    async def _remove_schedule(self, name: str, schedule_id: str) -> bool:
+        pool = self._pool_now()
+        try:
+            return await remove_schedule(pool, name, schedule_id, self._held(name))
+        except FencedError as exc:
+            self._refused(exc)
+            raise
+        except DRIVER_ERRORS as exc:
+            raise store_error(exc, f"unschedule in {name!r} failed") from exc
 
     async def _delete(self, name: str, by: str) -> Deletion | None:
         """One transaction beside the group commit (see :mod:`.delete`), fenced on a node."""

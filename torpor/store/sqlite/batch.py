@@ -183,6 +183,9 @@ class Batch:
         self.fts: list[tuple[int, str]] = []
         self.flush_search = False  # index the search backlog in this transaction
         self.backlog = (0, 0)  # the search backlog's (rows, text bytes) once this commits
+        # Schedules changed by the operations planned so far (store.sqlite.schedule_ops):
+        # what a later one in the batch must see before any of it is written.
+        self.schedules: dict[tuple[object, ...], Any] = {}
 
     def conversation(self, name: str) -> ConvState:
         """The conversation as this batch sees it; a new one gets a key but no row yet."""

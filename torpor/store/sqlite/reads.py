@@ -53,10 +53,20 @@ from torpor.store.rows import (
 )
 from torpor.store.sqlite.delete import _tree as tree
 from torpor.store.sqlite.delete import read_deletions
+from torpor.store.sqlite.schedule_reads import (
+    conversation_schedules,
+    due_schedules,
+    list_schedules,
+    next_due,
+)
 from torpor.store.sqlite.schema import OPEN_WHERE
 
 __all__ = [
     "checkpoints",
+    "conversation_schedules",
+    "due_schedules",
+    "list_schedules",
+    "next_due",
     "conversation",
     "conversations",
     "get_artifact",

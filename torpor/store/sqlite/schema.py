@@ -367,7 +367,32 @@ _V8: Sequence[Step] = (
     """,
 )
 
-MIGRATIONS: tuple[Sequence[Step], ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
+# Schedules (torpor.store.schedules): one row each, keyed by the conversation's key; an
+# index on the due time of the pending ones (what the runtime's one timer reads), one per
+# conversation, and a conversation's idempotency keys. Self-contained: no backfill.
+_SCHEDULES: Sequence[Step] = (
+    """
+    CREATE TABLE IF NOT EXISTS schedules (
+        id TEXT PRIMARY KEY,
+        conversation_id INTEGER NOT NULL,
+        due INTEGER,
+        every INTEGER,
+        text TEXT NOT NULL,
+        key TEXT,
+        fingerprint BLOB,
+        created_at INTEGER NOT NULL,
+        fired INTEGER NOT NULL DEFAULT 0
+    )
+    """,
+    "CREATE INDEX IF NOT EXISTS schedules_due ON schedules (due, id) WHERE due IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS schedules_by_conversation ON schedules (conversation_id, due)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS schedules_key ON schedules (conversation_id, key) "
+    "WHERE key IS NOT NULL",
+)
+
+MIGRATIONS: tuple[Sequence[Step], ...] = (
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _SCHEDULES
+)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

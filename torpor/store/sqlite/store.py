@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import sqlite3
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiosqlite
 
@@ -50,6 +50,7 @@ from torpor.store.protocol import (
     SearchHit,
     TokenCounter,
 )
+from torpor.store.schedules import NewSchedule, Schedule
 from torpor.store.sqlite import reads
 from torpor.store.sqlite.batch import FlushSearchIndex
 from torpor.store.sqlite.checkpoint import Checkpointer, CheckpointPolicy, configure_checkpointer
@@ -58,6 +59,7 @@ from torpor.store.sqlite.errors import store_error
 from torpor.store.sqlite.hop import hop
 from torpor.store.sqlite.memory_ops import MemoryOp, read_memory
 from torpor.store.sqlite.redact import redact_event
+from torpor.store.sqlite.schedule_ops import AddScheduleOp, RemoveScheduleOp
 from torpor.store.sqlite.schema import Durability, configure_reader, configure_writer, migrate
 from torpor.store.sqlite.write_ops import (
     AppendOp,
@@ -352,6 +354,12 @@ class SQLiteStore(StoreCore):
 
     async def _describe(self, name: str, title: str | None, metadata: str | None) -> bool:
         return bool(await self._write().submit(DescribeOp(name, title, metadata)))
+
+    async def _add_schedule(self, new: NewSchedule, at_most: int | None) -> Schedule:
+        return cast(Schedule, await self._write().submit(AddScheduleOp(new, at_most)))
+
+    async def _remove_schedule(self, name: str, schedule_id: str) -> bool:
+        return bool(await self._write().submit(RemoveScheduleOp(name, schedule_id)))
 
     async def _delete(self, name: str, by: str) -> Deletion | None:
         """On the writer connection with the writer held (see :mod:`.delete`): the delete's

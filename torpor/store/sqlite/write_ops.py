@@ -28,6 +28,7 @@ from torpor.store.rows import (
     to_events,
 )
 from torpor.store.sqlite.batch import Batch, ConvState, Plan
+from torpor.store.sqlite.schedule_ops import firing_writes
 from torpor.store.sqlite.schema import POSITION_LIMIT
 
 __all__ = ["AppendOp", "ArtifactOp", "CheckpointOp", "DescribeOp", "ModelCallOp"]
@@ -92,7 +93,12 @@ class AppendOp(msgspec.Struct, frozen=True, gc=False):
             raise StoreError(f"conversation {name!r} is full (position {last})")
         key = state.key
         base = key << 32  # the search index's rowid: conversation key, then position
+        moved = None
+        if append.fired is not None:  # last check: it records the move in the batch
+            moved = firing_writes(batch, name, key, append.fired, state.stored)
         writes = batch.creating(name, state)
+        if moved is not None:
+            writes.extend(moved)
         fts: list[tuple[int, str]] = []
         size = 0
         indexed: list[tuple[int, int, Body]] | None = None
