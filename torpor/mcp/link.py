@@ -27,6 +27,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 
 from torpor.mcp.results import render_result
 from torpor.mcp.servers import MCPServer, MCPServerStdio
@@ -111,6 +112,7 @@ class Link:
     async def _session(self) -> float | None:
         """Connect, list the tools, serve until lost; seconds it was up (None: never)."""
         from mcp import Client
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
         self._lost = self._relist = False
         self._wake.clear()
@@ -118,9 +120,12 @@ class Link:
             # The connect (process start and handshake) has a deadline; the session none.
             scope.deadline = anyio.current_time() + self.server.connect_timeout
             async with AsyncExitStack() as stack:
-                transport = _watched(await self._transport(stack), self._on_eof)
+                transport = await self._transport(stack)
                 client = Client(transport, message_handler=self._on_message, cache=None)
                 await stack.enter_async_context(client)
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                    await tg.start(self._listen, client)  # before the list: no change missed
                 await self._list(client)
                 scope.deadline = math.inf
                 self._client = client
@@ -135,11 +140,32 @@ class Link:
                     await self._wake.wait()
                     self._wake.clear()
                     if self._lost:
+                        tg.cancel_scope.cancel()
                         return time.monotonic() - began
                     if self._relist:
                         self._relist = False
                         await self._list(client)
         raise TimeoutError(f"no session within {self.server.connect_timeout:g} seconds")
+
+    async def _listen(
+        self, client: Client, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Since protocol 2026-07-28 a list change comes on a ``subscriptions/listen``
+        stream, not as a bare notification (which older servers send: ``_on_message``).
+        Started (``task_status``) once the server acknowledged it, or could not."""
+        from mcp.shared.exceptions import MCPError
+
+        try:
+            async with client.listen(tools_list_changed=True) as changes:
+                task_status.started()
+                async for _ in changes:
+                    self._relist = True
+                    self._wake.set()
+        except (MCPError, TimeoutError, RuntimeError) as exc:  # no list changes: the
+            # tools listed on connect stay
+            self.log.info("mcp_listen_unavailable", server=self.server.name, error=repr(exc))
+            with contextlib.suppress(RuntimeError):  # not started yet: the session goes on
+                task_status.started()
 
     async def _transport(self, stack: AsyncExitStack) -> Transport:
         server = self.server
@@ -149,7 +175,7 @@ class Link:
             params = StdioServerParameters(
                 command=server.command, args=list(server.args), env=server.env, cwd=server.cwd
             )
-            return stdio_client(params)
+            return _watched(stdio_client(params), self._on_eof)
         from mcp.client.streamable_http import streamable_http_client
         from mcp.shared._httpx_utils import create_mcp_http_client
 
