@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from mcp_servers import Probe  # noqa: E402
-from test_mcp_tools import mcp_http, results  # noqa: E402
+from mcp_servers import Probe
+from test_mcp_tools import mcp_http, results
 
-from torpor import AgentConfig, Runtime, ScriptedModel  # noqa: E402
-from torpor.events import Resolved, Suspended  # noqa: E402
-from torpor.llm import Call, Text  # noqa: E402
-from torpor.mcp import APPROVED, MCPServerHTTP  # noqa: E402
+from torpor import AgentConfig, Runtime, ScriptedModel
+from torpor.events import Resolved, Suspended
+from torpor.llm import Call, Text
+from torpor.mcp import APPROVED, MCPServerHTTP
 
 
 def wiping() -> ScriptedModel:

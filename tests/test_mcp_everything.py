@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from npm_packages import NpmUnavailable, mcp_everything  # noqa: E402
+from npm_packages import NpmUnavailable, mcp_everything
 
-from torpor import AgentConfig, Runtime, ScriptedModel  # noqa: E402
-from torpor.events import ToolResult  # noqa: E402
-from torpor.llm import Call, Text  # noqa: E402
-from torpor.mcp import MCPServerHTTP, MCPServerStdio  # noqa: E402
+from torpor import AgentConfig, Runtime, ScriptedModel
+from torpor.events import ToolResult
+from torpor.llm import Call, Text
+from torpor.mcp import MCPServerHTTP, MCPServerStdio
 
 HERE = Path(__file__).parent
 
@@ -119,8 +119,7 @@ async def test_a_server_killed_mid_call_gives_an_error_and_is_restarted() -> Non
         first = await (await rt.send("c", "go")).result()
         (link,) = rt._mcp.links
         with anyio.fail_after(30):  # restarted in the background, after the backoff
-            while link.sessions < 2 or link.state != "ready":
-                await anyio.sleep(0.05)
+            await link.until(lambda link: link.sessions == 2 and link.state == "ready")
         second = await (await rt.send("c", "again")).result()
         got = await results(rt, "c")
         sessions = link.sessions

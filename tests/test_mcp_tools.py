@@ -11,13 +11,13 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from mcp_servers import BIG, Probe, make_server  # noqa: E402
-from serve_support import serving  # noqa: E402
+from mcp_servers import BIG, Probe, make_server
+from serve_support import serving
 
-from torpor import AgentConfig, Runtime, ScriptedModel, tool  # noqa: E402
-from torpor.events import ToolResult  # noqa: E402
-from torpor.llm import Call, Text  # noqa: E402
-from torpor.mcp import MCPServerHTTP  # noqa: E402
+from torpor import AgentConfig, Runtime, ScriptedModel, tool
+from torpor.events import ToolResult
+from torpor.llm import Call, Text
+from torpor.mcp import MCPServerHTTP
 
 
 @asynccontextmanager
@@ -97,8 +97,7 @@ async def test_list_changed_refreshes_the_tools_offered() -> None:
             await (await rt.send("c", "grow")).result()
             (link,) = rt._mcp.links
             with anyio.fail_after(10):  # the notification is read after the call's answer
-                while link.version < 2:
-                    await anyio.sleep(0.01)
+                await link.until(lambda link: link.version >= 2)
             await (await rt.send("c", "use it")).result()
             got = {r.call_id: r for r in await results(rt, "c")}
     assert "extra" not in {s.name for s in model.tool_specs[0]}

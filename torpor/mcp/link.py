@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,17 @@ class Link:
         self._lost = False
         self._relist = False
         self._attempt = asyncio.Event()  # set when the current connection attempt settles
+        self._news = asyncio.Event()  # replaced and set at each change of state or list
+
+    def _changed(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
+    async def until(self, predicate: Callable[[Link], bool]) -> None:
+        """Wait until ``predicate(link)`` holds (checked at each change of state or list:
+        a test, a bench, a health check)."""
+        while not predicate(self):
+            await self._news.wait()
 
     # -- lifecycle (the hub's) ----------------------------------------------------
     def start(self) -> None:
@@ -104,6 +115,7 @@ class Link:
             self.state = "down"
             self.retry_at = time.monotonic() + delay
             self._attempt.set()
+            self._changed()
             self.log.warning("mcp_server_down", server=self.server.name, error=error,
                              retry_in=delay)
             await asyncio.sleep(delay)  # the backoff itself: nothing else to wait for
@@ -133,6 +145,7 @@ class Link:
                 self.state = "ready"
                 self.last_error = None
                 self._attempt.set()
+                self._changed()
                 self.log.info("mcp_server_ready", server=self.server.name,
                               tools=len(self.tools), session=self.sessions)
                 began = time.monotonic()
@@ -193,6 +206,7 @@ class Link:
                 break
         self.tools = tuple(tools)
         self.version += 1
+        self._changed()
 
     # -- what the session tells us ----------------------------------------------------
     def _lose(self, client: Client | None = None) -> None:
