@@ -121,12 +121,20 @@ class Suspended(msgspec.Struct, tag="suspended", frozen=True, gc=False, omit_def
     call_ids: tuple[str, ...]
     reason: str = ""
     tools: tuple[str, ...] = ()
+    # The calls (of call_ids) that wait for an approval, not an answer: an MCP tool that
+    # needs one (torpor.mcp). Approving such a call runs it; its ToolResult is the tool's.
+    approvals: tuple[str, ...] = ()
 
 
-class Resolved(msgspec.Struct, tag="resolved", frozen=True, gc=False):
-    """An outside answer arrived for ``call_id`` (its ToolResult is logged with it)."""
+class Resolved(msgspec.Struct, tag="resolved", frozen=True, gc=False, omit_defaults=True):
+    """An outside answer arrived for ``call_id`` (its ToolResult is logged with it).
+
+    ``approval``: the call waited for an approval and got it (the resolver's text); no
+    ToolResult comes with it: the continuation runs the call and logs the tool's result.
+    """
 
     call_id: str
+    approval: str | None = None
 
 
 AbortReason: TypeAlias = Literal[

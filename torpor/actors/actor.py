@@ -46,7 +46,7 @@ from torpor.actors.mailbox import (
 )
 from torpor.actors.observe import TurnInfo
 from torpor.actors.redaction import carry_out, carry_out_deferred, defer, fail_deferred
-from torpor.actors.resolution import replayed_resolution
+from torpor.actors.resolution import approves, replayed_resolution
 from torpor.actors.revive import restore
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
@@ -70,6 +70,7 @@ from torpor.events import (
     Aborted,
     AbortReason,
     AssistantMessage,
+    Body,
     Event,
     Parked,
     Resolved,
@@ -933,10 +934,18 @@ async def _handle_resolve(agent: Agent, host: Host, request: ResolveRequest) -> 
         return
     ws = agent.ws
     assert ws is not None
-    tool = _tool_name(ws, request.call_id)
-    result = ToolResult(request.call_id, tool, request.content, is_error=request.is_error)
+    bodies: list[Body]
+    if request.call_id in _suspension_of(agent).approvals and approves(
+        request.content, request.is_error
+    ):
+        # Approved: logged alone; the continuation runs the call and logs its result.
+        bodies = [Resolved(request.call_id, approval=request.content)]
+    else:  # an answer, or an approval refused: what the model reads for the call
+        tool = _tool_name(ws, request.call_id)
+        result = ToolResult(request.call_id, tool, request.content, is_error=request.is_error)
+        bodies = [result, Resolved(request.call_id)]
     try:
-        await append(agent, host, [result, Resolved(request.call_id)], key=request.key)
+        await append(agent, host, bodies, key=request.key)
     except (StoreUnavailable, IdempotencyConflict) as exc:
         fail(request, exc)  # nothing was written: still suspended on the same calls
         return

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from torpor.compaction.working_set import WorkingSet
     from torpor.events import Event
     from torpor.llm.protocol import Model, ToolSpec
+    from torpor.mcp.view import ToolView
     from torpor.store.protocol import EventStore
 
 __all__ = ["RECENT_EVENTS", "Agent", "Host", "Profile", "Waiting"]
@@ -55,9 +56,13 @@ class Waiting:
 
 
 class Profile:
-    """An AgentConfig made ready to run: its policy, toolbox and tool specs (shared by agents)."""
+    """An AgentConfig made ready to run: its policy, toolbox and tool specs (shared by agents).
 
-    __slots__ = ("config", "policy", "specs", "toolbox")
+    ``mcp``: its MCP servers' tools (None without servers): their specs change with the
+    servers' tool lists, so a model call asks it for the specs instead of using ``specs``.
+    """
+
+    __slots__ = ("config", "mcp", "policy", "specs", "toolbox")
 
     def __init__(
         self,
@@ -65,11 +70,13 @@ class Profile:
         policy: CompactionPolicy,
         toolbox: Toolbox,
         specs: tuple[ToolSpec, ...],
+        mcp: ToolView | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
         self.toolbox = toolbox
         self.specs = specs
+        self.mcp = mcp
 
 
 class Host(Protocol):

@@ -11,6 +11,7 @@ import msgspec
 from torpor.actors.tools import Toolbox
 from torpor.compaction.policy import BUDGET_RELATIONS, CompactionPolicy
 from torpor.errors import ConfigError
+from torpor.mcp.servers import MCPServerHTTP, MCPServerStdio
 from torpor.validation import (
     Relation,
     Rule,
@@ -36,6 +37,19 @@ def _tools_problem(value: object) -> str | None:
         return f" ({str(exc).removeprefix('tools: ')})"
     except Exception as exc:  # a function whose signature has no JSON schema, say
         return f" ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _servers_problem(value: object) -> str | None:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return f" ({type(value).__name__}, not a list of MCP servers)"
+    names: set[str] = set()
+    for server in value:
+        if not isinstance(server, MCPServerStdio | MCPServerHTTP):
+            return f" ({type(server).__name__}, not MCPServerStdio or MCPServerHTTP)"
+        if server.name in names:  # the prefix that tells clashing tools apart
+            return f" (two servers are named {server.name!r}: give one another name=)"
+        names.add(server.name)
     return None
 
 
@@ -91,6 +105,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: Any = None
     tools: Sequence[Any] = ()  # LocalTool (from torpor.tool), ExternalTool or an async function
     tool_timeout: float = 30.0  # seconds per local tool call (a tool's own timeout wins)
+    # MCP servers whose tools join ``tools`` (torpor.mcp.MCPServerStdio / MCPServerHTTP;
+    # one session per server per runtime, shared by every agent naming it).
+    mcp_servers: Sequence[Any] = ()
     max_steps: int = 8  # model calls per turn (across its suspensions) before it is cut off
     recall_tools: bool = True  # offer the built-in recall/expand tools to the model
     context_window: int = 128_000
@@ -132,6 +149,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                         _model_problem),
         "tools": custom("a list of LocalTool, ExternalTool or async functions", _tools_problem),
         "tool_timeout": seconds(),
+        "mcp_servers": custom("a list of MCPServerStdio or MCPServerHTTP with distinct names",
+                              _servers_problem),
         "max_steps": integer(1),
         "recall_tools": flag(),
         **{name: CompactionPolicy.RULES[name] for name in (
@@ -160,6 +179,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         check_fields(self, self.RULES, self.RELATIONS)
         if isinstance(self.tools, list):  # a tuple: the caller's list can't change it later
             msgspec.structs.force_setattr(self, "tools", tuple(self.tools))
+        if isinstance(self.mcp_servers, list):
+            msgspec.structs.force_setattr(self, "mcp_servers", tuple(self.mcp_servers))
 
     def policy(self) -> CompactionPolicy:
         return CompactionPolicy(

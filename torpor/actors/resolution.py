@@ -37,7 +37,15 @@ if TYPE_CHECKING:
     from torpor.actors.mailbox import ResolveRequest
     from torpor.store.protocol import EventStore
 
-__all__ = ["replayed_resolution"]
+__all__ = ["APPROVED", "approves", "replayed_resolution"]
+
+APPROVED = "approved"
+"""The answer that approves a call waiting for an approval (an MCP tool that needs one)."""
+
+
+def approves(content: str, is_error: bool) -> bool:
+    """Whether a resolve's answer is the approval (case and spaces aside)."""
+    return not is_error and content.strip().lower() == APPROVED
 
 _PAGE = 128  # events read per trip while looking for the suspension or the turn's end
 
@@ -77,6 +85,10 @@ async def replayed_resolution(
 
 
 async def _same_answer(store: EventStore, body: object, request: ResolveRequest) -> bool:
+    if isinstance(body, Resolved) and body.approval is not None:  # an approval, logged alone
+        return body.call_id == request.call_id and body.approval == request.content and (
+            not request.is_error
+        )
     if not isinstance(body, ToolResult) or body.call_id != request.call_id:
         return False
     if body.is_error != request.is_error:

@@ -19,6 +19,7 @@ from torpor.events import (
     AssistantMessage,
     Event,
     Parked,
+    Resolved,
     Suspended,
     ToolResult,
     Unparked,
@@ -90,6 +91,10 @@ def restore(events: Sequence[Event], postponed: frozenset[int] | None = None) ->
             suspended_on = frozenset()
             finished = not body.tool_calls
         elif isinstance(body, ToolResult):
+            answered.add(body.call_id)
+        elif isinstance(body, Resolved) and body.approval is not None:
+            # Approved: no longer waiting outside. Its result, if the turn died before
+            # logging one, is never made up: the turn is unfinished (at most once).
             answered.add(body.call_id)
         elif isinstance(body, Suspended):
             suspended_on = frozenset(body.call_ids)

@@ -49,7 +49,9 @@ TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
     S.STREAMING: frozenset({S.RUNNING_TOOLS, S.SUSPENDED, S.AWAITING_INPUT, S.STREAMING,
                             *_LEAVE}),
     S.RUNNING_TOOLS: frozenset({S.STREAMING, S.SUSPENDED, S.AWAITING_INPUT, *_LEAVE}),
-    S.SUSPENDED: frozenset({S.STREAMING, S.AWAITING_INPUT, S.HIBERNATED, *_LEAVE}),
+    # RUNNING_TOOLS: a continuation first runs the calls approved (torpor.mcp).
+    S.SUSPENDED: frozenset({S.STREAMING, S.RUNNING_TOOLS, S.AWAITING_INPUT, S.HIBERNATED,
+                            *_LEAVE}),
     S.PARKED: frozenset({S.REVIVING, S.STOPPED, S.EVICTED}),
     S.STOPPED: frozenset({S.REVIVING, S.EVICTED}),
     S.HIBERNATED: frozenset({S.REVIVING, S.EVICTED, S.PARKED, S.STOPPED}),

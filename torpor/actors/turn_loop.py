@@ -57,6 +57,7 @@ from torpor.llm.protocol import (
     ToolCallDelta,
     Usage,
 )
+from torpor.mcp.calls import approved_calls, run_approved_calls, run_mcp
 from torpor.memory.fold import fold_memory
 from torpor.memory.reconcile import reconcile_logged
 from torpor.store.protocol import ModelCall
@@ -66,7 +67,9 @@ if TYPE_CHECKING:
     from torpor.actors.agent import Agent, Host
     from torpor.store.schedules import Firing
 
-__all__ = ["BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "logged", "run_steps"]
+__all__ = [
+    "BUILTIN_TOOLS", "ModelFailed", "StepLimit", "append", "logged", "run_approved", "run_steps"
+]
 
 BUILTIN_TOOLS = {RECALL_TOOL.name: RECALL_TOOL, EXPAND_TOOL.name: EXPAND_TOOL}
 
@@ -200,6 +203,8 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
     """Run model calls until an answer without tool calls (returned) or a suspension (None)."""
     profile = agent.profile
     config = profile.config
+    if profile.mcp is not None:  # a continuation after approvals: those calls run first
+        await run_approved(agent, host)
     while True:
         if agent.calls >= config.max_steps:
             raise StepLimit(f"more than {config.max_steps} model calls in one turn")
@@ -221,12 +226,33 @@ async def run_steps(agent: Agent, host: Host) -> AssistantMessage | None:
         if not message.tool_calls:
             return message
         agent.set_state(host, AgentState.RUNNING_TOOLS)
-        external = await _run_tools(agent, host, message.tool_calls)
+        approvals: list[str] = []
+        external = await _run_tools(agent, host, message.tool_calls, approvals)
         if external:
             names = tuple(c.name for c in message.tool_calls if c.id in external)
-            await append(agent, host, [_suspension(external, names)])
+            await append(agent, host, [_suspension(external, names, tuple(approvals))])
             agent.pending = external
             return None
+
+
+async def run_approved(agent: Agent, host: Host) -> None:
+    """Run the calls of this turn approved since it suspended and log their results
+    (a continuation's first step; nothing to do on most turns)."""
+    ws = agent.ws
+    mcp = agent.profile.mcp
+    assert ws is not None and mcp is not None
+    if not approved_calls(ws.tail, agent.turn):
+        return
+    agent.set_state(host, AgentState.RUNNING_TOOLS)
+    agent.cancellable = True  # a cancel stops the calls (the server is told)
+    try:
+        if agent.cancels:
+            _cancel_turn(agent)
+        done = await run_approved_calls(ws.tail, agent.turn, mcp,
+                                        agent.profile.config.tool_timeout)
+    finally:
+        agent.cancellable = False
+    await append(agent, host, done)
 
 
 def _fold_plan(agent: Agent) -> FoldPlan | None:
@@ -287,7 +313,8 @@ async def _call_model(agent: Agent, host: Host) -> AssistantMessage:
     ws = agent.ws
     assert ws is not None
     profile = agent.profile
-    specs = profile.specs
+    # MCP tools come and go with their servers' lists: asked for per call (cached there).
+    specs = profile.specs if profile.mcp is None else await profile.mcp.current_specs()
     # Push off (the default): no coroutine per call.
     pushed = await pushed_for(agent, host) if agent.profile.config.push_recall else NOTHING
     rendered = ws.render(
@@ -433,9 +460,14 @@ async def _close(stream: object) -> None:
         await aclose()
 
 
-def _suspension(call_ids: tuple[str, ...], names: tuple[str, ...]) -> Suspended:
+def _suspension(
+    call_ids: tuple[str, ...], names: tuple[str, ...], approvals: tuple[str, ...] = ()
+) -> Suspended:
     # The tool names feed the store's index of pending approvals.
-    return Suspended(call_ids, reason="awaiting outside answer", tools=names)
+    reason = "awaiting approval" if approvals and len(approvals) == len(call_ids) else (
+        "awaiting outside answer"
+    )
+    return Suspended(call_ids, reason=reason, tools=names, approvals=approvals)
 
 
 async def _record(host: Host, call: ModelCall) -> None:
@@ -519,10 +551,15 @@ def _counted(value: object) -> int | None:
     return value if type(value) is int and 0 <= value < 1 << 63 else None
 
 
-async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tuple[str, ...]:
-    """Run local calls concurrently, log their results in call order; return external ids."""
+async def _run_tools(
+    agent: Agent, host: Host, calls: Sequence[ToolCall], approvals: list[str] | None = None
+) -> tuple[str, ...]:
+    """Run local and MCP calls concurrently, log their results in call order; return the
+    ids waiting outside (external calls, and MCP calls waiting for an approval: those are
+    added to ``approvals`` too)."""
     toolbox = agent.profile.toolbox
     config = agent.profile.config
+    mcp = agent.profile.mcp
     timeout = config.tool_timeout
     grace = config.cancel_deadline
     results: dict[str, ToolResult] = {}
@@ -558,6 +595,10 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
             results[call.id] = await run_tool(
                 tool, call, timeout=timeout, grace=grace, abandon=host.abandon, context=context
             )
+            return
+        remote = mcp.get(call.name) if mcp is not None and tool is None else None
+        if remote is not None:
+            results[call.id] = await run_mcp(remote, call, timeout)
         else:
             results[call.id] = toolbox.unknown_tool_result(call)
 
@@ -575,6 +616,18 @@ async def _run_tools(agent: Agent, host: Host, calls: Sequence[ToolCall]) -> tup
                         results[call.id] = ToolResult(call.id, call.name, str(exc), is_error=True)
                     else:
                         external.append(call.id)
+                elif tool is None and mcp is not None and approvals is not None and (
+                    (remote := mcp.get(call.name)) is not None and remote.gated
+                ):
+                    errors = remote.argument_errors(call.arguments)
+                    if errors:  # the model can fix it: no approval asked for
+                        results[call.id] = ToolResult(
+                            call.id, call.name, str(ToolArgumentError(call.name,
+                                                                      "; ".join(errors[:5]))),
+                            is_error=True)
+                    else:
+                        external.append(call.id)
+                        approvals.append(call.id)
                 else:
                     tg.start_soon(one, call)
     finally:

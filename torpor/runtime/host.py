@@ -49,6 +49,7 @@ from torpor.errors import (
 from torpor.events import Event
 from torpor.llm.echo import EchoModel
 from torpor.llm.protocol import Model
+from torpor.mcp.hub import MCPHub
 from torpor.metadata import check_metadata
 from torpor.runtime.admin import Admin
 from torpor.runtime.admission import Admission
@@ -203,6 +204,7 @@ class Runtime(MemoryAPI):
         self._host.schedule_now = self._scheduler.now
         self._host.poke_schedules = self._scheduler.poke
         self._profiles: dict[int, Profile] = {}
+        self._mcp = MCPHub(self._log)  # one session per MCP server, opened on first use
         self._stack: AsyncExitStack | None = None
         self._store: EventStore | None = None
         self._node = node
@@ -260,6 +262,10 @@ class Runtime(MemoryAPI):
                     self._log, stack, guard=self._erasure.guard,
                 )
                 self._host.poke_embedding = self._embedding.poke
+            # A fresh hub per run: a profile of a previous run holds links of a closed one.
+            self._mcp = MCPHub(self._log)
+            self._profiles.clear()
+            stack.push_async_callback(self._mcp.aclose)  # once no agent calls tools any more
             # Unwound in reverse: agents stop (and log their aborts) first, then the sweep.
             stack.push_async_callback(self._stop_agents)
             if self.config.consolidate_interval is not None:  # stopped before the agents
@@ -396,7 +402,10 @@ class Runtime(MemoryAPI):
                 specs = (*specs, TASK_CARD_TOOL)
             if config.schedule_tool and toolbox.get(SCHEDULE_TOOL.name) is None:
                 specs = (*specs, SCHEDULE_TOOL)
-            profile = Profile(config, config.policy(), toolbox, specs)
+            view = None
+            if config.mcp_servers:  # their tools beside the local and built-in ones
+                view = self._mcp.view(config.mcp_servers, [s.name for s in specs], specs)
+            profile = Profile(config, config.policy(), toolbox, specs, view)
             if len(self._profiles) > 1024:
                 self._profiles.clear()
             self._profiles[id(config)] = profile

@@ -85,6 +85,8 @@ def _check_any(body: Body, where: str) -> None:
         _suspended(body, where)
     elif isinstance(body, Resolved):
         check_id(body.call_id, f"{where}.call_id")
+        if body.approval is not None:
+            check_text(body.approval, f"{where}.approval")
     elif isinstance(body, Aborted):
         _aborted(body, where)
     elif isinstance(body, Parked):
@@ -149,6 +151,10 @@ def _suspended(body: Suspended, where: str) -> None:
         )
     for index, tool in enumerate(body.tools):
         check_text(tool, f"{where}.tools[{index}]")
+    if not isinstance(body.approvals, tuple | list) or not set(body.approvals) <= set(
+        body.call_ids
+    ):
+        raise InvalidInput(f"{where}.approvals", "must be a tuple of some of its call ids")
 
 
 def _task_card(body: TaskCard, where: str) -> None:
