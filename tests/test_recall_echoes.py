@@ -18,12 +18,15 @@ from torpor.llm import Call, Text
 
 
 def _quote(n: int) -> str:
-    return "1 match(es): event 0 pool_size = 32 " + "pool_size " * (10 + n)
+    return "pool_size " * (2 + n % 2)
+
+
+_PAD = " and other words" * 30  # real events longer than the echoes: the echoes rank first
 
 
 async def _fill(store: AnyStore) -> tuple[set[int], set[int]]:
     """(positions of real events, positions of echoes), echoes ranked above the rest."""
-    real = await store.append("c", [UserMessage("gateway pool_size = 32")])
+    real = await store.append("c", [UserMessage("gateway pool_size = 32" + _PAD)])
     echoes: list[int] = []
     for n in range(12):  # more echoes than k, so a filtered search must read deeper
         tool = ("recall", "expand")[n % 2]
@@ -32,8 +35,8 @@ async def _fill(store: AnyStore) -> tuple[set[int], set[int]]:
                                       ToolResult(f"r{n}", tool, _quote(n))])
         echoes.append(at[1])
     for n in range(4):
-        real += await store.append("c", [UserMessage(f"pool_size note {n}")])
-    real += await store.append("c", [ToolResult("x", "lookup", "pool_size = 48 pool_size")])
+        real += await store.append("c", [UserMessage(f"pool_size note {n}{_PAD}")])
+    real += await store.append("c", [ToolResult("x", "lookup", "pool_size = 48 pool_size" + _PAD)])
     return set(real), set(echoes)
 
 

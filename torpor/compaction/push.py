@@ -44,8 +44,9 @@ from torpor.compaction.sections import Block
 from torpor.compaction.slots import clip_text
 from torpor.compaction.task_card import card_lines
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
-from torpor.events import Event, TaskCard, ToolResult, kind_of, presented, searchable_text
+from torpor.events import Event, TaskCard, kind_of, presented, searchable_text
 from torpor.store.fulltext import coverage
+from torpor.store.hits import left_out
 from torpor.store.protocol import EventStore, SearchHit
 
 __all__ = [
@@ -287,9 +288,9 @@ async def _read(store: EventStore, conversation_id: str, positions: Iterable[int
 
 def _echo(event: Event) -> bool:
     """An earlier recall's or expand's output: copies of other events (which are candidates
-    themselves), so not evidence; a stale value quoted there must not supersede a newer one."""
-    body = event.body
-    return isinstance(body, ToolResult) and body.tool in ECHO_TOOLS
+    themselves), so not evidence; a stale value quoted there must not supersede a newer one.
+    Nor a message that only calls them: its arguments are an earlier query."""
+    return left_out(event.body, ECHO_TOOLS)
 
 
 def _hop_query(events: Sequence[Event], base: dict[int, float], queries: Sequence[str]) -> str:

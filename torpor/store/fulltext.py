@@ -3,12 +3,22 @@
 A user's query is free text (a hash, a file path, ``error: can't open``), not a
 query language. Each whitespace-separated term becomes a quoted phrase, so
 punctuation inside it is matched literally by the tokenizer instead of being
-read as FTS5 syntax; terms are OR-ed and bm25 ranks events matching more of
-them higher, which is what recall wants.
+read as FTS5 syntax; terms are OR-ed.
+
+Ranking (the same rule in both backends' SQL): an event holding
+more of the query's distinct terms ranks first, whatever the words' frequencies
+(bm25 alone gives a word common in the conversation almost no weight, so long
+events repeating one or two common words would outrank a short event holding every
+query word); among events holding as many, the backend's own relevance (bm25 on
+SQLite, ts_rank on PostgreSQL) divided by :func:`length_factor` of the event's
+stored size, so a short event beats a long repetitive one that holds the same
+words (neither backend's score does that here: FTS5's bm25 has no document
+lengths in a contentless ``columnsize=0`` index, and ts_rank is not normalised).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -18,7 +28,10 @@ __all__ = [
     "calibrated",
     "coverage",
     "first_match",
+    "length_factor",
     "match_expression",
+    "term_groups",
+    "term_phrases",
     "query_terms",
     "snippet",
 ]
@@ -93,6 +106,37 @@ def match_expression(query: str) -> str | None:
     if not terms:
         return None
     return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms)
+
+
+def term_phrases(query: str) -> list[str]:
+    """One FTS5 phrase per distinct query term (case folded): what counts as one term held."""
+    return ['"' + term.replace('"', '""') + '"' for term in _distinct(query_terms(query))]
+
+
+def term_groups(terms: Sequence[str]) -> list[int]:
+    """For each term, the index of the first term equal to it case folded (its group)."""
+    first: dict[str, int] = {}
+    return [first.setdefault(term.lower(), i) for i, term in enumerate(terms)]
+
+
+def _distinct(terms: Sequence[str]) -> list[str]:
+    groups = term_groups(terms)
+    return [term for i, term in enumerate(terms) if groups[i] == i]
+
+
+LENGTH_BYTES = 64.0
+"""The stored size at which :func:`length_factor` starts to grow in earnest."""
+
+
+def length_factor(size: int) -> float:
+    """What a backend's relevance is divided by among events holding as many query terms:
+    ``1 + ln(1 + size / 64)`` of the event's stored body size in bytes (the same
+    expression in both backends' SQL: 1 for nothing, 1.6 for a one-line fact, 2.4 for a
+    200-byte message, 6.3 for 12 KB). Logarithmic, as PostgreSQL's own length
+    normalisation; steep enough at small sizes that a message repeating a common query
+    word three times does not outrank a one-line fact holding it once (ts_rank saturates
+    a word's repeats less than bm25 does)."""
+    return 1.0 + math.log1p(size / LENGTH_BYTES)
 
 
 def first_match(text: str, query: str) -> int:
