@@ -4,6 +4,8 @@ SQLite (in memory and on file) and PostgreSQL alike."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from recall_traces import FACT, topical_conversation
 from store_backends import AnyStore
@@ -55,3 +57,21 @@ async def test_recall_leaves_out_the_agents_own_recall_calls(store: AnyStore) ->
     assert len(mine) == 1 and mine[0].score < 1.0 and "recall" not in mine[0].snippet
     asked = await recall(store, "c", query, k=20, include_recall_outputs=True)
     assert set(calls) <= {h.position for h in asked}
+
+
+async def test_a_large_json_results_snippet_shows_the_record_holding_most_query_words(
+    store: AnyStore,
+) -> None:
+    records = [
+        {"id": f"svc-{n}", "service": "billing", "region": "eu-west-1", "owner": "ops team"}
+        for n in range(400)
+    ]
+    records[313] = {"id": "svc-313", "service": "payments", "region": "eu-north-1",
+                    "owner": "Dana Whitfield"}
+    content = json.dumps(records)
+    assert len(content) > 30_000
+    await store.append("c", [ToolResult("t", "inventory", content)])
+    hits = await recall(store, "c", "payments region owner", k=3)
+    assert hits[0].score == 1.0
+    assert '"svc-313"' in hits[0].snippet or "Dana Whitfield" in hits[0].snippet
+    assert "payments" in hits[0].snippet and "eu-north-1" in hits[0].snippet

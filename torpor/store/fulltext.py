@@ -33,6 +33,7 @@ __all__ = [
     "term_groups",
     "term_phrases",
     "query_terms",
+    "best_region",
     "snippet",
 ]
 
@@ -153,16 +154,70 @@ def first_match(text: str, query: str) -> int:
     return best
 
 
+REGION_CHARS = 400
+"""The span within which query terms count as one region (a JSON record, a paragraph)."""
+
+
+def _occurrences(text: str, query: str) -> list[tuple[int, int, int]]:
+    """(start, end, term group) of every whole-word occurrence of a query term, by start;
+    a term that does not occur as written counts by its words."""
+    terms = query_terms(query)
+    groups = term_groups(terms)
+    found: list[tuple[int, int, int]] = []
+    for group, term in enumerate(terms):
+        if groups[group] != group:  # the same term again
+            continue
+        for candidate in (term, *_WORD.findall(term)):
+            pattern = re.compile(r"(?<![^\W_])" + re.escape(candidate) + r"(?![^\W_])",
+                                 re.IGNORECASE)
+            hits = [(m.start(), m.end(), group) for m in pattern.finditer(text)]
+            if hits:
+                found.extend(hits)
+                break
+    found.sort()
+    return found
+
+
+def best_region(text: str, query: str, span: int = REGION_CHARS) -> tuple[int, int] | None:
+    """(start, end) of the stretch of at most ``span`` characters holding the most distinct
+    query terms (the tightest such, then the earliest), None when no term occurs."""
+    found = _occurrences(text, query)
+    if not found:
+        return None
+    best: tuple[int, int, int] | None = None  # (-terms, span, start)
+    counts: dict[int, int] = {}
+    low = 0
+    for _, end, group in found:
+        counts[group] = counts.get(group, 0) + 1
+        # Drop what is out of reach, then what the window holds again later: the tightest
+        # window ending here that holds as many terms.
+        while found[low][0] < end - span or counts[found[low][2]] > 1:
+            gone = found[low][2]
+            counts[gone] -= 1
+            if not counts[gone]:
+                del counts[gone]
+            low += 1
+        candidate = (-len(counts), end - found[low][0], found[low][0])
+        if best is None or candidate < best:
+            best = candidate
+    assert best is not None
+    return best[2], best[2] + best[1]
+
+
 def snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
-    """A window of ``text`` around the first place a query term occurs.
+    """A window of ``text`` centred on the region holding the most query terms (the first
+    such): in a large JSON result, the record holding most of the query, not the first
+    one holding any word of it.
 
     Computed here rather than by FTS5 because the index is contentless (it keeps
     no copy of the text, which makes indexing about three times faster).
     """
-    best = first_match(text, query)
-    if best < 0:
+    region = best_region(text, query) if len(text) > width else None
+    if region is None:
         return text[:width] + ("…" if len(text) > width else "")
-    start = max(0, best - width // 4)
+    low, high = region
+    start = max(0, min(low - width // 4, (low + high - width) // 2))
+    start = min(start, max(0, len(text) - width))
     end = min(len(text), start + width)
     prefix = "…" if start > 0 else ""
     suffix = "…" if end < len(text) else ""
