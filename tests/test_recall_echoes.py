@@ -97,7 +97,7 @@ async def test_the_model_tool_and_rt_recall_leave_echoes_out_unless_asked() -> N
             await rt.recall("c", "pool_size", include_recall_outputs=1)  # type: ignore[arg-type]
 
 
-async def test_an_old_value_comes_back_followed_by_its_correction(store: AnyStore) -> None:
+async def test_an_old_value_comes_back_beside_its_correction(store: AnyStore) -> None:
     await store.append("c", [UserMessage("gateway-7.pool_size = 32, agreed at the design review")])
     for n in range(5):
         await store.append("c", [UserMessage(f"unrelated chatter {n}")])
@@ -105,7 +105,7 @@ async def test_an_old_value_comes_back_followed_by_its_correction(store: AnyStor
     await store.append("c", [UserMessage("later: cache-2.ttl = 5 at the design review")])
     hits = await recall(store, "c", "design review", k=5)
     positions = [h.position for h in hits]
-    assert positions[:2] == [0, 6] or positions[-2:] == [0, 6]  # the correction follows it
+    assert positions[:2] == [6, 0] or positions[-2:] == [6, 0]  # the correction, then it
     corrected = hits[positions.index(6)]
     assert corrected.score == hits[positions.index(0)].score and "48" in corrected.snippet
     assert positions.count(6) == 1 and 7 in positions  # nothing earlier, nothing twice
