@@ -47,6 +47,9 @@ MARKERS = re.compile(
 )
 """Words with which a person says an earlier statement no longer holds."""
 
+_CUES = ("scratch", "actually", "instead", "longer", "chang", "make", "meant", "correction",
+         "second", "rather", "wait", "more", "switch")
+"""A word of every marker: texts holding none are not searched with :data:`MARKERS`."""
 _MARKER_TEXT = """
     scratch actually instead longer changed change correction meant second thought
     rather wait anymore switch switched make use going
@@ -83,10 +86,6 @@ def _subject(text: str) -> set[str]:
     }
 
 
-def _text(event: Event) -> str:
-    return " ".join(searchable_text(event.body).split())
-
-
 def corrects(later: str, earlier: str) -> bool:
     """Whether the text ``later`` corrects ``earlier`` in prose (see the module doc)."""
     marker = MARKERS.search(later)
@@ -109,55 +108,97 @@ def _evidence(event: Event) -> bool:
     return bool(_text(event))
 
 
+def _text(event: Event) -> str:
+    return " ".join(searchable_text(event.body).split())
+
+
+class _Window:
+    """Events read around the facts, their texts computed once."""
+
+    def __init__(self, events: Iterable[Event]) -> None:
+        self.events = {e.position: presented(e) for e in events}
+        self._texts: dict[int, str] = {}
+        self._marked: dict[int, bool] = {}
+
+    def marked(self, position: int) -> bool:
+        """Whether the event holds a correction marker (a substring test first: cheap)."""
+        marked = self._marked.get(position)
+        if marked is None:
+            text = self.text(position)
+            low = text.lower()
+            marked = any(cue in low for cue in _CUES) and MARKERS.search(text) is not None
+            self._marked[position] = marked
+        return marked
+
+    def text(self, position: int) -> str:
+        text = self._texts.get(position)
+        if text is None:
+            text = self._texts[position] = _text(self.events[position])
+        return text
+
+    def corrected_by(self, event: Event) -> Event | None:
+        """The nearest event after ``event``, within the window, that corrects it."""
+        for position in range(event.position + 1, event.position + WINDOW_EVENTS + 1):
+            later = self.events.get(position)
+            if later is None or later.turn - event.turn > WINDOW_TURNS:
+                return None
+            if (self.marked(position) and _evidence(later)
+                    and corrects(self.text(position), self.text(event.position))):
+                return later
+        return None
+
+
 def corrected_by(event: Event, after: Sequence[Event]) -> Event | None:
-    """The nearest event of ``after`` (ascending) that corrects ``event``, within the window."""
-    text = _text(event)
-    for later in after:
-        if later.position <= event.position:
-            continue
-        if (later.position - event.position > WINDOW_EVENTS
-                or later.turn - event.turn > WINDOW_TURNS):
-            break
-        if _evidence(later) and corrects(_text(later), text):
-            return later
-    return None
+    """The nearest event of ``after`` that corrects ``event``, within the window."""
+    return _Window([event, *after]).corrected_by(event)
 
 
 async def corrections(
-    store: EventStore, conversation_id: str, events: Iterable[Event]
+    store: EventStore, conversation_id: str, positions: Iterable[int]
 ) -> dict[int, list[Event]]:
-    """For each of ``events`` that a later event corrects: its corrections, oldest first
-    (the nearest correction, then what corrects that, up to :data:`MAX_CHAIN`)."""
-    wanted = sorted({e.position: e for e in events if _evidence(e)}.values(),
-                    key=lambda e: e.position)
+    """For each event at ``positions`` that a later event corrects: its corrections, oldest
+    first (the nearest correction, then what corrects that, up to :data:`MAX_CHAIN`).
+    Reads each fact with the window after it, overlapping windows merged."""
+    wanted = sorted(set(positions))
     if not wanted:
         return {}
-    spans = _spans([e.position for e in wanted])
-    reads = await asyncio.gather(*(store.read_range(conversation_id, lo, hi) for lo, hi in spans))
-    window = {e.position: presented(e) for read in reads for e in read}
-    ordered = [window[p] for p in sorted(window)]
+    window = _Window(await _read(store, conversation_id, _spans(wanted)))
     out: dict[int, list[Event]] = {}
-    for event in wanted:
+    for position in wanted:
+        current = window.events.get(position)
+        if current is None or not _evidence(current):
+            continue
         chain: list[Event] = []
-        current = event
         while len(chain) < MAX_CHAIN:
-            after = [e for e in ordered if e.position > current.position]
-            found = corrected_by(current, after)
+            if chain and current.position + WINDOW_EVENTS not in window.events:  # read on
+                span = (current.position + 1, current.position + WINDOW_EVENTS)
+                window.events.update(
+                    (e.position, presented(e)) for e in await _read(store, conversation_id, [span])
+                )
+            found = window.corrected_by(current)
             if found is None:
                 break
             chain.append(found)
             current = found
         if chain:
-            out[event.position] = chain
+            out[position] = chain
     return out
 
 
+async def _read(
+    store: EventStore, conversation_id: str, spans: Sequence[tuple[int, int]]
+) -> list[Event]:
+    reads = await asyncio.gather(
+        *(store.read_range(conversation_id, lo, hi) for lo, hi in spans)
+    )
+    return [event for read in reads for event in read]
+
+
 def _spans(positions: Sequence[int]) -> list[tuple[int, int]]:
-    """The windows after ``positions`` (each covers a chain), merged where they overlap."""
-    reach = WINDOW_EVENTS * MAX_CHAIN
+    """Each fact and the window after it (ascending), merged where they overlap."""
     spans: list[tuple[int, int]] = []
     for position in positions:
-        lo, hi = position + 1, position + reach
+        lo, hi = position, position + WINDOW_EVENTS
         if spans and lo <= spans[-1][1] + 1:
             spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
         else:

@@ -247,7 +247,7 @@ async def push(
     order = mmr([c.score for c in candidates], [_words(t) for t in texts], lam)
     # A fact corrected in prose ("Scratch that, use eu-north-1.") is shown with its
     # corrections right after it, or not at all: never the stale value alone.
-    fixes = await corrections(store, conversation_id, (events[i] for i in order))
+    fixes = await corrections(store, conversation_id, (events[i].position for i in order))
     for chain in fixes.values():
         for fix in chain:
             if fix.position not in {e.position for e in events}:

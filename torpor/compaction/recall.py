@@ -8,7 +8,6 @@ included, so nothing a fold left out is ever out of reach.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -196,13 +195,7 @@ async def _prose(
     store: EventStore, conversation_id: str, hits: list[SearchHit]
 ) -> dict[int, list[SearchHit]]:
     """Position -> the hits' prose corrections, as hits (snippets from their whole text)."""
-    if not hits:
-        return {}
-    reads = await asyncio.gather(
-        *(store.read_range(conversation_id, h.position, h.position) for h in hits)
-    )
-    events = [presented(r[0]) for r in reads if r]
-    found = await corrections(store, conversation_id, events)
+    found = await corrections(store, conversation_id, (h.position for h in hits))
     out: dict[int, list[SearchHit]] = {}
     for position, chain in found.items():
         out[position] = [
