@@ -1,8 +1,14 @@
-"""Hybrid recall: full-text and vector rankings fused by reciprocal rank fusion.
+"""Hybrid recall: full-text and vector rankings fused, by default by a weighted sum.
 
 Full-text search finds exact strings (paths, hashes, identifiers) that vectors
 blur; vectors find paraphrases that share no token with the query. Each ranks
-its own candidates; reciprocal rank fusion (Cormack et al., 2009) adds
+its own candidates. The default fusion (:func:`weighted`) adds the two 0-1 scores
+(full text's share of the query, the cosine similarity) weighted
+``1 - VECTOR_WEIGHT`` and ``VECTOR_WEIGHT``. Measured on ``bench/hybrid_recall.py``
+(paraphrased needles, 1,000 events): recall@1 0.74 and @10 0.96 at weight 0.7, 0.52
+and 0.94 at 0.5, 0.52 and 0.54 at 0.3, against 0.36 and 0.94 for reciprocal rank
+fusion, which dilutes a hit only the vectors find (0.88 @1 for the vectors alone).
+Reciprocal rank fusion stays available (``fusion="rrf"``): (Cormack et al., 2009) adds
 ``1 / (RRF_K + rank)`` over the lists a hit appears in, so neither list's raw
 scores (bm25, ts_rank, cosine) need to be comparable. ``RRF_K = 60`` is the
 constant of the original paper: it damps the head of each list so that a hit
@@ -12,7 +18,7 @@ Scores stay on the one 0-1 scale of :mod:`torpor.store.hits`: a fused hit's
 score is the larger of its full-text score (the share of the query it holds)
 and its cosine similarity to the query (clamped to 0-1), capped by the score of
 every hit fused above it, so scores never rise down the list and a threshold
-keeps a prefix. ``rank`` carries the fused RRF value.
+keeps a prefix. ``rank`` carries the fused value (weighted sum or RRF).
 
 Events newer than the embedder's progress mark have no vector yet; full-text
 search covers them (it indexes every event at append), so the lag of the
@@ -34,7 +40,7 @@ from torpor.store.hits import left_out
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.vectors import VectorIndex
 
-__all__ = ["RRF_K", "HybridRecall", "fuse"]
+__all__ = ["FUSIONS", "RRF_K", "VECTOR_WEIGHT", "HybridRecall", "fuse", "weighted"]
 
 log = get_logger(__name__)
 
@@ -42,6 +48,34 @@ RRF_K = 60
 """Reciprocal rank fusion's constant (the paper's value; larger flattens the head)."""
 
 MIN_CANDIDATES = 20  # each side's list is at least this deep, so fusion has overlap to find
+
+VECTOR_WEIGHT = 0.7
+"""Weighted fusion's share of the cosine similarity (the full-text score has the rest)."""
+
+FUSIONS = ("weighted", "rrf")
+
+
+def weighted(
+    text: Sequence[tuple[int, float]], near: Sequence[tuple[int, float]],
+    weight: float = VECTOR_WEIGHT,
+) -> list[tuple[int, float]]:
+    """Two best-first lists of (position, score on the 0-1 scale) fused by a weighted sum
+    of the scores (a position absent from a list scores 0 there): (position, fused),
+    best first. Unlike reciprocal rank fusion, a hit only one side finds keeps what that
+    side thinks of it: a close paraphrase with no shared word is not pushed below every
+    hit sharing a common word.
+
+    Ties go to the position ranked best in either list, then to the newer event.
+    """
+    scores: dict[int, float] = {}
+    best: dict[int, int] = {}
+    for share, ranking in ((1.0 - weight, text), (weight, near)):
+        for rank, (position, score) in enumerate(ranking, start=1):
+            value = share * min(1.0, max(0.0, score))
+            scores[position] = scores.get(position, 0.0) + value
+            best[position] = min(best.get(position, rank), rank)
+    order = sorted(scores, key=lambda p: (-scores[p], best[p], -p))
+    return [(position, scores[position]) for position in order]
 
 
 def fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, float]]:
@@ -62,10 +96,15 @@ def fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, f
 class HybridRecall:
     """Full-text search fused with the nearest vectors of one embedder's space."""
 
-    def __init__(self, embedder: Embedder, vectors: VectorIndex) -> None:
+    def __init__(
+        self, embedder: Embedder, vectors: VectorIndex, fusion: str = "weighted"
+    ) -> None:
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, not {fusion!r}")
         self.embedder = embedder
         self.vectors = vectors
         self.space = space_of(embedder)
+        self.fusion = fusion
 
     async def search(
         self,
@@ -83,7 +122,10 @@ class HybridRecall:
             return text_hits[:k]
         by_position = {hit.position: hit for hit in text_hits}
         similarity = dict(near)
-        fused = fuse([[hit.position for hit in text_hits], [p for p, _ in near]])[:k]
+        if self.fusion == "rrf":
+            fused = fuse([[hit.position for hit in text_hits], [p for p, _ in near]])[:k]
+        else:
+            fused = weighted([(hit.position, hit.score) for hit in text_hits], near)[:k]
         out: list[SearchHit] = []
         ceiling = 1.0
         for position, rrf in fused:
