@@ -8,8 +8,9 @@ its own candidates. The default fusion (:func:`weighted`) adds the two 0-1 score
 (paraphrased needles, 1,000 events): recall@1 0.74 and @10 0.92 at weight 0.7 (0.52
 and 0.56 at 0.5), against 0.36 and 0.94 for reciprocal rank fusion, which dilutes a hit
 only the vectors find (the vectors alone: 0.88 and 0.98); at 200 events 1.0 and 1.0
-against 0.76 and 1.0. Reciprocal rank fusion stays available (``fusion="rrf"``): (Cormack et al., 2009) adds
-``1 / (RRF_K + rank)`` over the lists a hit appears in, so neither list's raw
+against 0.76 and 1.0. Reciprocal rank fusion stays available (``fusion="rrf"``): it
+(Cormack et al., 2009) adds ``1 / (RRF_K + rank)`` over the lists a hit appears in,
+so neither list's raw
 scores (bm25, ts_rank, cosine) need to be comparable. ``RRF_K = 60`` is the
 constant of the original paper: it damps the head of each list so that a hit
 ranked well by both beats one ranked first by only one.
