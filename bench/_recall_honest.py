@@ -193,8 +193,8 @@ def flood(rng: random.Random) -> str:
     for _ in range(FLOOD_SENTENCES):
         system, activity = rng.choice(SYSTEMS), rng.choice(ACTIVITIES)
         shape = rng.randrange(8)
-        if shape == 6:  # a load test like the needles', another size and host
-            users = rng.randrange(2, 99) * 1000
+        if shape == 6:  # a load test like the needles', another size (never one of theirs)
+            users = rng.randrange(2, 99) * 1000 + 500
             out.append(f"The {users:,}-user load test of {system} ran on host "
                        f"{rng.choice(HOSTS)}-{rng.randrange(10, 99)}.")
         elif shape == 7:  # someone else's badge
