@@ -22,6 +22,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from torpor.store.normalise import fold_letters, index_form, query_form
+
 __all__ = [
     "MAX_QUERY_TERMS",
     "PARTIAL_CREDIT",
@@ -43,8 +45,10 @@ MAX_QUERY_TERMS = 64  # more is not a query but a document; FTS5 would refuse th
 
 
 def query_terms(query: str) -> list[str]:
-    """Whitespace-separated terms that contain at least one word character (the first 64)."""
-    return [term for term in query.split() if _WORD.search(term)][:MAX_QUERY_TERMS]
+    """Whitespace-separated terms of the query in the index's form (diacritics folded,
+    digit grouping removed: :func:`~torpor.store.normalise.query_form`) that contain at
+    least one word character (the first 64)."""
+    return [term for term in query_form(query).split() if _WORD.search(term)][:MAX_QUERY_TERMS]
 
 
 PARTIAL_CREDIT = 0.5
@@ -63,13 +67,14 @@ def coverage(text: str, query: str) -> float:
     1 (the term's tokens occur in order, as both indexes match a term), 0.5 (all of its
     words occur, apart: PostgreSQL's identifier fallback) or 0.
 
-    Computed from the text alone, the same way for every backend: the basis of the
-    calibrated score (:func:`calibrated`).
+    Computed from the text alone, the same way for every backend, in the form both
+    index (:func:`~torpor.store.normalise.index_form`: "Zoë" holds ``zoe``, "20,000"
+    holds ``20000``): the basis of the calibrated score (:func:`calibrated`).
     """
     terms = query_terms(query)
     if not terms:
         return 0.0
-    tokens = _tokens(text)
+    tokens = _tokens(index_form(text))
     words = set(tokens.split())
     total = 0.0
     for term in terms:
@@ -141,8 +146,9 @@ def length_factor(size: int) -> float:
 
 
 def first_match(text: str, query: str) -> int:
-    """Index of the earliest occurrence of a query term (or a word of one) in ``text``, or -1."""
-    lowered = text.lower()
+    """Index of the earliest occurrence of a query term (or a word of one) in ``text``, or -1
+    (diacritics folded letter for letter, so offsets stay those of ``text``)."""
+    lowered = fold_letters(text.lower())
     best = -1
     for term in query_terms(query):
         for candidate in (term, *_WORD.findall(term)):
