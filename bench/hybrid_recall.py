@@ -14,8 +14,10 @@ flood turn about that system too.
 Compared in the same run, on the same store:
 
 * ``full-text``: ``recall`` as without an embedder (FTS5, bm25);
-* ``hybrid``: ``recall`` with the HashingEmbedder's vectors fused by
-  reciprocal rank fusion (k=60), as ``RuntimeConfig(embedder=HashingEmbedder())``;
+* ``hybrid``: ``recall`` with the HashingEmbedder's vectors fused by a weighted
+  sum of the two 0-1 scores (the default), as ``RuntimeConfig(embedder=HashingEmbedder())``;
+* ``hybrid-rrf``: the same fused by reciprocal rank fusion (k=60), the default before
+  issue 25 (it dilutes a hit only the vectors find);
 * ``vectors``: the vector side alone (what the fusion adds).
 
 Reported: recall@1 and recall@10 (the needle's event among the first 1 / 10
@@ -103,9 +105,10 @@ async def recall_quality(directory: Path, turns: int) -> dict[str, Any]:
         texts = [e.text for e in events]
         vectors = await embedder.embed(texts)
         await index.put("c", space_of(embedder), list(enumerate(vectors)), len(events) - 1)
-        hybrid = HybridRecall(embedder, index)
+        hybrid = HybridRecall(embedder, index)  # weighted fusion, the default
+        rrf = HybridRecall(embedder, index, fusion="rrf")
         out: dict[str, Any] = {}
-        for mode in ("full-text", "hybrid", "vectors"):
+        for mode in ("full-text", "hybrid", "hybrid-rrf", "vectors"):
             at1 = at10 = 0
             took: list[float] = []
             for position, question in asks:
@@ -115,8 +118,8 @@ async def recall_quality(directory: Path, turns: int) -> dict[str, Any]:
                     near = await index.nearest("c", hybrid.space, query, K)
                     found = [p for p, _ in near]
                 else:
-                    hits = await recall(store, "c", question, K,
-                                        hybrid=hybrid if mode == "hybrid" else None)
+                    fused = {"hybrid": hybrid, "hybrid-rrf": rrf}.get(mode)
+                    hits = await recall(store, "c", question, K, hybrid=fused)
                     found = [h.position for h in hits]
                 took.append((time.perf_counter() - started) * 1000)
                 at1 += found[:1] == [position]
@@ -194,7 +197,7 @@ async def main(json_target: str | None) -> None:
     }
     rows = [(f"{q['events']} events: {mode}", q[mode]["recall_at_1"], q[mode]["recall_at_10"],
              q[mode]["query_ms_p50"])
-            for q in qualities for mode in ("full-text", "hybrid", "vectors")]
+            for q in qualities for mode in ("full-text", "hybrid", "hybrid-rrf", "vectors")]
     tables = [
         table(f"Paraphrased recall, 50 needles (vectors: {qualities[0]['vector_backend']})",
               ["conversation: mode", "recall@1", "recall@10", "query p50 ms"], rows),

@@ -35,6 +35,10 @@ Usage: ``python bench/needles.py [--sizes 100,200,1000,10000] [--json FILE]``.
 instead (exact-match recall, 1-hop and 2-hop, after 1, 3, 5 and 50 folds:
 truncation, narrative compaction, torpor pull-only and torpor with push; see
 ``bench/_recall_table1.py``); ``--table1 --quick`` a small version in seconds.
+``--generator honest`` (or ``both``, the default) adds the needles people write: prose
+facts in words common in the conversation, prose corrections, numbers and names written
+differently, asked with the question's own words (``bench/_recall_honest.py``);
+``--levels 1,50`` picks the fold counts.
 """
 
 from __future__ import annotations
@@ -421,9 +425,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="end-to-end 1-hop/2-hop recall by method (Table 1's shape)")
     parser.add_argument("--quick", action="store_true",
                         help="with --table1: 2 traces of 10 needles, 1 and 3 folds")
+    parser.add_argument("--generator", choices=("today", "honest", "both"), default="both",
+                        help="with --table1: today's needles, the honest ones "
+                        "(bench/_recall_honest.py), or both, side by side (the default)")
+    parser.add_argument("--levels", default=None,
+                        help="with --table1: fold counts, comma-separated (default 1,3,5,50)")
     args = parser.parse_args(argv)
     if args.table1:
-        table1(args.quick, args.json_path)
+        levels = tuple(int(v) for v in args.levels.split(",")) if args.levels else None
+        table1(args.quick, args.json_path, args.generator, levels)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     results = [asyncio.run(run_size(n, table2=(n == 200))) for n in sizes]
@@ -453,17 +463,30 @@ def main(argv: Sequence[str] | None = None) -> None:
             json.dump(report, fh, indent=2)
 
 
-def table1(quick: bool, json_path: str | None) -> dict[str, Any]:
-    """Run the Table 1 benchmark, print its JSON and table; the report."""
+def table1(
+    quick: bool, json_path: str | None, generator: str = "both",
+    levels: tuple[int, ...] | None = None,
+) -> dict[str, Any]:
+    """Run the Table 1 benchmark with today's generator, the honest one (issue 25), or
+    both; print the JSON and the tables; the report."""
+    from _recall_honest import run as run_honest
+    from _recall_honest import table as honest_text
     from _recall_table1 import run
     from _recall_table1 import table as table1_text
 
     options: dict[str, Any] = {"traces": 2, "needles": 10, "levels": (1, 3)} if quick else {}
-    report = asyncio.run(run(**options))
-    report["python"] = sys.version.split()[0]
-    report["quick"] = quick
+    if levels is not None:
+        options["levels"] = levels
+    report: dict[str, Any] = {"python": sys.version.split()[0], "quick": quick}
+    if generator in ("today", "both"):
+        report["today"] = {**asyncio.run(run(**options)), "quick": quick}
+    if generator in ("honest", "both"):
+        report["honest"] = {**asyncio.run(run_honest(**options)), "quick": quick}
     print(json.dumps(report))
-    print(table1_text(report))
+    if "today" in report:
+        print(table1_text(report["today"]))
+    if "honest" in report:
+        print(honest_text(report["honest"]))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -523,3 +523,60 @@ def test_ceiling_stubs_one_contiguous_span_when_no_single_event_is_enough() -> N
     log.say("done " * 20)  # 8
     log.user("current " * 50)  # 9
     under_ceiling(log, 1_350, (6, 7))
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_ceiling_never_stubs_the_result_just_asked_for_while_older_ones_free_enough(
+    push: bool,
+) -> None:
+    """Issue 25: the page the model just asked for is what it answers from. The heaviest
+    span alone would be that newest page (a pure tool result; the older pages come with the
+    model's reasoning between them, which weighs less), so it was the one elided while the
+    older pages of the same turn stayed whole. With ``push``, a pushed recalled section is
+    what brings the context over the ceiling (as ``push_recall=True`` did)."""
+    from torpor.compaction.push import recalled_block
+
+    log = Log()
+    log.user("summarise the report " * 5)  # 0: the current ask
+    log.call("a", text="reading the first page " * 50)  # 1
+    log.result("a", "alpha " * 500)  # 2
+    log.call("b", text="now the second page " * 50)  # 3
+    log.result("b", "beta " * 500)  # 4
+    log.call("c", text="and the third page " * 50)  # 5
+    log.result("c", "gamma " * 950)  # 6: the newest result
+    policy = CompactionPolicy(
+        context_window=3_600 if push else 2_600, max_output_tokens=300, safety_margin=50,
+        working_budget=1_000, clip_tokens=3_000, keep_tool_results=5,
+    )
+    ws = ws_of(log)
+    recalled = None
+    if push:
+        assert not ws.render("sys", policy).recipe.ceiling_enforced  # the push tips it over
+        older = Log("c")
+        older.user("an older fact " * 400)
+        recalled = recalled_block(older.events, [700], policy.encoding)
+    rendered = ws.render("sys", policy, recalled=recalled)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.estimated_tokens <= policy.effective_ceiling
+    assert 6 not in rendered.recipe.stubbed and rendered.recipe.stubbed
+    assert rendered.recipe.dropped == ()
+    assert any(isinstance(m, ToolResult) and m.content == "gamma " * 950
+               for m in rendered.messages)
+    assert_paired(rendered.messages)
+
+
+def test_the_newest_result_is_stubbed_when_nothing_else_frees_enough() -> None:
+    """The newest result is kept only while something else can make room: alone over the
+    ceiling with nothing older to stub, it is stubbed rather than the call failing."""
+    log = Log()
+    log.user("go on " * 500)  # 0: the current ask, never stubbed
+    log.call("a")  # 1: its stub would free nothing
+    log.result("a", "gamma " * 700)  # 2
+    policy = CompactionPolicy(
+        context_window=2_000, max_output_tokens=300, safety_margin=50, working_budget=1_000,
+        clip_tokens=3_000, keep_tool_results=5,
+    )
+    rendered = ws_of(log).render("sys", policy)
+    assert rendered.recipe.ceiling_enforced
+    assert rendered.recipe.stubbed == (2,) and rendered.recipe.dropped == ()
+    assert rendered.estimated_tokens <= policy.effective_ceiling

@@ -18,12 +18,15 @@ from torpor.llm import Call, Text
 
 
 def _quote(n: int) -> str:
-    return "1 match(es): event 0 pool_size = 32 " + "pool_size " * (10 + n)
+    return "pool_size " * (2 + n % 2)
+
+
+_PAD = " and other words" * 30  # real events longer than the echoes: the echoes rank first
 
 
 async def _fill(store: AnyStore) -> tuple[set[int], set[int]]:
     """(positions of real events, positions of echoes), echoes ranked above the rest."""
-    real = await store.append("c", [UserMessage("gateway pool_size = 32")])
+    real = await store.append("c", [UserMessage("gateway pool_size = 32" + _PAD)])
     echoes: list[int] = []
     for n in range(12):  # more echoes than k, so a filtered search must read deeper
         tool = ("recall", "expand")[n % 2]
@@ -32,8 +35,8 @@ async def _fill(store: AnyStore) -> tuple[set[int], set[int]]:
                                       ToolResult(f"r{n}", tool, _quote(n))])
         echoes.append(at[1])
     for n in range(4):
-        real += await store.append("c", [UserMessage(f"pool_size note {n}")])
-    real += await store.append("c", [ToolResult("x", "lookup", "pool_size = 48 pool_size")])
+        real += await store.append("c", [UserMessage(f"pool_size note {n}{_PAD}")])
+    real += await store.append("c", [ToolResult("x", "lookup", "pool_size = 48 pool_size" + _PAD)])
     return set(real), set(echoes)
 
 
@@ -94,7 +97,7 @@ async def test_the_model_tool_and_rt_recall_leave_echoes_out_unless_asked() -> N
             await rt.recall("c", "pool_size", include_recall_outputs=1)  # type: ignore[arg-type]
 
 
-async def test_an_old_value_comes_back_followed_by_its_correction(store: AnyStore) -> None:
+async def test_an_old_value_comes_back_beside_its_correction(store: AnyStore) -> None:
     await store.append("c", [UserMessage("gateway-7.pool_size = 32, agreed at the design review")])
     for n in range(5):
         await store.append("c", [UserMessage(f"unrelated chatter {n}")])
@@ -102,7 +105,7 @@ async def test_an_old_value_comes_back_followed_by_its_correction(store: AnyStor
     await store.append("c", [UserMessage("later: cache-2.ttl = 5 at the design review")])
     hits = await recall(store, "c", "design review", k=5)
     positions = [h.position for h in hits]
-    assert positions[:2] == [0, 6] or positions[-2:] == [0, 6]  # the correction follows it
+    assert positions[:2] == [6, 0] or positions[-2:] == [6, 0]  # the correction, then it
     corrected = hits[positions.index(6)]
     assert corrected.score == hits[positions.index(0)].score and "48" in corrected.snippet
     assert positions.count(6) == 1 and 7 in positions  # nothing earlier, nothing twice

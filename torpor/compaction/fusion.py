@@ -1,9 +1,16 @@
-"""Hybrid recall: full-text and vector rankings fused by reciprocal rank fusion.
+"""Hybrid recall: full-text and vector rankings fused, by default by a weighted sum.
 
 Full-text search finds exact strings (paths, hashes, identifiers) that vectors
 blur; vectors find paraphrases that share no token with the query. Each ranks
-its own candidates; reciprocal rank fusion (Cormack et al., 2009) adds
-``1 / (RRF_K + rank)`` over the lists a hit appears in, so neither list's raw
+its own candidates. The default fusion (:func:`weighted`) adds the two 0-1 scores
+(full text's share of the query, the cosine similarity) weighted
+``1 - VECTOR_WEIGHT`` and ``VECTOR_WEIGHT``. Measured on ``bench/hybrid_recall.py``
+(paraphrased needles, 1,000 events): recall@1 0.74 and @10 0.92 at weight 0.7 (0.52
+and 0.56 at 0.5), against 0.36 and 0.94 for reciprocal rank fusion, which dilutes a hit
+only the vectors find (the vectors alone: 0.88 and 0.98); at 200 events 1.0 and 1.0
+against 0.76 and 1.0. Reciprocal rank fusion stays available (``fusion="rrf"``): it
+(Cormack et al., 2009) adds ``1 / (RRF_K + rank)`` over the lists a hit appears in,
+so neither list's raw
 scores (bm25, ts_rank, cosine) need to be comparable. ``RRF_K = 60`` is the
 constant of the original paper: it damps the head of each list so that a hit
 ranked well by both beats one ranked first by only one.
@@ -12,7 +19,7 @@ Scores stay on the one 0-1 scale of :mod:`torpor.store.hits`: a fused hit's
 score is the larger of its full-text score (the share of the query it holds)
 and its cosine similarity to the query (clamped to 0-1), capped by the score of
 every hit fused above it, so scores never rise down the list and a threshold
-keeps a prefix. ``rank`` carries the fused RRF value.
+keeps a prefix. ``rank`` carries the fused value (weighted sum or RRF).
 
 Events newer than the embedder's progress mark have no vector yet; full-text
 search covers them (it indexes every event at append), so the lag of the
@@ -34,7 +41,7 @@ from torpor.store.hits import left_out
 from torpor.store.protocol import EventStore, SearchHit
 from torpor.store.vectors import VectorIndex
 
-__all__ = ["RRF_K", "HybridRecall", "fuse"]
+__all__ = ["FUSIONS", "RRF_K", "VECTOR_WEIGHT", "HybridRecall", "fuse", "weighted"]
 
 log = get_logger(__name__)
 
@@ -42,6 +49,41 @@ RRF_K = 60
 """Reciprocal rank fusion's constant (the paper's value; larger flattens the head)."""
 
 MIN_CANDIDATES = 20  # each side's list is at least this deep, so fusion has overlap to find
+
+VECTOR_WEIGHT = 0.7
+"""Weighted fusion's share of the cosine similarity (the full-text score has the rest)."""
+
+FUSIONS = ("weighted", "rrf")
+
+
+def weighted(
+    text: Sequence[tuple[int, float]], near: Sequence[tuple[int, float]],
+    weight: float = VECTOR_WEIGHT, floor: float = 0.0,
+) -> list[tuple[int, float]]:
+    """Two best-first lists of (position, score on the 0-1 scale) fused by a weighted sum
+    of the scores: (position, fused), best first. A position the vectors did not list
+    scores ``floor`` there (the caller passes the last listed similarity when the list
+    was cut at its depth: the event is at most that close), one full text did not list
+    scores 0. Unlike reciprocal rank fusion, a hit only one side finds keeps what that
+    side thinks of it: a close paraphrase with no shared word is not pushed below every
+    hit sharing a common word.
+
+    Ties go to the position ranked best in either list, then to the newer event.
+    """
+    scores: dict[int, float] = {}
+    best: dict[int, int] = {}
+    listed = {position for position, _ in near}
+    floor = min(1.0, max(0.0, floor))
+    for share, ranking in ((1.0 - weight, text), (weight, near)):
+        for rank, (position, score) in enumerate(ranking, start=1):
+            value = share * min(1.0, max(0.0, score))
+            scores[position] = scores.get(position, 0.0) + value
+            best[position] = min(best.get(position, rank), rank)
+    for position, _ in text:
+        if position not in listed:
+            scores[position] += weight * floor
+    order = sorted(scores, key=lambda p: (-scores[p], best[p], -p))
+    return [(position, scores[position]) for position in order]
 
 
 def fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, float]]:
@@ -62,10 +104,15 @@ def fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, f
 class HybridRecall:
     """Full-text search fused with the nearest vectors of one embedder's space."""
 
-    def __init__(self, embedder: Embedder, vectors: VectorIndex) -> None:
+    def __init__(
+        self, embedder: Embedder, vectors: VectorIndex, fusion: str = "weighted"
+    ) -> None:
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, not {fusion!r}")
         self.embedder = embedder
         self.vectors = vectors
         self.space = space_of(embedder)
+        self.fusion = fusion
 
     async def search(
         self,
@@ -83,7 +130,12 @@ class HybridRecall:
             return text_hits[:k]
         by_position = {hit.position: hit for hit in text_hits}
         similarity = dict(near)
-        fused = fuse([[hit.position for hit in text_hits], [p for p, _ in near]])[:k]
+        if self.fusion == "rrf":
+            fused = fuse([[hit.position for hit in text_hits], [p for p, _ in near]])[:k]
+        else:
+            floor = near[-1][1] if len(near) >= depth else 0.0
+            fused = weighted([(hit.position, hit.score) for hit in text_hits], near,
+                             floor=floor)[:k]
         out: list[SearchHit] = []
         ceiling = 1.0
         for position, rrf in fused:

@@ -22,6 +22,9 @@ Marginal Relevance. Here, when a conversation has folded history:
   in it) is superseded by a later candidate that sets the same key; it scores 0;
 * **MMR**: greedily the candidate maximizing ``lam * score - (1 - lam) * max
   similarity`` (word-set Jaccard) to those already picked, until the budget;
+* **prose corrections**: a pick that a later event corrects in plain language
+  (:mod:`~torpor.compaction.corrections`) is listed with its corrections right after
+  it (at its score), or not at all;
 * the section lists each pick as ``#position kind: text`` (text clipped to a share
   of the budget), so the model can ``expand`` it; the whole section (framing
   included) never exceeds ``budget`` tokens.
@@ -39,13 +42,15 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from torpor.compaction.corrections import corrections
 from torpor.compaction.markers import common_word
 from torpor.compaction.sections import Block
 from torpor.compaction.slots import clip_text
 from torpor.compaction.task_card import card_lines
 from torpor.compaction.tokens import MESSAGE_OVERHEAD, count_cached
-from torpor.events import Event, TaskCard, ToolResult, kind_of, presented, searchable_text
+from torpor.events import Event, TaskCard, kind_of, presented, searchable_text
 from torpor.store.fulltext import coverage
+from torpor.store.hits import left_out
 from torpor.store.protocol import EventStore, SearchHit
 
 __all__ = [
@@ -240,32 +245,62 @@ async def push(
         score = 0.0 if superseded else b * task
         candidates.append(Candidate(event.position, b, task, superseded, round(score, 6)))
     order = mmr([c.score for c in candidates], [_words(t) for t in texts], lam)
+    # A fact corrected in prose ("Scratch that, use eu-north-1.") is shown with its
+    # corrections right after it, or not at all: never the stale value alone.
+    fixes = await corrections(store, conversation_id, (events[i].position for i in order))
+    for chain in fixes.values():
+        for fix in chain:
+            if fix.position not in {e.position for e in events}:
+                events.append(fix)
+    index = {e.position: i for i, e in enumerate(events)}
+    score_of = {events[i].position: candidates[i].score for i in order}
     cap = max(32, budget // 4)  # no single event takes the whole section
     chosen: list[int] = []
     kept: list[int] = []
+    scores: list[float] = []
     spent = count_cached(RECALLED_HEADER, encoding) + MESSAGE_OVERHEAD
     for i in order:
-        room = budget - spent - 12  # the line's "#position kind: " and newline
-        if room < 8:
-            break
-        keep = min(cap, room, events[i].tokens + 8)
-        chosen.append(i)
-        kept.append(keep)
-        spent += keep + 12
+        if i in chosen:
+            continue  # shown already, as a correction
+        group = [i, *(index[f.position] for f in fixes.get(events[i].position, ()))]
+        group = [j for j in group if j == i or j not in chosen]
+        keeps: list[int] = []
+        room = budget - spent
+        for j in group:
+            keep = min(cap, room - 12, events[j].tokens + 8)  # 12: "#position kind: ", "\n"
+            if keep < 8:
+                break
+            keeps.append(keep)
+            room -= keep + 12
+        if len(keeps) < len(group):
+            break  # the section is full
+        chosen.extend(group)
+        kept.extend(keeps)
+        scores.extend(score_of[events[i].position] for _ in group)
+        spent = budget - room
     while chosen:
         block = recalled_block([events[i] for i in chosen], kept, encoding)
         if block is not None and block.tokens <= budget:
             break
-        chosen.pop()  # a tokenizer surprise: give up the last pick rather than overrun
-        kept.pop()
+        while True:  # a tokenizer surprise: give up the last pick rather than overrun
+            chosen.pop()
+            kept.pop()
+            scores.pop()
+            if not chosen or not _corrects_last(chosen, fixes, events):
+                break
     else:
         return Pushed(None, candidates=tuple(sorted(candidates, key=_best)))
     return Pushed(
         block,
         tuple((events[i].position, keep) for i, keep in zip(chosen, kept, strict=True)),
-        tuple(candidates[i].score for i in chosen),
+        tuple(scores),
         tuple(sorted(candidates, key=_best)),
     )
+
+
+def _corrects_last(chosen: list[int], fixes: dict[int, list[Event]], events: list[Event]) -> bool:
+    """Whether the last pick has corrections that were just given up (so it goes too)."""
+    return events[chosen[-1]].position in fixes
 
 
 def _candidates(found: Sequence[Sequence[SearchHit]], before: int) -> dict[int, float]:
@@ -287,9 +322,9 @@ async def _read(store: EventStore, conversation_id: str, positions: Iterable[int
 
 def _echo(event: Event) -> bool:
     """An earlier recall's or expand's output: copies of other events (which are candidates
-    themselves), so not evidence; a stale value quoted there must not supersede a newer one."""
-    body = event.body
-    return isinstance(body, ToolResult) and body.tool in ECHO_TOOLS
+    themselves), so not evidence; a stale value quoted there must not supersede a newer one.
+    Nor a message that only calls them: its arguments are an earlier query."""
+    return left_out(event.body, ECHO_TOOLS)
 
 
 def _hop_query(events: Sequence[Event], base: dict[int, float], queries: Sequence[str]) -> str:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from torpor.compaction.corrections import corrections
 from torpor.compaction.fusion import HybridRecall
 from torpor.compaction.push import ECHO_TOOLS, fact_keys
 from torpor.compaction.task_card import card_lines
@@ -29,11 +30,14 @@ from torpor.events import (
     ToolResult,
     Unparked,
     UserMessage,
+    kind_of,
     presented,
+    searchable_text,
 )
 from torpor.llm.protocol import ToolSpec
 from torpor.store.arguments import check_limit, check_position, search_query
 from torpor.store.clip import artifact_of, expanded
+from torpor.store.fulltext import snippet
 from torpor.store.protocol import EventStore, SearchHit
 
 __all__ = [
@@ -123,9 +127,11 @@ async def recall(
     themselves, and a quote of a since-corrected value would otherwise compete with it.
 
     ``follow_corrections``: a hit that sets a key (``NAME = value``, see
-    :func:`~torpor.compaction.push.fact_keys`) is followed by the latest later event
-    setting the same key, when the hits do not hold it already (scored as the hit it
-    corrects), so an old value never comes back without its correction.
+    :func:`~torpor.compaction.push.fact_keys`) comes right after the latest later event
+    setting the same key, and a hit that a later event corrects in prose ("Scratch
+    that, use eu-north-1.", see :mod:`~torpor.compaction.corrections`) right after
+    that correction, scored as the hit it corrects (moved up if it ranked lower), so
+    an old value never comes back without its correction, and the correction first.
 
     Scores are on one scale on every backend (0 to 1, :func:`torpor.store.fulltext.calibrated`),
     so a confidence gate set once holds on SQLite and PostgreSQL alike.
@@ -152,12 +158,12 @@ async def recall(
 async def _with_corrections(
     store: EventStore, conversation_id: str, hits: list[SearchHit], exclude: frozenset[str]
 ) -> list[SearchHit]:
-    """``hits``, each followed by the latest later event that sets a key it sets."""
-    have = {hit.position for hit in hits}
+    """``hits``, each preceded by what corrects it: the latest later event that sets a key
+    it sets, or its prose corrections (:mod:`~torpor.compaction.corrections`), newest first;
+    a correction ranks with what it corrects (its score), wherever it ranked itself."""
     latest: dict[str, SearchHit | None] = {}
-    out: list[SearchHit] = []
+    before: dict[int, list[SearchHit]] = {}
     for hit in hits:
-        out.append(hit)
         for key in sorted(fact_keys(hit.snippet)):
             if key not in latest:
                 if len(latest) == CORRECTION_KEYS:
@@ -166,9 +172,43 @@ async def _with_corrections(
                 setters = [h for h in found if key in fact_keys(h.snippet)]
                 latest[key] = max(setters, key=lambda h: h.position, default=None)
             later = latest[key]
-            if later is not None and later.position > hit.position and later.position not in have:
-                have.add(later.position)
-                out.append(msgspec.structs.replace(later, score=hit.score))
+            if later is not None and later.position > hit.position:
+                before.setdefault(hit.position, []).append(later)
+    for position, chain in (await _prose(store, conversation_id, hits)).items():
+        before.setdefault(position, []).extend(chain)
+    out: list[SearchHit] = []
+    have: set[int] = set()
+    for hit in hits:
+        if hit.position in have:
+            continue  # shown already, beside what it corrects
+        fixes = sorted(before.get(hit.position, ()), key=lambda h: -h.position)
+        for fix in fixes:
+            if fix.position not in have:
+                have.add(fix.position)
+                out.append(msgspec.structs.replace(fix, score=hit.score))
+        have.add(hit.position)
+        out.append(hit)
+    return out
+
+
+async def _prose(
+    store: EventStore, conversation_id: str, hits: list[SearchHit]
+) -> dict[int, list[SearchHit]]:
+    """Position -> the hits' prose corrections, as hits (snippets from their whole text)."""
+    found = await corrections(store, conversation_id, (h.position for h in hits))
+    out: dict[int, list[SearchHit]] = {}
+    for position, chain in found.items():
+        out[position] = [
+            SearchHit(
+                position=e.position,
+                kind=kind_of(e.body),
+                turn=e.turn,
+                created_at=e.created_at,
+                snippet=snippet(searchable_text(e.body), ""),
+                score=0.0,
+            )
+            for e in chain
+        ]
     return out
 
 

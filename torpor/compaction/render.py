@@ -120,8 +120,14 @@ def plan(
     # greatest eviction weight (tool results 1.0, tool calls 0.8, dialogue 0.5, artifact
     # references 0.3), the oldest of equals. The system prompt, the markers and the
     # current ask are never stubbed.
+    # The newest tool results of the turn are what the model just asked for (often a page
+    # it will answer from): stubbed only when nothing else frees enough.
+    newest = (last_user, *_newest_results(slots, events, last_user))
     while total > ceiling:
-        span = _heaviest_span(slots, events, d, costs, last_user, total - ceiling, encoding)
+        need = total - ceiling
+        span = _heaviest_span(slots, events, d, costs, newest, need, encoding)
+        if not span:
+            span = _heaviest_span(slots, events, d, costs, (last_user,), need, encoding)
         if not span:
             break
         for k in span:
@@ -179,25 +185,41 @@ def _tier(event: Event) -> int:
     return 2
 
 
+def _newest_results(
+    slots: Sequence[Slot], events: Sequence[Event], last_user: int
+) -> tuple[int, ...]:
+    """Event indexes of the results of the newest tool calls, when they come after the
+    current ask (what the model just asked for; empty: none)."""
+    found: list[int] = []
+    for index, _, call in reversed(slots):
+        if call is not None:
+            continue  # an interrupted call's stand-in: tiny, never stubbed
+        if index == last_user or type(events[index].body) is not ToolResult:
+            break
+        found.append(index)
+    return tuple(found)
+
+
 def _heaviest_span(
     slots: Sequence[Slot],
     events: Sequence[Event],
     d: Decisions,
     costs: Sequence[int],
-    last_user: int,
+    kept: tuple[int, ...],
     need: int,
     encoding: str,
 ) -> list[int]:
     """The slots of the span to stub next (empty: nothing left worth stubbing).
 
     The candidates are the evictable slots in log order whose stub is cheaper than what
-    they hold. For each start, the shortest run that frees ``need`` tokens (or the rest);
-    the winner has the highest eviction weight per freed token (so a run is not preferred
-    for sweeping dialogue in with a tool result), the oldest of equals. Linear: two pointers.
+    they hold, but for the events at the indexes ``kept``. For each start, the shortest
+    run that frees ``need`` tokens (or the rest); the winner has the highest eviction
+    weight per freed token (so a run is not preferred for sweeping dialogue in with a tool
+    result), the oldest of equals. Linear: two pointers.
     """
     units: list[tuple[int, int, float]] = []  # (slot, tokens freed, weight)
     for k, (index, _, call) in enumerate(slots):
-        if call is not None or index == last_user:
+        if call is not None or index in kept:
             continue
         event = events[index]
         pos = event.position

@@ -21,8 +21,11 @@ from collections.abc import Iterable
 
 from torpor.events import Body, Spawned, decode_body, searchable_text
 from torpor.store.clip import artifact_of, expanded
+from torpor.store.normalise import index_form
 
-__all__ = ["KEYED_TABLES", "child_links", "children", "indexed_text", "links_back"]
+__all__ = [
+    "KEYED_TABLES", "child_links", "children", "full_text", "indexed_text", "links_back"
+]
 
 KEYED_TABLES: tuple[str, ...] = (
     "events",
@@ -66,9 +69,16 @@ def links_back(parent: str, call_id: str, child: str, first: bytes | None) -> bo
     return isinstance(value, Spawned) and (value.parent, value.call_id) == (parent, call_id)
 
 
-def indexed_text(body: Body, artifact: bytes | None) -> str:
-    """The text an append gave the full-text index for ``body`` (the full text, before
-    clipping: ``artifact`` is the stored full content, zlib-compressed, if clipped)."""
+def full_text(body: Body, artifact: bytes | None) -> str:
+    """``body``'s searchable text in full, before clipping (``artifact``: the stored full
+    content, zlib-compressed, if clipped)."""
     if artifact is not None and artifact_of(body) is not None:
         body = expanded(body, zlib.decompress(artifact).decode())
     return searchable_text(body)
+
+
+def indexed_text(body: Body, artifact: bytes | None) -> str:
+    """The exact text an append gave the full-text index for ``body`` (its
+    :func:`~torpor.store.normalise.index_form`, as ``PreparedEvent.text``): an SQLite
+    entry is removed by giving the index this text again."""
+    return index_form(full_text(body, artifact))

@@ -3,14 +3,26 @@
 A user's query is free text (a hash, a file path, ``error: can't open``), not a
 query language. Each whitespace-separated term becomes a quoted phrase, so
 punctuation inside it is matched literally by the tokenizer instead of being
-read as FTS5 syntax; terms are OR-ed and bm25 ranks events matching more of
-them higher, which is what recall wants.
+read as FTS5 syntax; terms are OR-ed.
+
+Ranking (the same rule in both backends' SQL): an event holding
+more of the query's distinct terms ranks first, whatever the words' frequencies
+(bm25 alone gives a word common in the conversation almost no weight, so long
+events repeating one or two common words would outrank a short event holding every
+query word); among events holding as many, the backend's own relevance (bm25 on
+SQLite, ts_rank on PostgreSQL) divided by :func:`length_factor` of the event's
+stored size, so a short event beats a long repetitive one that holds the same
+words (neither backend's score does that here: FTS5's bm25 has no document
+lengths in a contentless ``columnsize=0`` index, and ts_rank is not normalised).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
+
+from torpor.store.normalise import fold_letters, index_form, query_form
 
 __all__ = [
     "MAX_QUERY_TERMS",
@@ -18,8 +30,12 @@ __all__ = [
     "calibrated",
     "coverage",
     "first_match",
+    "length_factor",
     "match_expression",
+    "term_groups",
+    "term_phrases",
     "query_terms",
+    "best_region",
     "snippet",
 ]
 
@@ -29,8 +45,10 @@ MAX_QUERY_TERMS = 64  # more is not a query but a document; FTS5 would refuse th
 
 
 def query_terms(query: str) -> list[str]:
-    """Whitespace-separated terms that contain at least one word character (the first 64)."""
-    return [term for term in query.split() if _WORD.search(term)][:MAX_QUERY_TERMS]
+    """Whitespace-separated terms of the query in the index's form (diacritics folded,
+    digit grouping removed: :func:`~torpor.store.normalise.query_form`) that contain at
+    least one word character (the first 64)."""
+    return [term for term in query_form(query).split() if _WORD.search(term)][:MAX_QUERY_TERMS]
 
 
 PARTIAL_CREDIT = 0.5
@@ -49,13 +67,14 @@ def coverage(text: str, query: str) -> float:
     1 (the term's tokens occur in order, as both indexes match a term), 0.5 (all of its
     words occur, apart: PostgreSQL's identifier fallback) or 0.
 
-    Computed from the text alone, the same way for every backend: the basis of the
-    calibrated score (:func:`calibrated`).
+    Computed from the text alone, the same way for every backend, in the form both
+    index (:func:`~torpor.store.normalise.index_form`: "Zoë" holds ``zoe``, "20,000"
+    holds ``20000``): the basis of the calibrated score (:func:`calibrated`).
     """
     terms = query_terms(query)
     if not terms:
         return 0.0
-    tokens = _tokens(text)
+    tokens = _tokens(index_form(text))
     words = set(tokens.split())
     total = 0.0
     for term in terms:
@@ -95,9 +114,41 @@ def match_expression(query: str) -> str | None:
     return " OR ".join('"' + term.replace('"', '""') + '"' for term in terms)
 
 
+def term_phrases(query: str) -> list[str]:
+    """One FTS5 phrase per distinct query term (case folded): what counts as one term held."""
+    return ['"' + term.replace('"', '""') + '"' for term in _distinct(query_terms(query))]
+
+
+def term_groups(terms: Sequence[str]) -> list[int]:
+    """For each term, the index of the first term equal to it case folded (its group)."""
+    first: dict[str, int] = {}
+    return [first.setdefault(term.lower(), i) for i, term in enumerate(terms)]
+
+
+def _distinct(terms: Sequence[str]) -> list[str]:
+    groups = term_groups(terms)
+    return [term for i, term in enumerate(terms) if groups[i] == i]
+
+
+LENGTH_BYTES = 64.0
+"""The stored size at which :func:`length_factor` starts to grow in earnest."""
+
+
+def length_factor(size: int) -> float:
+    """What a backend's relevance is divided by among events holding as many query terms:
+    ``1 + ln(1 + size / 64)`` of the event's stored body size in bytes (the same
+    expression in both backends' SQL: 1 for nothing, 1.6 for a one-line fact, 2.4 for a
+    200-byte message, 6.3 for 12 KB). Logarithmic, as PostgreSQL's own length
+    normalisation; steep enough at small sizes that a message repeating a common query
+    word three times does not outrank a one-line fact holding it once (ts_rank saturates
+    a word's repeats less than bm25 does)."""
+    return 1.0 + math.log1p(size / LENGTH_BYTES)
+
+
 def first_match(text: str, query: str) -> int:
-    """Index of the earliest occurrence of a query term (or a word of one) in ``text``, or -1."""
-    lowered = text.lower()
+    """Index of the earliest occurrence of a query term (or a word of one) in ``text``, or -1
+    (diacritics folded letter for letter, so offsets stay those of ``text``)."""
+    lowered = fold_letters(text.lower())
     best = -1
     for term in query_terms(query):
         for candidate in (term, *_WORD.findall(term)):
@@ -109,16 +160,70 @@ def first_match(text: str, query: str) -> int:
     return best
 
 
+REGION_CHARS = 400
+"""The span within which query terms count as one region (a JSON record, a paragraph)."""
+
+
+def _occurrences(text: str, query: str) -> list[tuple[int, int, int]]:
+    """(start, end, term group) of every whole-word occurrence of a query term, by start;
+    a term that does not occur as written counts by its words."""
+    terms = query_terms(query)
+    groups = term_groups(terms)
+    found: list[tuple[int, int, int]] = []
+    for group, term in enumerate(terms):
+        if groups[group] != group:  # the same term again
+            continue
+        for candidate in (term, *_WORD.findall(term)):
+            pattern = re.compile(r"(?<![^\W_])" + re.escape(candidate) + r"(?![^\W_])",
+                                 re.IGNORECASE)
+            hits = [(m.start(), m.end(), group) for m in pattern.finditer(text)]
+            if hits:
+                found.extend(hits)
+                break
+    found.sort()
+    return found
+
+
+def best_region(text: str, query: str, span: int = REGION_CHARS) -> tuple[int, int] | None:
+    """(start, end) of the stretch of at most ``span`` characters holding the most distinct
+    query terms (the tightest such, then the earliest), None when no term occurs."""
+    found = _occurrences(text, query)
+    if not found:
+        return None
+    best: tuple[int, int, int] | None = None  # (-terms, span, start)
+    counts: dict[int, int] = {}
+    low = 0
+    for _, end, group in found:
+        counts[group] = counts.get(group, 0) + 1
+        # Drop what is out of reach, then what the window holds again later: the tightest
+        # window ending here that holds as many terms.
+        while found[low][0] < end - span or counts[found[low][2]] > 1:
+            gone = found[low][2]
+            counts[gone] -= 1
+            if not counts[gone]:
+                del counts[gone]
+            low += 1
+        candidate = (-len(counts), end - found[low][0], found[low][0])
+        if best is None or candidate < best:
+            best = candidate
+    assert best is not None
+    return best[2], best[2] + best[1]
+
+
 def snippet(text: str, query: str, width: int = SNIPPET_CHARS) -> str:
-    """A window of ``text`` around the first place a query term occurs.
+    """A window of ``text`` centred on the region holding the most query terms (the first
+    such): in a large JSON result, the record holding most of the query, not the first
+    one holding any word of it.
 
     Computed here rather than by FTS5 because the index is contentless (it keeps
     no copy of the text, which makes indexing about three times faster).
     """
-    best = first_match(text, query)
-    if best < 0:
+    region = best_region(text, query) if len(text) > width else None
+    if region is None:
         return text[:width] + ("…" if len(text) > width else "")
-    start = max(0, best - width // 4)
+    low, high = region
+    start = max(0, min(low - width // 4, (low + high - width) // 2))
+    start = min(start, max(0, len(text) - width))
     end = min(len(text), start + width)
     prefix = "…" if start > 0 else ""
     suffix = "…" if end < len(text) else ""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import msgspec
 
 from torpor.errors import StoreError, UnknownArtifact
-from torpor.events import Body, ToolResult, kind_of, searchable_text
+from torpor.events import AssistantMessage, Body, ToolResult, kind_of, searchable_text
 from torpor.store.clip import artifact_of, expanded
 from torpor.store.fulltext import calibrated, coverage, snippet
 from torpor.store.protocol import SearchHit
@@ -27,15 +27,41 @@ __all__ = [
     "left_out",
     "scored",
     "search_hit",
+    "search_text",
 ]
 
 
 def left_out(body: Body, exclude: frozenset[str]) -> bool:
-    """Whether a search leaves this row out: the result of a tool named in ``exclude``.
+    """Whether a search leaves this row out: the result of a tool named in ``exclude``,
+    or an assistant message that only calls such tools (a ``recall`` call's arguments
+    are an earlier query: it would match a later one word for word).
 
     Filtered when the query runs, not when the row is indexed, so the index stays
     the same and a caller who wants those rows gets them."""
-    return bool(exclude) and isinstance(body, ToolResult) and body.tool in exclude
+    if not exclude:
+        return False
+    if isinstance(body, ToolResult):
+        return body.tool in exclude
+    if isinstance(body, AssistantMessage) and body.tool_calls and not body.text:
+        return all(call.name in exclude for call in body.tool_calls)
+    return False
+
+
+def search_text(body: Body, query: str, exclude: frozenset[str]) -> str | None:
+    """The text a hit on this row is scored and quoted from; None: the search leaves it out
+    (:func:`left_out`, or it holds the query only in calls of tools named in ``exclude``,
+    whose arguments are not evidence: they are left out of the text)."""
+    if left_out(body, exclude):
+        return None
+    if (
+        exclude
+        and isinstance(body, AssistantMessage)
+        and any(call.name in exclude for call in body.tool_calls)
+    ):
+        calls = tuple(call for call in body.tool_calls if call.name not in exclude)
+        text = searchable_text(msgspec.structs.replace(body, tool_calls=calls))
+        return text if coverage(text, query) > 0.0 else None
+    return searchable_text(body)
 
 
 def deeper(k: int, limit: int, fetched: int, kept: int) -> int | None:
@@ -77,11 +103,14 @@ def search_hit(
 
 
 def scored(found: Sequence[tuple[SearchHit, float]]) -> list[SearchHit]:
-    """Hits in the backend's order with scores on the one 0-1 scale (see store.fulltext)."""
-    scores = calibrated([share for _, share in found])
+    """Hits with scores on the one 0-1 scale (see store.fulltext), the share of the query
+    first, the backend's order among equal shares (its SQL already puts the events holding
+    more distinct terms first; the share refines that: a phrase held apart counts half)."""
+    ordered = sorted(found, key=lambda pair: -pair[1])  # stable: the backend's order kept
+    scores = calibrated([share for _, share in ordered])
     return [
         msgspec.structs.replace(hit, score=score)
-        for (hit, _), score in zip(found, scores, strict=True)
+        for (hit, _), score in zip(ordered, scores, strict=True)
     ]
 
 

@@ -58,6 +58,7 @@ from torpor.store.arguments import (
 )
 from torpor.store.clip import PREVIEW_BYTES, clip_aborted, clip_assistant, clip_tool_result
 from torpor.store.listing import first_title
+from torpor.store.normalise import index_form
 from torpor.store.open_work import WorkChange, work_change
 from torpor.store.protocol import HintExtractor, TokenCounter
 from torpor.store.schedules import Firing
@@ -128,7 +129,7 @@ class PreparedEvent(msgspec.Struct, frozen=True, gc=False):
     created_at: int
     value: Body  # the body as stored (clipped)
     body: bytes  # msgpack of ``value``
-    text: str  # what full-text search indexes (full text, even when clipped)
+    text: str  # what full-text search indexes: index_form of the full text (even when clipped)
     artifact_id: str | None = None  # set when this append clipped the body
     artifact_data: bytes | None = None  # the full content, utf-8, uncompressed
     hints: bytes | None = None  # the hint extractor's bytes for ``value`` (None: no extractor)
@@ -272,6 +273,7 @@ class AppendPolicy:
         else:
             text = searchable_text(body)
         stored_text = text  # the text of the body as stored (differs once clipped)
+        text = index_form(text)  # what the index is given (erase.indexed_text rebuilds it)
         artifact_id: str | None = None
         artifact_data: bytes | None = None
         if type(body) is ToolResult and body.artifact is None:

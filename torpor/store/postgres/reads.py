@@ -16,15 +16,16 @@ from typing import Any, Protocol
 
 import msgspec
 
-from torpor.events import Event, decode_body, searchable_text
+from torpor.events import Event, decode_body
+from torpor.store.fulltext import LENGTH_BYTES, term_groups
 from torpor.store.hits import (
     artifact_bytes,
     beyond_preview,
     deeper,
     expanded_text,
-    left_out,
     scored,
     search_hit,
+    search_text,
 )
 from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.pending import open_calls as pending_open_calls
@@ -147,32 +148,42 @@ WHERE e.conversation_id = conv.key AND e.position >= coalesce((SELECT position F
 ORDER BY r, pos
 """
 
-# Terms: per query term, its phrase or its identifier alternative (see .lexemes).
-# An event's score is the sum over terms of ts_rank of its best-matching chunk.
-_SEARCH = """
+# Terms: per query term, its phrase or its identifier alternative (see .lexemes), and
+# its group (terms equal case folded share one). The order is torpor.store.fulltext's:
+# the distinct terms an event holds (over all its chunks), then its best chunk's ts_rank
+# summed over the terms, divided by the length factor of its stored body.
+_SEARCH = f"""
 WITH conv AS (SELECT key FROM conversations WHERE external_id = $1),
 terms AS (
-    SELECT q FROM (
+    SELECT q, g FROM (
         SELECT CASE WHEN i = '' THEN phraseto_tsquery('simple', t)
-                    ELSE phraseto_tsquery('simple', t) || i::tsquery END AS q
-        FROM unnest($2::text[], $3::text[]) AS u(t, i)
+                    ELSE phraseto_tsquery('simple', t) || i::tsquery END AS q, g
+        FROM unnest($2::text[], $3::text[], $5::int[]) AS u(t, i, g)
     ) AS s
     WHERE numnode(q) > 0
 ),
 query AS (SELECT string_agg('(' || q::text || ')', ' | ')::tsquery AS q FROM terms),
-matched AS (
-    SELECT f.position, (SELECT sum(ts_rank(f.document, t.q)) FROM terms AS t) AS score
-    FROM events_fts AS f
+held AS (
+    SELECT f.position, f.chunk, t.g, ts_rank(f.document, t.q) AS r
+    FROM events_fts AS f JOIN terms AS t ON f.document @@ t.q
     WHERE f.conversation_id = (SELECT key FROM conv) AND f.document @@ (SELECT q FROM query)
 ),
+chunks AS (SELECT position, sum(r) AS score FROM held GROUP BY position, chunk),
 best AS (
-    SELECT position, max(score) AS score FROM matched
-    GROUP BY position ORDER BY score DESC, position DESC LIMIT $4
+    SELECT c.position, max(c.score) AS score,
+        (SELECT count(DISTINCT h.g) FROM held AS h WHERE h.position = c.position) AS held
+    FROM chunks AS c GROUP BY c.position
+),
+ranked AS (
+    SELECT b.position, b.held,
+        b.score / (1.0 + ln(1.0 + octet_length(e.body) / {LENGTH_BYTES})) AS relevance,
+        e.turn, e.created_at, e.body
+    FROM best AS b
+    JOIN events AS e ON e.conversation_id = (SELECT key FROM conv) AND e.position = b.position
+    ORDER BY b.held DESC, relevance DESC, b.position DESC LIMIT $4
 )
-SELECT b.position, b.score, e.turn, e.created_at, e.body
-FROM best AS b
-JOIN events AS e ON e.conversation_id = (SELECT key FROM conv) AND e.position = b.position
-ORDER BY b.score DESC, b.position DESC
+SELECT position, relevance, turn, created_at, body FROM ranked
+ORDER BY held DESC, relevance DESC, position DESC
 """
 
 _INFO = (
@@ -319,14 +330,15 @@ async def resume(db: Reader, name: str) -> Resume:
 async def search(
     db: Reader, name: str, query: str, k: int, exclude: frozenset[str] = frozenset()
 ) -> list[SearchHit]:
-    """ts_rank-ranked hits; results of the tools named in ``exclude`` left out (more
+    """Ranked hits (see _SEARCH); results of the tools named in ``exclude`` left out (more
     ranked rows read until ``k`` are kept or there are no more)."""
     terms, identifiers = search_terms(query)
     if not terms:
         return []
+    groups = term_groups(terms)
     limit: int | None = k
     while limit is not None:
-        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit)
+        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit, groups)
         found = await _hits(db, name, query, rows, exclude)
         limit = deeper(k, limit, len(rows), len(found))
     return scored(found[:k])
@@ -338,9 +350,9 @@ async def _hits(
     found: list[tuple[SearchHit, float]] = []
     for position, score, turn, created_at, data in rows:
         body = decode_body(data, conversation_id=name, position=position)
-        if left_out(body, exclude):
+        text = search_text(body, query, exclude)
+        if text is None:
             continue
-        text = searchable_text(body)
         artifact = beyond_preview(body, text, query)
         if artifact is not None:
             text = expanded_text(body, await get_artifact(db, artifact))

@@ -16,7 +16,7 @@ import msgspec
 
 from torpor.errors import FencedError, InvalidInput, UnknownConversation
 from torpor.events import Body, decode_body, encode_body, stand_in
-from torpor.store.erase import indexed_text
+from torpor.store.erase import full_text
 from torpor.store.listing import Deletion
 from torpor.store.memory import LedgerEntry
 from torpor.store.memory_rows import decode_row
@@ -62,7 +62,7 @@ async def redact_event(
         if artifact_id:
             got = await conn.fetchval("SELECT data FROM artifacts WHERE id = $1", artifact_id)
             artifact = None if got is None else bytes(got)
-        text = indexed_text(body, artifact)
+        text = full_text(body, artifact)  # (PostgreSQL drops its index rows by key)
         counts["events_fts"] = _count(await conn.execute(
             "DELETE FROM events_fts WHERE conversation_id = $1 AND position = $2", key, position
         ))

@@ -69,6 +69,10 @@ conversation's first user message) and ``conversations_by_activity`` on
 statement. That index changes with every append, so those updates are no longer HOT.
 ``deletions`` (version 9) is the audit of removals (:mod:`.delete`).
 
+Version 10 rebuilds the documents of events whose text the normalised form
+(:mod:`torpor.store.normalise`: diacritics folded, digit grouping removed) changes, the
+form appends index from then on (:mod:`.reindex`).
+
 ``schema_version`` has one row per applied migration. ``MIGRATIONS[i]`` takes
 the schema from version ``i`` to ``i + 1``; each runs in its own transaction
 together with its version row, under a transaction-scoped advisory lock, so two
@@ -86,6 +90,7 @@ from torpor.events import decode_body
 from torpor.store.listing import first_title
 from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import PendingChanges, call_names, named, unnamed
+from torpor.store.postgres.reindex import reindex
 
 __all__ = ["INSERT_PENDING", "MIGRATIONS", "OPEN_WHERE", "SCHEMA_VERSION", "migrate"]
 
@@ -408,6 +413,10 @@ _LISTING: Sequence[Step] = (
     """,
 )
 
+# The full-text index in the normalised form (store.normalise: diacritics folded, digit
+# grouping removed): the documents that form changes, rebuilt (store.postgres.reindex).
+_NORMALISED: Sequence[Step] = (reindex,)
+
 # Schedules (torpor.store.schedules): one row each, keyed by the conversation's key; an
 # index on the due time of the pending ones (what the runtime's one timer reads), one per
 # conversation, and a conversation's idempotency keys. Self-contained: no backfill.
@@ -432,7 +441,8 @@ _SCHEDULES: Sequence[Step] = (
 )
 
 MIGRATIONS: tuple[Sequence[Step], ...] = (
-    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING, _LISTING, _SCHEDULES
+    _V1, _V2, _V3, _V4, _MEMORY, _VECTORS, _OPEN_WORK, _DEPARTING, _LISTING, _NORMALISED,
+    _SCHEDULES
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

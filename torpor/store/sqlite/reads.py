@@ -18,15 +18,16 @@ from collections.abc import Callable
 from typing import Literal, TypeVar
 
 from torpor.errors import StoreError
-from torpor.events import Event, decode_body, searchable_text
+from torpor.events import Event, decode_body
+from torpor.store.fulltext import term_phrases
 from torpor.store.hits import (
     artifact_bytes,
     beyond_preview,
     deeper,
     expanded_text,
-    left_out,
     scored,
     search_hit,
+    search_text,
 )
 from torpor.store.listing import ConversationPage, Cursor, Deletion
 from torpor.store.pending import open_calls as pending_open_calls
@@ -51,6 +52,7 @@ from torpor.store.rows import (
     to_events,
     to_pending_approvals,
 )
+from torpor.store.sqlite import ranking
 from torpor.store.sqlite.delete import _tree as tree
 from torpor.store.sqlite.delete import read_deletions
 from torpor.store.sqlite.schedule_reads import (
@@ -216,16 +218,6 @@ def resume(conn: sqlite3.Connection, name: str) -> Resume:
 Backlog = Literal["ask", "ignore", "scan"]
 
 _WAITING = "SELECT 1 FROM fts_backlog WHERE rowid BETWEEN ? AND ? LIMIT 1"
-# bm25 is NULL where a row has no score (see _score): ranked as 0, after every real match.
-_MATCHES = (
-    "SELECT rowid, coalesce(bm25(events_fts), 0.0) AS score FROM events_fts "
-    "WHERE events_fts MATCH ? AND rowid BETWEEN ? AND ? ORDER BY score LIMIT ?"
-)
-# The scratch index for a backlog searched in place: tokenized as events_fts is (schema v1).
-_SCRATCH = (
-    "CREATE VIRTUAL TABLE scratch USING fts5(text, content='', columnsize=0, "
-    "tokenize='unicode61 remove_diacritics 2')"
-)
 
 
 def search(
@@ -237,7 +229,7 @@ def search(
     backlog: Backlog,
     exclude: frozenset[str] = frozenset(),
 ) -> list[SearchHit] | None:
-    """bm25-ranked hits of one conversation.
+    """Ranked hits of one conversation (:mod:`~torpor.store.sqlite.ranking`).
 
     Events of small batches wait in ``fts_backlog`` before they are indexed
     (see :class:`~torpor.store.sqlite.batch.SearchBacklog`). ``backlog``:
@@ -249,6 +241,8 @@ def search(
     whose results are left out (:func:`~torpor.store.hits.left_out`); more ranked rows
     are read until ``k`` are kept or there are no more.
     """
+
+    phrases = term_phrases(query)
 
     def read() -> list[SearchHit] | None:
         row = conn.execute("SELECT key FROM conversations WHERE external_id = ?", (name,))
@@ -267,14 +261,13 @@ def search(
 
     def hits(key: int, limit: int) -> tuple[int, list[tuple[SearchHit, float]]]:
         """(ranked rows read, hits kept of them) for the best ``limit`` rows."""
-        low = key << 32
-        high = low | 0xFFFFFFFF
-        matches = conn.execute(_MATCHES, (expression, low, high, limit)).fetchall()
+        found = ranking.matches(conn, expression, phrases, key, limit)
         if backlog == "scan":
-            matches = sorted(matches + _scan_backlog(conn, expression, low, high, limit),
-                             key=lambda match: -_score(match[1]))[:limit]
+            low = key << 32
+            extra = ranking.scan_backlog(conn, expression, phrases, low, low | 0xFFFFFFFF, limit)
+            found = sorted(found + extra, key=lambda match: (-match[1], -match[2]))[:limit]
         found_hits: list[tuple[SearchHit, float]] = []
-        for rowid, bm25 in matches:
+        for rowid, _, relevance in found:
             position = rowid & 0xFFFFFFFF
             event = conn.execute(
                 "SELECT turn, created_at, body FROM events "
@@ -284,9 +277,9 @@ def search(
             if event is None:
                 raise StoreError(f"search index names a missing event {name!r}:{position}")
             body = decode_body(event[2], conversation_id=name, position=position)
-            if left_out(body, exclude):
+            text = search_text(body, query, exclude)
+            if text is None:
                 continue
-            text = searchable_text(body)
             artifact = beyond_preview(body, text, query)
             if artifact is not None:
                 text = expanded_text(body, get_artifact(conn, artifact))
@@ -298,39 +291,12 @@ def search(
                     created_at=int(event[1]),
                     text=text,
                     query=query,
-                    rank=_score(bm25),
+                    rank=relevance,
                 )
             )
-        return len(matches), found_hits
+        return len(found), found_hits
 
     return _snapshot(conn, read)
-
-
-def _score(bm25: float | None) -> float:
-    """Higher is better. FTS5's bm25 is NULL for a row matched only by a term in every row
-    (with ``columnsize=0``, e.g. ``"number" OR "3"`` over "word number 0".."4"): no score."""
-    return 0.0 if bm25 is None else -float(bm25)
-
-
-def _scan_backlog(
-    conn: sqlite3.Connection, expression: str, low: int, high: int, k: int
-) -> list[tuple[int, float]]:
-    rows = conn.execute(
-        "SELECT rowid, text FROM fts_backlog WHERE rowid BETWEEN ? AND ?", (low, high)
-    ).fetchall()
-    if not rows:
-        return []
-    scratch = sqlite3.connect(":memory:")
-    try:
-        scratch.execute(_SCRATCH)
-        scratch.executemany("INSERT INTO scratch (rowid, text) VALUES (?, ?)", rows)
-        return scratch.execute(
-            "SELECT rowid, coalesce(bm25(scratch), 0.0) AS score FROM scratch "
-            "WHERE scratch MATCH ? ORDER BY score LIMIT ?",
-            (expression, k),
-        ).fetchall()
-    finally:
-        scratch.close()
 
 
 def get_artifact(conn: sqlite3.Connection, artifact_id: str) -> bytes:

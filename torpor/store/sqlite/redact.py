@@ -16,7 +16,7 @@ import msgspec
 
 from torpor.errors import InvalidInput, UnknownConversation
 from torpor.events import Body, decode_body, encode_body, stand_in
-from torpor.store.erase import indexed_text
+from torpor.store.erase import full_text, indexed_text
 from torpor.store.listing import Deletion
 from torpor.store.memory import LedgerEntry
 from torpor.store.memory_rows import decode_row
@@ -100,7 +100,7 @@ def _redact(
         "DELETE FROM event_vectors WHERE conversation_id = ? AND position = ?", (key, position)
     ).rowcount
     _folds(conn, name, key, position, counts)
-    counts["model_calls"] = _topics(conn, name, key, turn, text)
+    counts["model_calls"] = _topics(conn, name, key, turn, full_text(body, artifact))
     new_title = title
     if title is not None and title == title_of(body):
         new_title = ""

@@ -51,6 +51,9 @@ interleaved appends from 1,000 conversations, 30-word bodies):
   conversations index (:mod:`torpor.store.listing`); titles are backfilled from
   each conversation's first user message. ``deletions`` (version 8) is the audit of
   removals (:mod:`torpor.store.sqlite.delete`): ids and counts, never content.
+* version 9 puts every full-text entry in the normalised form
+  (:mod:`torpor.store.normalise`: diacritics folded, digit grouping removed), the form
+  appends index and deletes rebuild (:mod:`torpor.store.sqlite.reindex`).
 
 The version lives in ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the
 schema from version ``i`` to ``i + 1`` and runs in the same transaction as the
@@ -73,6 +76,7 @@ from torpor.store.arguments import POSITION_LIMIT
 from torpor.store.listing import first_title
 from torpor.store.open_work import BACKFILL_SELECT, Backfill
 from torpor.store.pending import backfill_rows, call_names, named, unnamed
+from torpor.store.sqlite.reindex import reindex
 
 __all__ = [
     "INSERT_PENDING",
@@ -367,6 +371,10 @@ _V8: Sequence[Step] = (
     """,
 )
 
+# The full-text index in the normalised form (store.normalise: diacritics folded, digit
+# grouping removed): the entries that form changes, moved (store.sqlite.reindex).
+_V9: Sequence[Step] = (reindex,)
+
 # Schedules (torpor.store.schedules): one row each, keyed by the conversation's key; an
 # index on the due time of the pending ones (what the runtime's one timer reads), one per
 # conversation, and a conversation's idempotency keys. Self-contained: no backfill.
@@ -391,7 +399,7 @@ _SCHEDULES: Sequence[Step] = (
 )
 
 MIGRATIONS: tuple[Sequence[Step], ...] = (
-    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _SCHEDULES
+    _V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _SCHEDULES
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
