@@ -110,7 +110,7 @@ async def _as_before_normalising(backend: Backend) -> None:
                 "UPDATE events_fts SET document = to_tsvector('simple', ?) WHERE position = ?",
                 text, position,
             )
-        await backend.sql("DELETE FROM schema_version WHERE version = 10")
+        await backend.sql("DELETE FROM schema_version WHERE version >= 10")  # and later ones
         return
     assert backend.location is not None
     raw = sqlite3.connect(backend.location)
