@@ -96,3 +96,20 @@ async def test_rare_query_words_outweigh_common_ones(store: AnyStore) -> None:
     # The score is still the plain share of the query's terms, never rising down the list.
     assert hits[0].score == pytest.approx(3 / 7, abs=1e-6)
     assert all(a.score >= b.score for a, b in itertools.pairwise(hits))
+
+
+async def test_query_words_held_together_outrank_the_same_words_apart(store: AnyStore) -> None:
+    # Every word of the question is common here: long turns hold four of them apart by
+    # chance, the fact three, side by side as the question writes them. Adjacent pairs
+    # of query words weigh too (rare as pairs), so the fact ranks first.
+    filler = (
+        "the mailer dashboards were slow and the key review went fine; an incident "
+        "drill ran after the migration plan was read by the team; "
+    )
+    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
+    turns.insert(30, UserMessage("The mailer migration incident is tracked in OPS-4821."))
+    await _append(store, [[turn] for turn in turns])
+    hits = await recall(store, "c", "key closed mailer migration incident", k=5)
+    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    assert "OPS-4821" in hits[0].snippet
+    assert hits[0].score == pytest.approx(3 / 5, abs=1e-6)  # pairs rank; they do not score

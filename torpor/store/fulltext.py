@@ -21,6 +21,7 @@ lengths in a contentless ``columnsize=0`` index, and ts_rank is not normalised).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ __all__ = [
     "coverage",
     "first_match",
     "length_factor",
+    "ranking_phrases",
+    "ranking_terms",
     "rarity",
     "term_weights",
     "match_expression",
@@ -70,8 +73,11 @@ def _tokens(text: str) -> str:
 def coverage(text: str, query: str, weights: Sequence[float] | None = None) -> float:
     """How much of ``query`` the text holds, from 0 to 1: the mean over query terms of
     1 (the term's tokens occur in order, as both indexes match a term), 0.5 (all of its
-    words occur, apart: PostgreSQL's identifier fallback) or 0. ``weights``: one per
-    query term (:func:`term_weights`), a weighted mean instead (what ranks hits).
+    words occur, apart: PostgreSQL's identifier fallback) or 0.
+
+    ``weights``: one per :func:`ranking_terms` term (:func:`term_weights`), a weighted
+    mean over those instead, what hits are ranked by (an adjacent pair of query words
+    counts only held as written, as the indexes match it).
 
     Computed from the text alone, the same way for every backend, in the form both
     index (:func:`~torpor.store.normalise.index_form`: "Zoë" holds ``zoe``, "20,000"
@@ -80,21 +86,40 @@ def coverage(text: str, query: str, weights: Sequence[float] | None = None) -> f
     terms = query_terms(query)
     if not terms:
         return 0.0
-    if weights is None or len(weights) != len(terms):
-        weights = [1.0] * len(terms)
+    single = len(terms)
+    if weights is None:
+        weights = [1.0] * single
+    else:
+        terms = ranking_terms(query)
+        if len(weights) != len(terms):
+            return coverage(text, query)
     tokens = _tokens(index_form(text))
     words = set(tokens.split())
     total = 0.0
-    for term, weight in zip(terms, weights, strict=True):
+    for i, (term, weight) in enumerate(zip(terms, weights, strict=True)):
         parts = _TOKEN.findall(term.lower())
         if not parts:
             continue
         if " " + " ".join(parts) + " " in tokens:
             total += weight
-        elif all(part in words for part in parts):
+        elif i < single and all(part in words for part in parts):
             total += PARTIAL_CREDIT * weight
     whole = sum(weights)
     return total / whole if whole > 0.0 else 0.0
+
+
+def ranking_terms(query: str) -> list[str]:
+    """What ranking weighs: the query's terms (:func:`query_terms`), then each adjacent
+    pair of them as a phrase ("mailer migration", "migration incident"), so an event
+    holding the question's words together, as written, outranks one holding them apart
+    by chance across a long text (the pairs rank; they do not score)."""
+    terms = query_terms(query)
+    return terms + [f"{a} {b}" for a, b in itertools.pairwise(terms)]
+
+
+def ranking_phrases(query: str) -> list[str]:
+    """One FTS5 phrase per distinct :func:`ranking_terms` term (case folded)."""
+    return ['"' + term.replace('"', '""') + '"' for term in _distinct(ranking_terms(query))]
 
 
 def rarity(events: int, holding: int) -> float:
@@ -107,9 +132,9 @@ def rarity(events: int, holding: int) -> float:
 
 
 def term_weights(query: str, events: int, holding: Sequence[int]) -> list[float]:
-    """One :func:`rarity` per query term (:func:`query_terms`) from ``holding``, the count
-    of events holding each distinct term (:func:`term_phrases` order)."""
-    groups = term_groups(query_terms(query))
+    """One :func:`rarity` per :func:`ranking_terms` term from ``holding``, the count of
+    events holding each distinct one (:func:`ranking_phrases` order)."""
+    groups = term_groups(ranking_terms(query))
     slot = {group: i for i, group in enumerate(sorted(set(groups)))}
     return [rarity(events, holding[slot[group]]) for group in groups]
 

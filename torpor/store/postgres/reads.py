@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from torpor.events import Event, decode_body
-from torpor.store.fulltext import LENGTH_BYTES, term_groups, term_weights
+from torpor.store.fulltext import LENGTH_BYTES, ranking_terms, term_groups, term_weights
 from torpor.store.hits import (
     Found,
     artifact_bytes,
@@ -140,12 +140,13 @@ ORDER BY r, pos
 """
 
 # Terms: per query term, its phrase or its identifier alternative (see .lexemes), and
-# its group (terms equal case folded share one). The order is torpor.store.fulltext's:
-# the distinct terms an event holds (over all its chunks), each counted by its rarity
-# (ln(1 + events / events holding it), torpor.store.fulltext.rarity, the events being the
-# conversation's head + 1), then its best chunk's ts_rank summed over the terms, divided
-# by the length factor of its stored body. Every row also carries the counts per group
-# and the head, from which Python weighs the same terms (torpor.store.fulltext.term_weights).
+# its group (terms equal case folded share one); after the $6 query terms, their adjacent
+# pairs (torpor.store.fulltext.ranking_terms), which weigh but add no ts_rank. The order
+# is torpor.store.fulltext's: the distinct terms an event holds (over all its chunks),
+# each counted by its rarity (ln(1 + events / events holding it): fulltext.rarity, the
+# events being head + 1), then its best chunk's ts_rank summed over the terms, divided by
+# the length factor of its stored body. Every row also carries the counts per group and
+# the head, from which Python weighs the same terms (fulltext.term_weights).
 _SEARCH = f"""
 WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1),
 terms AS (
@@ -167,7 +168,10 @@ weights AS (
     SELECT g, ln(1.0 + greatest((SELECT head FROM conv) + 1, 1)::float8 / greatest(n, 1)) AS w
     FROM counts
 ),
-chunks AS (SELECT position, sum(r) AS score FROM held GROUP BY position, chunk),
+chunks AS (
+    SELECT position, coalesce(sum(r) FILTER (WHERE g < $6), 0.0) AS score
+    FROM held GROUP BY position, chunk
+),
 best AS (
     SELECT c.position, max(c.score) AS score,
         (SELECT sum(w.w) FROM weights AS w
@@ -338,10 +342,13 @@ async def search(
     terms, identifiers = search_terms(query)
     if not terms:
         return []
+    single = len(terms)
+    pairs = ranking_terms(query)[single:]  # adjacent pairs: phrases, no identifier fallback
+    terms, identifiers = terms + pairs, identifiers + [""] * len(pairs)
     groups = term_groups(terms)
     limit: int | None = k
     while limit is not None:
-        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit, groups)
+        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit, groups, single)
         found = await _hits(db, name, query, rows, exclude, _weights(query, groups, rows))
         limit = deeper(k, limit, len(rows), len(found))
     return scored(found[:k])

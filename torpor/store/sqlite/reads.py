@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 
 from torpor.errors import StoreError
 from torpor.events import Event, decode_body
-from torpor.store.fulltext import rarity, term_phrases, term_weights
+from torpor.store.fulltext import ranking_phrases, rarity, term_weights
 from torpor.store.hits import (
     Found,
     artifact_bytes,
@@ -233,7 +233,7 @@ def search(
     are read until ``k`` are kept or there are no more.
     """
 
-    phrases = term_phrases(query)
+    phrases = ranking_phrases(query)  # the terms and adjacent pairs, ranked by rarity
 
     def read() -> list[SearchHit] | None:
         row = conn.execute("SELECT key, head FROM conversations WHERE external_id = ?", (name,))
