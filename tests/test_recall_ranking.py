@@ -4,6 +4,7 @@ SQLite (in memory and on file) and PostgreSQL alike."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -75,3 +76,40 @@ async def test_a_large_json_results_snippet_shows_the_record_holding_most_query_
     assert hits[0].score == 1.0
     assert '"svc-313"' in hits[0].snippet or "Dana Whitfield" in hits[0].snippet
     assert "payments" in hits[0].snippet and "eu-north-1" in hits[0].snippet
+
+
+async def test_rare_query_words_outweigh_common_ones(store: AnyStore) -> None:
+    # The question's common words ("which", "the", "key", "closed", "incident") fill every
+    # long turn by chance; the fact holds only its rare ones and "key". Counting the
+    # distinct terms held ranks every long turn first; weighing each by its rarity in
+    # the conversation ranks the fact first (issue 25, Table 1's prose 2-hop).
+    filler = (
+        "which key did the team check when the incident review closed the loop on the "
+        "dashboard, the key metrics, the incident notes and the rota for the week; "
+    )
+    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
+    turns.insert(30, UserMessage("Catalog cutover: rotated key K-7731."))
+    await _append(store, [[turn] for turn in turns])
+    hits = await recall(store, "c", "Which key closed the catalog cutover incident?", k=5)
+    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    assert "K-7731" in hits[0].snippet
+    # The score is still the plain share of the query's terms, never rising down the list.
+    assert hits[0].score == pytest.approx(3 / 7, abs=1e-6)
+    assert all(a.score >= b.score for a, b in itertools.pairwise(hits))
+
+
+async def test_query_words_held_together_outrank_the_same_words_apart(store: AnyStore) -> None:
+    # Every word of the question is common here: long turns hold four of them apart by
+    # chance, the fact three, side by side as the question writes them. Adjacent pairs
+    # of query words weigh too (rare as pairs), so the fact ranks first.
+    filler = (
+        "the mailer dashboards were slow and the key review went fine; an incident "
+        "drill ran after the migration plan was read by the team; "
+    )
+    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
+    turns.insert(30, UserMessage("The mailer migration incident is tracked in OPS-4821."))
+    await _append(store, [[turn] for turn in turns])
+    hits = await recall(store, "c", "key closed mailer migration incident", k=5)
+    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    assert "OPS-4821" in hits[0].snippet
+    assert hits[0].score == pytest.approx(3 / 5, abs=1e-6)  # pairs rank; they do not score

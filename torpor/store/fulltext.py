@@ -5,11 +5,14 @@ query language. Each whitespace-separated term becomes a quoted phrase, so
 punctuation inside it is matched literally by the tokenizer instead of being
 read as FTS5 syntax; terms are OR-ed.
 
-Ranking (the same rule in both backends' SQL): an event holding
-more of the query's distinct terms ranks first, whatever the words' frequencies
-(bm25 alone gives a word common in the conversation almost no weight, so long
-events repeating one or two common words would outrank a short event holding every
-query word); among events holding as many, the backend's own relevance (bm25 on
+Ranking (the same rule in both backends' SQL): an event holding more of the
+query's distinct terms ranks first, each term counted by its rarity in the
+conversation (:func:`rarity`: a word most events hold counts little, a word few
+hold counts much), so a short fact holding the two rare words of a question
+outranks a long event holding its three common ones by chance, while bm25 alone,
+which gives a common word almost no weight, would let long events repeating one
+or two common words outrank a short event holding every query word; among events
+holding as much, the backend's own relevance (bm25 on
 SQLite, ts_rank on PostgreSQL) divided by :func:`length_factor` of the event's
 stored size, so a short event beats a long repetitive one that holds the same
 words (neither backend's score does that here: FTS5's bm25 has no document
@@ -18,6 +21,7 @@ lengths in a contentless ``columnsize=0`` index, and ts_rank is not normalised).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -31,6 +35,10 @@ __all__ = [
     "coverage",
     "first_match",
     "length_factor",
+    "ranking_phrases",
+    "ranking_terms",
+    "rarity",
+    "term_weights",
     "match_expression",
     "term_groups",
     "term_phrases",
@@ -62,10 +70,14 @@ def _tokens(text: str) -> str:
     return " " + " ".join(_TOKEN.findall(text.lower())) + " "
 
 
-def coverage(text: str, query: str) -> float:
+def coverage(text: str, query: str, weights: Sequence[float] | None = None) -> float:
     """How much of ``query`` the text holds, from 0 to 1: the mean over query terms of
     1 (the term's tokens occur in order, as both indexes match a term), 0.5 (all of its
     words occur, apart: PostgreSQL's identifier fallback) or 0.
+
+    ``weights``: one per :func:`ranking_terms` term (:func:`term_weights`), a weighted
+    mean over those instead, what hits are ranked by (an adjacent pair of query words
+    counts only held as written, as the indexes match it).
 
     Computed from the text alone, the same way for every backend, in the form both
     index (:func:`~torpor.store.normalise.index_form`: "Zoë" holds ``zoe``, "20,000"
@@ -74,18 +86,57 @@ def coverage(text: str, query: str) -> float:
     terms = query_terms(query)
     if not terms:
         return 0.0
+    single = len(terms)
+    if weights is None:
+        weights = [1.0] * single
+    else:
+        terms = ranking_terms(query)
+        if len(weights) != len(terms):
+            return coverage(text, query)
     tokens = _tokens(index_form(text))
     words = set(tokens.split())
     total = 0.0
-    for term in terms:
+    for i, (term, weight) in enumerate(zip(terms, weights, strict=True)):
         parts = _TOKEN.findall(term.lower())
         if not parts:
             continue
         if " " + " ".join(parts) + " " in tokens:
-            total += 1.0
-        elif all(part in words for part in parts):
-            total += PARTIAL_CREDIT
-    return total / len(terms)
+            total += weight
+        elif i < single and all(part in words for part in parts):
+            total += PARTIAL_CREDIT * weight
+    whole = sum(weights)
+    return total / whole if whole > 0.0 else 0.0
+
+
+def ranking_terms(query: str) -> list[str]:
+    """What ranking weighs: the query's terms (:func:`query_terms`), then each adjacent
+    pair of them as a phrase ("mailer migration", "migration incident"), so an event
+    holding the question's words together, as written, outranks one holding them apart
+    by chance across a long text (the pairs rank; they do not score)."""
+    terms = query_terms(query)
+    return terms + [f"{a} {b}" for a, b in itertools.pairwise(terms)]
+
+
+def ranking_phrases(query: str) -> list[str]:
+    """One FTS5 phrase per distinct :func:`ranking_terms` term (case folded)."""
+    return ['"' + term.replace('"', '""') + '"' for term in _distinct(ranking_terms(query))]
+
+
+def rarity(events: int, holding: int) -> float:
+    """A query term's weight in the ranking: ``ln(1 + events / holding)`` of the
+    conversation's event count and how many of them hold the term (at least 1: a term
+    no event holds as a phrase may still be held apart). The same expression in both
+    backends' SQL: 0.69 for a word every event holds, 3.0 for one in 1 of 20, 7.8 in
+    1 of 2,400, so two rare words outweigh three common ones."""
+    return math.log1p(max(events, 1) / max(holding, 1))
+
+
+def term_weights(query: str, events: int, holding: Sequence[int]) -> list[float]:
+    """One :func:`rarity` per :func:`ranking_terms` term from ``holding``, the count of
+    events holding each distinct one (:func:`ranking_phrases` order)."""
+    groups = term_groups(ranking_terms(query))
+    slot = {group: i for i, group in enumerate(sorted(set(groups)))}
+    return [rarity(events, holding[slot[group]]) for group in groups]
 
 
 def calibrated(coverages: Sequence[float]) -> list[float]:

@@ -20,6 +20,7 @@ from torpor.store.fulltext import calibrated, coverage, snippet
 from torpor.store.protocol import SearchHit
 
 __all__ = [
+    "Found",
     "artifact_bytes",
     "beyond_preview",
     "deeper",
@@ -86,10 +87,24 @@ def expanded_text(body: Body, full: bytes) -> str:
     return searchable_text(expanded(body, full.decode("utf-8", "replace")))
 
 
+Found = tuple[SearchHit, float, float]
+"""A hit, the share of the query its text holds, and that share weighted by rarity."""
+
+
 def search_hit(
-    body: Body, *, position: int, turn: int, created_at: int, text: str, query: str, rank: float
-) -> tuple[SearchHit, float]:
-    """A hit with the backend's own ``rank``, and the share of the query its text holds."""
+    body: Body,
+    *,
+    position: int,
+    turn: int,
+    created_at: int,
+    text: str,
+    query: str,
+    rank: float,
+    weights: Sequence[float] | None = None,
+) -> Found:
+    """A hit with the backend's own ``rank``, the share of the query its text holds, and
+    that share with each term weighted by its rarity (``weights``, see
+    :func:`~torpor.store.fulltext.term_weights`; None: all alike)."""
     hit = SearchHit(
         position=position,
         kind=kind_of(body),
@@ -99,18 +114,20 @@ def search_hit(
         score=0.0,
         rank=rank,
     )
-    return hit, coverage(text, query)
+    share = coverage(text, query)
+    return hit, share, share if weights is None else coverage(text, query, weights)
 
 
-def scored(found: Sequence[tuple[SearchHit, float]]) -> list[SearchHit]:
-    """Hits with scores on the one 0-1 scale (see store.fulltext), the share of the query
-    first, the backend's order among equal shares (its SQL already puts the events holding
-    more distinct terms first; the share refines that: a phrase held apart counts half)."""
-    ordered = sorted(found, key=lambda pair: -pair[1])  # stable: the backend's order kept
-    scores = calibrated([share for _, share in ordered])
+def scored(found: Sequence[Found]) -> list[SearchHit]:
+    """Hits with scores on the one 0-1 scale (see store.fulltext), the rarity-weighted
+    share of the query first, the backend's order among equal shares (its SQL already puts
+    the events holding more of the rare terms first; the share refines that: a phrase held
+    apart counts half). The score stays the plain share, capped down the list."""
+    ordered = sorted(found, key=lambda one: -one[2])  # stable: the backend's order kept
+    scores = calibrated([share for _, share, _ in ordered])
     return [
         msgspec.structs.replace(hit, score=score)
-        for (hit, _), score in zip(ordered, scores, strict=True)
+        for (hit, _, _), score in zip(ordered, scores, strict=True)
     ]
 
 

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 import msgspec
 
 from torpor.events import Event, decode_body
-from torpor.store.fulltext import LENGTH_BYTES, term_groups
+from torpor.store.fulltext import LENGTH_BYTES, ranking_terms, term_groups, term_weights
 from torpor.store.hits import (
+    Found,
     artifact_bytes,
     beyond_preview,
     deeper,
@@ -149,11 +150,15 @@ ORDER BY r, pos
 """
 
 # Terms: per query term, its phrase or its identifier alternative (see .lexemes), and
-# its group (terms equal case folded share one). The order is torpor.store.fulltext's:
-# the distinct terms an event holds (over all its chunks), then its best chunk's ts_rank
-# summed over the terms, divided by the length factor of its stored body.
+# its group (terms equal case folded share one); after the $6 query terms, their adjacent
+# pairs (torpor.store.fulltext.ranking_terms), which weigh but add no ts_rank. The order
+# is torpor.store.fulltext's: the distinct terms an event holds (over all its chunks),
+# each counted by its rarity (ln(1 + events / events holding it): fulltext.rarity, the
+# events being head + 1), then its best chunk's ts_rank summed over the terms, divided by
+# the length factor of its stored body. Every row also carries the counts per group and
+# the head, from which Python weighs the same terms (fulltext.term_weights).
 _SEARCH = f"""
-WITH conv AS (SELECT key FROM conversations WHERE external_id = $1),
+WITH conv AS (SELECT key, head FROM conversations WHERE external_id = $1),
 terms AS (
     SELECT q, g FROM (
         SELECT CASE WHEN i = '' THEN phraseto_tsquery('simple', t)
@@ -168,10 +173,19 @@ held AS (
     FROM events_fts AS f JOIN terms AS t ON f.document @@ t.q
     WHERE f.conversation_id = (SELECT key FROM conv) AND f.document @@ (SELECT q FROM query)
 ),
-chunks AS (SELECT position, sum(r) AS score FROM held GROUP BY position, chunk),
+counts AS (SELECT g, count(DISTINCT position) AS n FROM held GROUP BY g),
+weights AS (
+    SELECT g, ln(1.0 + greatest((SELECT head FROM conv) + 1, 1)::float8 / greatest(n, 1)) AS w
+    FROM counts
+),
+chunks AS (
+    SELECT position, coalesce(sum(r) FILTER (WHERE g < $6), 0.0) AS score
+    FROM held GROUP BY position, chunk
+),
 best AS (
     SELECT c.position, max(c.score) AS score,
-        (SELECT count(DISTINCT h.g) FROM held AS h WHERE h.position = c.position) AS held
+        (SELECT sum(w.w) FROM weights AS w
+         WHERE w.g IN (SELECT h.g FROM held AS h WHERE h.position = c.position)) AS held
     FROM chunks AS c GROUP BY c.position
 ),
 ranked AS (
@@ -182,7 +196,10 @@ ranked AS (
     JOIN events AS e ON e.conversation_id = (SELECT key FROM conv) AND e.position = b.position
     ORDER BY b.held DESC, relevance DESC, b.position DESC LIMIT $4
 )
-SELECT position, relevance, turn, created_at, body FROM ranked
+SELECT position, relevance, turn, created_at, body,
+    (SELECT array_agg(g) FROM counts) AS groups, (SELECT array_agg(n) FROM counts) AS counts,
+    (SELECT head FROM conv) AS head
+FROM ranked
 ORDER BY held DESC, relevance DESC, position DESC
 """
 
@@ -335,20 +352,38 @@ async def search(
     terms, identifiers = search_terms(query)
     if not terms:
         return []
+    single = len(terms)
+    pairs = ranking_terms(query)[single:]  # adjacent pairs: phrases, no identifier fallback
+    terms, identifiers = terms + pairs, identifiers + [""] * len(pairs)
     groups = term_groups(terms)
     limit: int | None = k
     while limit is not None:
-        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit, groups)
-        found = await _hits(db, name, query, rows, exclude)
+        rows = await db.fetch(_SEARCH, name, terms, identifiers, limit, groups, single)
+        found = await _hits(db, name, query, rows, exclude, _weights(query, groups, rows))
         limit = deeper(k, limit, len(rows), len(found))
     return scored(found[:k])
 
 
+def _weights(query: str, groups: list[int], rows: list[Any]) -> list[float] | None:
+    """Each query term's rarity, from the counts _SEARCH returns with every row."""
+    if not rows:
+        return None
+    _, _, _, _, _, held_groups, counts, head = rows[0]
+    count_of = dict(zip(held_groups or (), counts or (), strict=True))
+    holding = [int(count_of.get(group, 0)) for group in sorted(set(groups))]
+    return term_weights(query, int(head) + 1, holding)
+
+
 async def _hits(
-    db: Reader, name: str, query: str, rows: list[Any], exclude: frozenset[str]
-) -> list[tuple[SearchHit, float]]:
-    found: list[tuple[SearchHit, float]] = []
-    for position, score, turn, created_at, data in rows:
+    db: Reader,
+    name: str,
+    query: str,
+    rows: list[Any],
+    exclude: frozenset[str],
+    weights: list[float] | None,
+) -> list[Found]:
+    found: list[Found] = []
+    for position, score, turn, created_at, data, *_ in rows:
         body = decode_body(data, conversation_id=name, position=position)
         text = search_text(body, query, exclude)
         if text is None:
@@ -365,6 +400,7 @@ async def _hits(
                 text=text,
                 query=query,
                 rank=float(score),
+                weights=weights,
             )
         )
     return found

@@ -19,8 +19,9 @@ from typing import Literal, TypeVar
 
 from torpor.errors import StoreError
 from torpor.events import Event, decode_body
-from torpor.store.fulltext import term_phrases
+from torpor.store.fulltext import ranking_phrases, rarity, term_weights
 from torpor.store.hits import (
+    Found,
     artifact_bytes,
     beyond_preview,
     deeper,
@@ -242,31 +243,41 @@ def search(
     are read until ``k`` are kept or there are no more.
     """
 
-    phrases = term_phrases(query)
+    phrases = ranking_phrases(query)  # the terms and adjacent pairs, ranked by rarity
 
     def read() -> list[SearchHit] | None:
-        row = conn.execute("SELECT key FROM conversations WHERE external_id = ?", (name,))
+        row = conn.execute("SELECT key, head FROM conversations WHERE external_id = ?", (name,))
         found = row.fetchone()
         if found is None:
             return []
-        low = int(found[0]) << 32
+        key = int(found[0])
+        low = key << 32
         high = low | 0xFFFFFFFF
         if backlog == "ask" and conn.execute(_WAITING, (low, high)).fetchone() is not None:
             return None
+        # Each term's rarity in the conversation (its events: head + 1) weights it.
+        events = int(found[1]) + 1
+        held = ranking.holding(conn, phrases, key)
+        weights = [rarity(events, count) for count in held]
+        per_term = term_weights(query, events, held)
         limit: int | None = k
         while limit is not None:
-            fetched, found_hits = hits(int(found[0]), limit)
+            fetched, found_hits = hits(key, limit, weights, per_term)
             limit = deeper(k, limit, fetched, len(found_hits))
         return scored(found_hits[:k])
 
-    def hits(key: int, limit: int) -> tuple[int, list[tuple[SearchHit, float]]]:
+    def hits(
+        key: int, limit: int, weights: list[float], per_term: list[float]
+    ) -> tuple[int, list[Found]]:
         """(ranked rows read, hits kept of them) for the best ``limit`` rows."""
-        found = ranking.matches(conn, expression, phrases, key, limit)
+        found = ranking.matches(conn, expression, phrases, weights, key, limit)
         if backlog == "scan":
             low = key << 32
-            extra = ranking.scan_backlog(conn, expression, phrases, low, low | 0xFFFFFFFF, limit)
+            extra = ranking.scan_backlog(
+                conn, expression, phrases, weights, low, low | 0xFFFFFFFF, limit
+            )
             found = sorted(found + extra, key=lambda match: (-match[1], -match[2]))[:limit]
-        found_hits: list[tuple[SearchHit, float]] = []
+        found_hits: list[Found] = []
         for rowid, _, relevance in found:
             position = rowid & 0xFFFFFFFF
             event = conn.execute(
@@ -292,6 +303,7 @@ def search(
                     text=text,
                     query=query,
                     rank=relevance,
+                    weights=per_term,
                 )
             )
         return len(found), found_hits
