@@ -155,6 +155,27 @@ async def test_a_turn_with_a_tool_call_is_turn_model_tool_model_spans_with_genai
     }
 
 
+@torpor.tool
+async def broken(order: str) -> str:
+    """A tool that fails."""
+    raise RuntimeError("inventory service down")
+
+
+async def test_a_failing_tool_call_is_an_error_span_and_the_turn_goes_on(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    model = ScriptedModel([[Call("broken", {"order": "A1"}, id="call_9")], "sorry"])
+    async with Runtime("sqlite://", model=model, agent=AgentConfig(tools=[broken])) as rt:
+        instrument(rt, provider)
+        assert (await (await rt.send("c", "where is A1?")).result()).text == "sorry"
+    (tool,) = [s for s in exporter.get_finished_spans() if s.name == "execute_tool broken"]
+    assert tool.status.status_code is StatusCode.ERROR
+    assert (tool.attributes or {})["error.type"] == "tool_error"
+    (agent,) = [s for s in exporter.get_finished_spans() if s.name == "invoke_agent"]
+    assert agent.status.status_code is StatusCode.UNSET  # the model got the error and answered
+
+
 async def test_a_429_is_an_error_model_call_span_and_an_aborted_turn_span(
     spans: tuple[TracerProvider, InMemorySpanExporter],
 ) -> None:

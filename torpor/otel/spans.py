@@ -13,7 +13,9 @@ Span names and attributes follow the OpenTelemetry GenAI semantic conventions
   ``gen_ai.response.finish_reasons``, ``gen_ai.response.time_to_first_chunk``; a
   failed call sets ``error.type`` (the torpor error's name) and the ERROR status.
 * ``execute_tool {name}`` (INTERNAL) per local tool call: ``gen_ai.tool.name``,
-  ``gen_ai.tool.call.id``, ``gen_ai.tool.type``. A tool's own spans nest under it.
+  ``gen_ai.tool.call.id``, ``gen_ai.tool.type``; a failed call (an error result: the tool
+  raised, timed out or got arguments it refused) has ``error.type`` ``tool_error`` and the
+  ERROR status. A tool's own spans nest under it.
 * ``fold`` (INTERNAL) per fold of the working set: ``torpor.fold.cycle``.
 
 An aborted turn's span gets the ERROR status, ``torpor.abort.reason`` and ``error.type``.
@@ -44,7 +46,7 @@ from torpor.actors.observe import (
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from torpor.events import AssistantMessage
+    from torpor.events import AssistantMessage, ToolResult
     from torpor.llm.protocol import Usage
 
 __all__ = ["TracingObserver"]
@@ -223,6 +225,14 @@ class TracingObserver(Observer):
             "gen_ai.conversation.id": info.conversation_id,
         }, record_exception=False, set_status_on_exception=False)
         return _Span(span)
+
+    def tool_result(self, info: ToolCallInfo, result: ToolResult) -> None:
+        # Told inside the tool call's context: the current span is its execute_tool span.
+        if result.is_error:
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attribute("error.type", "tool_error")
+                span.set_status(Status(StatusCode.ERROR, "the tool call failed"))
 
     def fold(self, info: FoldInfo) -> AbstractContextManager[None]:
         span = self.tracer.start_span("fold", None, SpanKind.INTERNAL, {
