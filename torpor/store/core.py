@@ -64,7 +64,7 @@ from torpor.store.memory import (
     check_ledger_entry,
 )
 from torpor.store.memory_rows import LEDGER_TAIL, MemoryWrite, encode_row, named_items
-from torpor.store.open_work import shard_filter
+from torpor.store.open_work import ShardFilter, shard_filter
 from torpor.store.prepare import (
     INLINE_TEXT,
     AppendPolicy,
@@ -631,22 +631,11 @@ class StoreCore:
         when = check_int(before, "before", 0, 1 << 62)
         check_limit(limit)
         place = shard_filter(shards, shard_count)
-        if place is not None and not place.shards:
-            return []
-        wanted = None if place is None else place.wanted()
-        found: list[str] = []
-        cursor: tuple[int, int] = (-1, -1)
-        for _ in range(_IDLE_PAGES):  # rows of other shards must not end the page early
-            rows = await self._reading(self.reads.idle, when, cursor, limit, wanted)
-            for name, shard, _at, _key in rows:
-                if place is None or place.keeps(name, shard):
-                    found.append(name)
-                    if len(found) == limit:
-                        return found
-            if len(rows) < limit:
-                break
-            cursor = (rows[-1][2], rows[-1][3])
-        return found
+        found = await self._kept_pages(
+            self.reads.idle, when, (-1, -1), limit, place,
+            lambda name: name, lambda row: (row[2], row[3]),
+        )
+        return cast("list[str]", found)
 
     async def redact(self, conversation_id: str, position: int, *, reason: str = "") -> bool:
         """Replace the event at ``position`` with a ``Redacted`` body and remove every
@@ -762,22 +751,39 @@ class StoreCore:
         when = check_until(until, "until")
         check_limit(limit)
         place = shard_filter(shards, shard_count)
+        found = await self._kept_pages(
+            self.reads.due_schedules, when, (-1, ""), limit, place,
+            lambda schedule: schedule.conversation_id, lambda row: (row[0].due or 0, row[0].id),
+        )
+        return cast("list[Schedule]", found)
+
+    async def _kept_pages(
+        self,
+        read: Callable[..., Any],
+        when: int,
+        cursor: tuple[Any, ...],
+        limit: int,
+        place: ShardFilter | None,
+        name_of: Callable[[Any], str],
+        cursor_of: Callable[[Any], tuple[Any, ...]],
+    ) -> list[Any]:
+        """The first items (``row[0]``, shard ``row[1]``) of ``read(when, cursor, limit,
+        shards)`` that ``place`` keeps, at most ``limit``, keyset-paged from ``cursor``
+        (``cursor_of`` the last row) for at most ``_IDLE_PAGES`` pages."""
         if place is not None and not place.shards:
             return []
         wanted = None if place is None else place.wanted()
-        found: list[Schedule] = []
-        cursor: tuple[int, str] = (-1, "")
+        found: list[Any] = []
         for _ in range(_IDLE_PAGES):  # rows of other shards must not end the page early
-            rows = await self._reading(self.reads.due_schedules, when, cursor, limit, wanted)
-            for schedule, shard in rows:
-                if place is None or place.keeps(schedule.conversation_id, shard):
-                    found.append(schedule)
+            rows = await self._reading(read, when, cursor, limit, wanted)
+            for row in rows:
+                if place is None or place.keeps(name_of(row[0]), row[1]):
+                    found.append(row[0])
                     if len(found) == limit:
                         return found
             if len(rows) < limit:
                 break
-            last = rows[-1][0]
-            cursor = (last.due or 0, last.id)
+            cursor = cursor_of(rows[-1])
         return found
 
     async def next_due(
