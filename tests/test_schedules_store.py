@@ -152,3 +152,26 @@ def test_bad_requests() -> None:
     with pytest.raises(InvalidInput):
         _new("c", at=datetime(2030, 1, 1))  # naive
     assert _new("c", every=60).due == NOW + 60_000  # every alone: one interval from now
+
+
+async def test_due_schedules_of_some_shards_read_past_the_others(store: AnyStore) -> None:
+    """A node reads only its shards' schedules, also when more of other shards' are due
+    first than one page holds (the keyset pages go on past them)."""
+    from torpor.cluster import shard_of
+
+    count = 4
+    names = [f"c{i}" for i in range(40)]
+    mine = [shard_of("c0", count)]
+    ours = [n for n in names if shard_of(n, count) in mine]
+    theirs = [n for n in names if shard_of(n, count) not in mine]
+    order = theirs[:12] + ours  # more of theirs due first than the page below holds
+    due = {}
+    for i, name in enumerate(order):
+        await store.append(name, [UserMessage("hi")], turn=1)
+        due[name] = await store.add_schedule(_new(name, after=1 + i))
+    got = await store.due_schedules(until=NOW + 10_000_000, limit=3, shards=mine,
+                                    shard_count=count)
+    assert [s.conversation_id for s in got] == ours[:3]
+    assert await store.next_due(after=NOW, shards=mine, shard_count=count) == \
+        due[ours[0]].due
+    assert await store.due_schedules(until=NOW + 10_000_000, shards=[], shard_count=count) == []
