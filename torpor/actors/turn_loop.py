@@ -241,15 +241,15 @@ async def run_approved(agent: Agent, host: Host) -> None:
     ws = agent.ws
     mcp = agent.profile.mcp
     assert ws is not None and mcp is not None
-    if not approved_calls(ws.tail, agent.turn):
+    calls = approved_calls(ws.tail, agent.turn)
+    if not calls:
         return
     agent.set_state(host, AgentState.RUNNING_TOOLS)
     agent.cancellable = True  # a cancel stops the calls (the server is told)
     try:
         if agent.cancels:
             _cancel_turn(agent)
-        done = await run_approved_calls(ws.tail, agent.turn, mcp,
-                                        agent.profile.config.tool_timeout)
+        done = await run_approved_calls(calls, mcp, agent.profile.config.tool_timeout)
     finally:
         agent.cancellable = False
     await append(agent, host, done)

@@ -36,34 +36,36 @@ async def run_mcp(tool: MCPTool, call: ToolCall, timeout: float) -> ToolResult: 
 
 def approved_calls(tail: Sequence[Event], turn: int) -> list[ToolCall]:
     """The calls of turn ``turn`` approved (``Resolved.approval``) with no result logged
-    yet, in the order the model made them."""
-    calls: tuple[ToolCall, ...] = ()
+    yet, in the order the model made them. Read back from the end (the tail is in turn
+    order): only what follows the turn's last assistant message counts."""
     approved: set[str] = set()
     answered: set[str] = set()
-    for event in tail:
+    for event in reversed(tail):
         if event.turn != turn:
+            if event.turn < turn:
+                break
             continue
         body = event.body
         if isinstance(body, AssistantMessage):
-            calls, approved, answered = body.tool_calls, set(), set()
-        elif isinstance(body, Resolved) and body.approval is not None:
+            return [c for c in body.tool_calls if c.id in approved and c.id not in answered]
+        if isinstance(body, Resolved) and body.approval is not None:
             approved.add(body.call_id)
         elif isinstance(body, ToolResult):
             answered.add(body.call_id)
-    return [c for c in calls if c.id in approved and c.id not in answered]
+    return []
 
 
 async def run_approved_calls(
-    tail: Sequence[Event], turn: int, view: ToolView, timeout: float  # noqa: ASYNC109
+    calls: Sequence[ToolCall], view: ToolView, timeout: float  # noqa: ASYNC109
 ) -> list[ToolResult]:
-    """Run the approved calls (concurrently); their results in call order."""
-    calls = approved_calls(tail, turn)
+    """Run the approved ``calls`` (:func:`approved_calls`) concurrently; their results in
+    call order."""
     if not calls:
         return []
+    await view.current_specs()  # after a restart: the servers' tools are listed first
     results: dict[str, ToolResult] = {}
 
     async def one(call: ToolCall) -> None:
-        await view.current_specs()  # after a restart: the server's tools are listed first
         tool = view.get(call.name)
         if tool is None:
             results[call.id] = ToolResult(
