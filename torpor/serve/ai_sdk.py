@@ -43,7 +43,6 @@ which the client rebuilds in place of the one it had.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -53,7 +52,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from torpor._logging import get_logger
 from torpor.actors.stream import Follower, StreamItem
 from torpor.actors.turn import Turn
 from torpor.errors import Busy, InvalidInput, TorporError
@@ -71,15 +69,14 @@ from torpor.serve.access import Action, Authorize, permit
 from torpor.serve.chat import json_body, path_id
 from torpor.serve.deferred import Deferred
 from torpor.serve.logs import conversation_id_var
-from torpor.serve.problems import status_for
 from torpor.serve.proxy import Proxy
 from torpor.serve.service import Service
 from torpor.serve.sse_response import EventStream, encode_event
+from torpor.serve.streams import FollowerFrames
 from torpor.text import check_id
 
 __all__ = ["APPROVED", "DENIED", "HEADERS", "UIChunks", "ai_sdk_routes", "message_id"]
 
-log = get_logger("torpor.serve")
 
 APPROVED = "approved"  # the result an approved ExternalTool call is resolved with
 DENIED = "denied"  # … and a denied one (each "<word>: <reason>" when the client gave one)
@@ -257,54 +254,25 @@ def _frame(chunk: Chunk) -> bytes:
     return encode_event(_encode(chunk))
 
 
-class _Stream:
-    """A follower's items as encoded chunks, taken without waiting (an EventStream source)."""
+class _Stream(FollowerFrames):
+    """A follower's items as encoded UI message stream chunks."""
 
-    __slots__ = ("_chunks", "_ended", "_follower", "_queued")
+    __slots__ = ("_chunks",)
 
     def __init__(self, follower: Follower, chunks: UIChunks) -> None:
-        self._follower = follower
+        super().__init__(follower, _frame(chunks.start()))
         self._chunks = chunks
-        self._queued: deque[bytes] = deque([_frame(chunks.start())])
-        self._ended = False
 
-    async def open(self) -> None:
-        try:
-            await self._follower.replayed()
-        except TorporError as exc:
-            self._failed(exc)
+    def _encode(self, item: StreamItem) -> list[bytes]:
+        frames = [_frame(chunk) for chunk in self._chunks.chunks(item)]
+        if self._chunks.done:
+            frames.append(_DONE)
+            self._ended = True
+        return frames
 
-    def take(self) -> bytes | None:
-        queued = self._queued
-        while not queued:
-            if self._ended:
-                raise StopAsyncIteration
-            try:
-                item = self._follower.take()
-            except TorporError as exc:
-                self._failed(exc)
-                continue
-            if item is None:
-                return None
-            queued.extend(_frame(chunk) for chunk in self._chunks.chunks(item))
-            if self._chunks.done:
-                queued.append(_DONE)
-                self._ended = True
-        return queued.popleft()
-
-    def wake_on(self, future: Any) -> None:
-        self._follower.wake_on(future)
-
-    def close(self) -> None:
-        self._follower.close()
-
-    def _failed(self, exc: TorporError) -> None:
-        """The log could not be read (store down): the protocol's error chunk ends it."""
-        status, title = status_for(exc)
-        log.warning("stream_error", error=repr(exc))
-        self._queued.extend((_frame({"type": "error", "errorText": f"{title} ({status})"}),
-                             _DONE))
-        self._ended = True
+    def _error(self, exc: TorporError, status: int, title: str) -> list[bytes]:
+        """The protocol's error chunk ends it."""
+        return [_frame({"type": "error", "errorText": f"{title} ({status})"}), _DONE]
 
 
 def _latest(body: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -16,7 +17,7 @@ from torpor.serve.service import Service
 from torpor.serve.sse import Cursor, Framer, ends_turn
 from torpor.serve.sse_response import PING_SECONDS, EventStream, encode_event
 
-__all__ = ["PING_SECONDS", "RETRY_MS", "follow_response"]
+__all__ = ["PING_SECONDS", "RETRY_MS", "FollowerFrames", "follow_response"]
 
 log = get_logger("torpor.serve")
 
@@ -25,18 +26,18 @@ RETRY_MS = 1000  # what EventSource clients wait before reconnecting
 _encode = msgspec.json.Encoder().encode
 
 
-class _Frames:
-    """A follower's items as encoded events, taken without waiting (an idle stream holds
-    no coroutine of its own: the follower completes the stream's future)."""
+class FollowerFrames:
+    """A follower's items as encoded events, taken without waiting (an EventStream
+    source; an idle stream holds no coroutine of its own: the follower completes the
+    stream's future). A subclass says how an item is framed (``_encode``, which may end
+    the stream by setting ``_ended``) and which frames end it when the log cannot be read
+    (``_error``)."""
 
-    __slots__ = ("_ended", "_follower", "_framer", "_queued", "_retry", "_until_turn")
+    __slots__ = ("_ended", "_follower", "_queued")
 
-    def __init__(self, follower: Follower, cursor: Cursor, until_turn: int | None) -> None:
+    def __init__(self, follower: Follower, *first: bytes) -> None:
         self._follower = follower
-        self._framer = Framer(cursor, until_turn)
-        self._until_turn = until_turn
-        self._retry: int | None = RETRY_MS  # on the first event only
-        self._queued: list[bytes] | None = None  # the frames of one item, not yet taken
+        self._queued: deque[bytes] = deque(first)  # frames not yet taken
         self._ended = False
 
     async def open(self) -> None:
@@ -54,21 +55,39 @@ class _Frames:
                 item = self._follower.take()
             except TorporError as exc:
                 self._failed(exc)
-                queued = self._queued
                 continue
             if item is None:
                 return None
-            queued = self._queued = self._encode(item)
-        frame = queued.pop(0)
-        if not queued:
-            self._queued = None
-        return frame
+            queued.extend(self._encode(item))
+        return queued.popleft()
 
     def wake_on(self, future: asyncio.Future[None] | None) -> None:
         self._follower.wake_on(future)
 
     def close(self) -> None:
         self._follower.close()
+
+    def _encode(self, item: StreamItem) -> list[bytes]:
+        raise NotImplementedError
+
+    def _error(self, exc: TorporError, status: int, title: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def _failed(self, exc: TorporError) -> None:
+        """The log could not be read (store down, corrupt row): an error ends the stream."""
+        log.warning("stream_error", error=repr(exc))
+        self._queued.extend(self._error(exc, *status_for(exc)))
+        self._ended = True
+
+
+class _Frames(FollowerFrames):
+    __slots__ = ("_framer", "_retry", "_until_turn")
+
+    def __init__(self, follower: Follower, cursor: Cursor, until_turn: int | None) -> None:
+        super().__init__(follower)
+        self._framer = Framer(cursor, until_turn)
+        self._until_turn = until_turn
+        self._retry: int | None = RETRY_MS  # on the first event only
 
     def _encode(self, item: StreamItem) -> list[bytes]:
         frames = []
@@ -81,14 +100,10 @@ class _Frames:
             self._ended = True  # the turn's stream ends with this event
         return frames
 
-    def _failed(self, exc: TorporError) -> None:
-        """The log could not be read (store down, corrupt row): an error event ends it."""
-        status, title = status_for(exc)
-        log.warning("stream_error", error=repr(exc))
-        self._queued = [encode_event(_encode({"status": status, "title": title,
-                                              "error": type(exc).__name__,
-                                              "detail": str(exc)}), event="error")]
-        self._ended = True
+    def _error(self, exc: TorporError, status: int, title: str) -> list[bytes]:
+        return [encode_event(_encode({"status": status, "title": title,
+                                      "error": type(exc).__name__, "detail": str(exc)}),
+                             event="error")]
 
 
 def follow_response(
