@@ -18,7 +18,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from torpor.actors.observe import UNOBSERVED, UNWATCHED, FoldInfo, ModelCallInfo, ToolCallInfo
+from torpor.actors.observe import UNWATCHED, FoldInfo, ModelCallInfo, ToolCallInfo
 from torpor.actors.schedule_tool import SCHEDULE_TOOL, run_schedule_tool
 from torpor.actors.scopes import scope
 from torpor.actors.state import AgentState
@@ -269,8 +269,10 @@ def _fold_plan(agent: Agent) -> FoldPlan | None:
 
 async def _fold(agent: Agent, host: Host, plan: FoldPlan) -> None:
     observers = host.observers
-    info = FoldInfo(agent.id, agent.turn, agent.cycle + 1)
-    with observers.fold(info) if observers else UNOBSERVED:
+    if not observers:  # no observer: no FoldInfo made
+        await _fold_now(agent, host, plan)
+        return
+    with observers.fold(FoldInfo(agent.id, agent.turn, agent.cycle + 1)):
         await _fold_now(agent, host, plan)
 
 

@@ -13,8 +13,8 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from torpor.errors import AbortFields, TurnAborted
-from torpor.events import Aborted, AssistantMessage, Body, Event, Suspended
+from torpor.errors import TurnAborted
+from torpor.events import Aborted, AssistantMessage, Body, Event, Suspended, abort_fields_of
 
 __all__ = ["Delta", "Item", "Other", "decode_item", "decode_value", "ends_turn", "turn_aborted"]
 
@@ -86,5 +86,5 @@ def ends_turn(event: Event, turn: int) -> bool:
 def turn_aborted(body: Aborted) -> TurnAborted:
     """The runtime's own :class:`~torpor.TurnAborted` for an ``aborted`` event, with the
     structured fields the server sent (``error`` is the name, as ``error_type``)."""
-    return TurnAborted(body.reason, body.partial_text, body.detail, fields=AbortFields(
-        body.error, body.retryable, body.retry_after, body.status, body.message))
+    return TurnAborted(body.reason, body.partial_text, body.detail,
+                       fields=abort_fields_of(body))
