@@ -5,7 +5,8 @@ the next ``cut_deltas`` connections right after one forwards a chunk carrying a
 ``delta`` event (``mid_char``: inside the first four-byte UTF-8 character after it,
 so the client holds half an event and half an emoji), drop the next
 ``drop_responses`` responses as they begin (the server did the work, the client
-hears nothing), and rewrite bytes of what the server sends (``rewrite``).
+hears nothing), and rewrite bytes of what the server sends (``rewrite``); :meth:`cut`
+drops every open connection at once (the network fails).
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ class CutProxy:
                         tb: TracebackType | None) -> None:
         assert self._server is not None
         self._server.close()
-        for transport in list(self._open):  # every connection ends: its task returns
-            transport.abort()
+        self.cut()  # every connection ends: its task returns
         for task in list(self._tasks):
             await task
         await self._server.wait_closed()
+
+    def cut(self) -> None:
+        """Reset every open connection, both sides, now."""
+        for transport in list(self._open):
+            transport.abort()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -12,9 +12,11 @@ message, written under ``n2``'s epoch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -87,49 +89,67 @@ async def owner_of(url: str, shard: int) -> str:
         await conn.close()
 
 
-async def test_a_takeover_aborts_the_cut_turn_and_answers_the_postponed_message_unasked(
-    pg_url: str,
-) -> None:
-    conversation = n1_conversation()
-    shard = shard_of(conversation, SHARDS)
+@contextlib.asynccontextmanager
+async def n1_then_n2(
+    pg_url: str, script: str, ready: bytes, conversation: str, address: str,
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, Runtime]]:
+    """``script`` runs ``n1`` in a process of its own (arguments: the URL, the conversation,
+    the lease TTL, the shard count); once it printed ``ready``, ``n2`` (this process, an
+    echo model, at ``address``) joins and holds its share, the conversation's shard staying
+    with ``n1``. Yields ``n1``'s process (kill it to hand over) and ``n2``."""
     n2_shards = {s for s in range(SHARDS) if desired_owner(s, ["n1", "n2"]) == "n2"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", NODE1, pg_url, conversation, str(TTL), str(SHARDS),
+        sys.executable, "-c", script, pg_url, conversation, str(TTL), str(SHARDS),
         stdout=asyncio.subprocess.PIPE,
     )
     try:
         assert proc.stdout is not None
         with anyio.fail_after(60):
-            assert (await proc.stdout.readline()).strip() == b"postponed"
-        node = NodeConfig(node_id="n2", address="127.0.0.1:7102", lease_ttl=TTL, shards=SHARDS)
+            assert (await proc.stdout.readline()).strip() == ready
+        node = NodeConfig(node_id="n2", address=address, lease_ttl=TTL, shards=SHARDS)
         async with Runtime(pg_url, model=EchoModel(), node=node) as n2:
-            with anyio.fail_after(30):  # n1 hands n2 its shards; the turn's shard stays
+            with anyio.fail_after(30):  # n1 hands n2 its shards; the conversation's stays
                 await n2_holds(n2, n2_shards)
-            assert await owner_of(pg_url, shard) == "n1"
-            left = await n2.store.read_since(conversation, 0)
-            assert [e.body for e in left] == [UserMessage("hold on"), UserMessage("second")]
-            proc.kill()
-            await proc.wait()
-            killed = time.monotonic()
-            with anyio.fail_after(TTL + 30):  # nothing is sent: only the takeover re-drives
-                await n2_holds(n2, set(range(SHARDS)))
-                settled = await logged_until_answered(n2, conversation, after=1, turn=2)
-            took = time.monotonic() - killed
-            print(f"takeover and re-drive: {took:.2f} s after SIGKILL (lease TTL {TTL} s)")
+            assert await owner_of(pg_url, shard_of(conversation, SHARDS)) == "n1"
+            yield proc, n2
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    aborted, answer = settled
-    assert isinstance(aborted.body, Aborted) and aborted.body.reason == "interrupted"
-    assert (aborted.turn, aborted.position) == (1, 2)
-    assert answer.body == AssistantMessage("echo: second") and answer.position == 3
-    conn = await asyncpg.connect(pg_url)
+
+
+async def epochs(url: str, conversation: str) -> list[int]:
+    """The epoch each of the conversation's events was written under, in log order."""
+    conn = await asyncpg.connect(url)
     try:
-        epochs = [r[0] for r in await conn.fetch(
+        return [r[0] for r in await conn.fetch(
             "SELECT e.epoch FROM events e JOIN conversations c ON c.key = e.conversation_id "
             "WHERE c.external_id = $1 ORDER BY e.position", conversation
         )]
     finally:
         await conn.close()
-    assert epochs[0] == epochs[1] < epochs[2] == epochs[3]  # n1's epoch, then n2's
+
+
+async def test_a_takeover_aborts_the_cut_turn_and_answers_the_postponed_message_unasked(
+    pg_url: str,
+) -> None:
+    conversation = n1_conversation()
+    async with n1_then_n2(pg_url, NODE1, b"postponed", conversation, "127.0.0.1:7102") as (
+        proc, n2,
+    ):
+        left = await n2.store.read_since(conversation, 0)
+        assert [e.body for e in left] == [UserMessage("hold on"), UserMessage("second")]
+        proc.kill()
+        await proc.wait()
+        killed = time.monotonic()
+        with anyio.fail_after(TTL + 30):  # nothing is sent: only the takeover re-drives
+            await n2_holds(n2, set(range(SHARDS)))
+            settled = await logged_until_answered(n2, conversation, after=1, turn=2)
+        took = time.monotonic() - killed
+        print(f"takeover and re-drive: {took:.2f} s after SIGKILL (lease TTL {TTL} s)")
+    aborted, answer = settled
+    assert isinstance(aborted.body, Aborted) and aborted.body.reason == "interrupted"
+    assert (aborted.turn, aborted.position) == (1, 2)
+    assert answer.body == AssistantMessage("echo: second") and answer.position == 3
+    written = await epochs(pg_url, conversation)
+    assert written[0] == written[1] < written[2] == written[3]  # n1's epoch, then n2's

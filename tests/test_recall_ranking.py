@@ -13,6 +13,7 @@ from store_backends import AnyStore
 
 from torpor.compaction.recall import recall
 from torpor.events import AssistantMessage, ToolCall, ToolResult, UserMessage
+from torpor.store.protocol import SearchHit
 
 
 async def _append(store: AnyStore, turns: list[list[object]]) -> None:
@@ -24,6 +25,19 @@ async def _append(store: AnyStore, turns: list[list[object]]) -> None:
             batch = []
     if batch:
         await store.append("c", batch)  # type: ignore[arg-type]
+
+
+async def _fact_among_filler(
+    store: AnyStore, filler: str, fact: str, query: str
+) -> list[SearchHit]:
+    """Sixty long turns of ``filler`` with ``fact`` at position 30: recall's top five for
+    ``query``, asserted to rank the fact first."""
+    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
+    turns.insert(30, UserMessage(fact))
+    await _append(store, [[turn] for turn in turns])
+    hits = await recall(store, "c", query, k=5)
+    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    return hits
 
 
 @pytest.mark.parametrize("events", [102, 2_402])
@@ -87,11 +101,8 @@ async def test_rare_query_words_outweigh_common_ones(store: AnyStore) -> None:
         "which key did the team check when the incident review closed the loop on the "
         "dashboard, the key metrics, the incident notes and the rota for the week; "
     )
-    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
-    turns.insert(30, UserMessage("Catalog cutover: rotated key K-7731."))
-    await _append(store, [[turn] for turn in turns])
-    hits = await recall(store, "c", "Which key closed the catalog cutover incident?", k=5)
-    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    hits = await _fact_among_filler(store, filler, "Catalog cutover: rotated key K-7731.",
+                                    "Which key closed the catalog cutover incident?")
     assert "K-7731" in hits[0].snippet
     # The score is still the plain share of the query's terms, never rising down the list.
     assert hits[0].score == pytest.approx(3 / 7, abs=1e-6)
@@ -106,10 +117,7 @@ async def test_query_words_held_together_outrank_the_same_words_apart(store: Any
         "the mailer dashboards were slow and the key review went fine; an incident "
         "drill ran after the migration plan was read by the team; "
     )
-    turns = [UserMessage(f"Turn {n}: " + filler * 4) for n in range(60)]
-    turns.insert(30, UserMessage("The mailer migration incident is tracked in OPS-4821."))
-    await _append(store, [[turn] for turn in turns])
-    hits = await recall(store, "c", "key closed mailer migration incident", k=5)
-    assert hits[0].position == 30, [(h.position, h.score) for h in hits]
+    fact = "The mailer migration incident is tracked in OPS-4821."
+    hits = await _fact_among_filler(store, filler, fact, "key closed mailer migration incident")
     assert "OPS-4821" in hits[0].snippet
     assert hits[0].score == pytest.approx(3 / 5, abs=1e-6)  # pairs rank; they do not score

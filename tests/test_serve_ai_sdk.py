@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+from cut_proxy import CutProxy
 from npm_packages import NpmUnavailable, ai_sdk
 from serve_support import ADMIN, TOKEN, serving
 
@@ -50,46 +51,6 @@ def chat_script() -> Path:
         pytest.skip(str(exc))
 
 
-class CuttingProxy:
-    """A loopback TCP proxy that can drop every connection through it (the network fails)."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.transports: list[asyncio.BaseTransport] = []
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self.transports += [writer.transport, up_writer.transport]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except OSError:
-                pass
-            finally:
-                dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def cut(self) -> None:
-        for transport in self.transports:
-            transport.abort()  # type: ignore[attr-defined]
-        self.transports.clear()
-
-    async def close(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-
 def _script(halfway: anyio.Event, go: anyio.Event) -> ScriptedModel:
     """The model's steps, in the order the Node script's cases call it."""
     return ScriptedModel([
@@ -110,11 +71,9 @@ async def _run(script: Path) -> dict[str, dict[str, Any]]:
     agent = AgentConfig(tools=[lookup, APPROVE])
     async with Runtime("sqlite://", model=_script(halfway, go), agent=agent) as rt:
         application = app(rt, authorize=bearer_token(TOKEN), admin_token=ADMIN)
-        async with serving(application) as url:
-            proxy = CuttingProxy(int(url.rsplit(":", 1)[1]))
-            proxied = f"http://127.0.0.1:{await proxy.start()}"
+        async with serving(application) as url, CutProxy(url) as proxy:
             node = await asyncio.create_subprocess_exec(
-                "node", str(script), url, proxied, TOKEN, cwd=script.parent,
+                "node", str(script), url, proxy.url, TOKEN, cwd=script.parent,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             cases: dict[str, dict[str, Any]] = {}
             lines: list[str] = []
@@ -137,7 +96,6 @@ async def _run(script: Path) -> dict[str, dict[str, Any]]:
                 if node.returncode is None:
                     node.kill()
                     await node.wait()
-                await proxy.close()
     print("".join(lines))  # the SDK's view of each case (pytest -s shows it)
     assert code == 0 and "crash" not in cases, (cases.get("crash"), stderr[-2000:])
     return cases

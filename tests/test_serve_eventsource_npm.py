@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
+from cut_proxy import CutProxy
 from serve_support import ADMIN, TOKEN, serving
 
 from torpor import Runtime, ScriptedModel
@@ -62,49 +63,6 @@ def follow_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return script
 
 
-class CuttingProxy:
-    """A loopback TCP proxy that notes every request head and can drop every connection."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.heads: list[bytes] = []
-        self.transports: list[asyncio.BaseTransport] = []
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self.transports += [writer.transport, up_writer.transport]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, note: bool) -> None:
-            try:
-                while data := await src.read(65536):
-                    if note and b"\r\n\r\n" in data:
-                        self.heads.append(data.split(b"\r\n\r\n", 1)[0])
-                    dst.write(data)
-                    await dst.drain()
-            except OSError:
-                pass
-            finally:
-                dst.transport.abort()
-
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
-
-    def cut(self) -> None:
-        for transport in self.transports:
-            transport.abort()  # type: ignore[attr-defined]
-        self.transports.clear()
-
-    async def close(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-
-
 def header(head: bytes, name: bytes) -> bytes | None:
     for line in head.split(b"\r\n")[1:]:
         key, _, value = line.partition(b":")
@@ -118,11 +76,9 @@ async def test_the_npm_eventsource_client_resumes_with_last_event_id(follow_scri
     model = ScriptedModel([[Text(FIRST), Signal(halfway), Wait(go), Text(SECOND)]])
     async with Runtime("sqlite://", model=model) as rt:
         application = app(rt, authorize=bearer_token(TOKEN), admin_token=ADMIN)
-        async with serving(application) as url:
-            proxy = CuttingProxy(int(url.rsplit(":", 1)[1]))
-            base = f"http://127.0.0.1:{await proxy.start()}"
+        async with serving(application) as url, CutProxy(url) as proxy:
             node = await asyncio.create_subprocess_exec(
-                "node", str(follow_script), f"{base}/v1/conversations/n/stream", TOKEN,
+                "node", str(follow_script), f"{proxy.url}/v1/conversations/n/stream", TOKEN,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 cwd=follow_script.parent)
             seen: list[dict[str, Any]] = []
@@ -154,13 +110,12 @@ async def test_the_npm_eventsource_client_resumes_with_last_event_id(follow_scri
                 if node.returncode is None:
                     node.kill()
                     await node.wait()
-                await proxy.close()
     events = [e for e in seen if e["type"] not in ("open", "error")]
     assert [e["type"] for e in events] == ["user", "delta", "delta", "assistant"]
     deltas = "".join(e["data"]["text"] for e in events if e["type"] == "delta")
     assert deltas == FIRST + SECOND == events[-1]["data"]["body"]["text"]
     assert before_cut["id"] == f"0.{len(FIRST)}"
-    gets = [h for h in proxy.heads if h.startswith(b"GET ")]
+    gets = [h for h in bytes(proxy.sent).split(b"\r\n\r\n") if h.startswith(b"GET ")]
     assert len(gets) == 2
     assert header(gets[0], b"last-event-id") is None
     assert header(gets[1], b"last-event-id") == before_cut["id"].encode()
