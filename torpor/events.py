@@ -33,6 +33,7 @@ __all__ = [
     "Unparked",
     "UserMessage",
     "abort_fields_of",
+    "ends_turn",
     "aborted_body",
     "decode_body",
     "encode_body",
@@ -307,6 +308,17 @@ def abort_fields_of(body: Aborted) -> AbortFields:
     if not body.message:
         return abort_fields(body.reason)
     return AbortFields(body.error, body.retryable, body.retry_after, body.status, body.message)
+
+
+def ends_turn(event: Event, turn: int) -> bool:
+    """Whether ``event`` is where turn ``turn`` ends for a caller: its answer (an assistant
+    message without tool calls), its suspension or its abort (a turn's stream ends there)."""
+    if event.turn != turn:
+        return False
+    body = event.body
+    return isinstance(body, Suspended | Aborted) or (
+        isinstance(body, AssistantMessage) and not body.tool_calls
+    )
 
 
 def kind_of(body: Body) -> str:

@@ -14,7 +14,13 @@ from typing import Any, TypeAlias
 import msgspec
 
 from torpor.errors import TurnAborted
-from torpor.events import Aborted, AssistantMessage, Body, Event, Suspended, abort_fields_of
+from torpor.events import (
+    Aborted,
+    Body,
+    Event,
+    abort_fields_of,
+    ends_turn,
+)
 
 __all__ = ["Delta", "Item", "Other", "decode_item", "decode_value", "ends_turn", "turn_aborted"]
 
@@ -70,17 +76,6 @@ def decode_value(event: str, value: Any, id: str | None, conversation_id: str) -
     except (msgspec.ValidationError, KeyError, TypeError, ValueError):
         pass
     return Other(event, value, id)
-
-
-def ends_turn(event: Event, turn: int) -> bool:
-    """Whether ``event`` ends turn ``turn`` (its answer, its suspension or its abort); as
-    the server decides where a turn's stream ends."""
-    if event.turn != turn:
-        return False
-    body = event.body
-    return isinstance(body, Suspended | Aborted) or (
-        isinstance(body, AssistantMessage) and not body.tool_calls
-    )
 
 
 def turn_aborted(body: Aborted) -> TurnAborted:

@@ -34,7 +34,14 @@ import msgspec
 
 from torpor.actors.stream import StreamItem, delta_turn
 from torpor.errors import InvalidInput
-from torpor.events import Aborted, AssistantMessage, Event, Suspended, abort_fields_of, kind_of
+from torpor.events import (
+    Aborted,
+    AssistantMessage,
+    Event,
+    abort_fields_of,
+    ends_turn,
+    kind_of,
+)
 from torpor.llm.protocol import TextDelta
 from torpor.store.arguments import POSITION_LIMIT
 
@@ -100,16 +107,6 @@ def event_data(event: Event) -> dict[str, Any]:
         "tokens": event.tokens,
         "body": body,
     }
-
-
-def ends_turn(event: Event, turn: int) -> bool:
-    """Whether ``event`` is where turn ``turn``'s stream ends (answer, suspension, abort)."""
-    if event.turn != turn:
-        return False
-    body = event.body
-    return isinstance(body, Suspended | Aborted) or (
-        isinstance(body, AssistantMessage) and not body.tool_calls
-    )
 
 
 def utf16_length(text: str) -> int:
